@@ -1,0 +1,128 @@
+"""Carries out the collector's Commands on this agent; knows nothing of the RPC transport.
+
+Deep mode: a command names a start instant (already converted by the collector into this host's
+CLOCK_MONOTONIC via its clock model) and a duration, so every agent of a job switches within
+the clock model's uncertainty of each other. The switch and its end are recorded as ModeChange
+records and reported in the agent's status.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from steplens.agent.records import Mode, ModeChange
+from steplens.agent.sources import SOURCE_PATHS, load_source_class
+from steplens.agent.sources.base import build_config
+from steplens.v1 import ingest_pb2 as ipb
+
+log = logging.getLogger("steplens.agent.control")
+
+MAX_DEEP_SECONDS = 3600
+MAX_START_AHEAD_SECONDS = 600
+
+
+class DeepModeScheduler:
+    """One pending window at a time; a newer command replaces an older one."""
+
+    def __init__(self, set_mode: Callable[[Mode], None], emit: Callable[[list], None],
+                 mono_ns: Callable[[], int] = time.monotonic_ns) -> None:
+        self._set_mode = set_mode
+        self._emit = emit
+        self._mono_ns = mono_ns
+        self._lock = threading.Lock()
+        self._gen = 0
+        self.mode = Mode.SENTINEL
+        self.until_mono_ns = 0
+        self.started_mono_ns = 0
+        self.command_id = ""
+
+    def schedule(self, command_id: str, start_mono_ns: int, duration_ns: int) -> str:
+        now = self._mono_ns()
+        start = start_mono_ns or now
+        if start - now > MAX_START_AHEAD_SECONDS * 1e9:
+            raise ValueError(f"start is {(start - now) / 1e9:.0f}s ahead; at most {MAX_START_AHEAD_SECONDS}s")
+        if not (0 < duration_ns <= MAX_DEEP_SECONDS * 1e9):
+            raise ValueError(f"duration must be within 0..{MAX_DEEP_SECONDS}s")
+        with self._lock:
+            self._gen += 1
+            gen = self._gen
+        threading.Thread(target=self._window, args=(gen, command_id, start, start + duration_ns),
+                         name="deep-mode", daemon=True).start()
+        return f"deep mode from +{max(0, start - now) / 1e6:.1f} ms for {duration_ns / 1e9:.3f} s"
+
+    def cancel(self, command_id: str) -> str:
+        with self._lock:
+            self._gen += 1
+            was = self.mode
+        if was is Mode.DEEP:
+            self._switch(Mode.SENTINEL, command_id, 0, "stopped by command")
+            return "deep mode stopped"
+        return "deep mode was not active"
+
+    def _sleep_until(self, target_ns: int, gen: int) -> bool:
+        while True:
+            if self._gen != gen:
+                return False
+            left = target_ns - self._mono_ns()
+            if left <= 0:
+                return True
+            # coarse sleep, then a short spin for the last millisecond: agents start together
+            time.sleep(min(0.05, left / 1e9 - 0.001) if left > 2_000_000 else 0)
+
+    def _window(self, gen: int, command_id: str, start: int, end: int) -> None:
+        if not self._sleep_until(start, gen):
+            return
+        with self._lock:
+            if self._gen != gen:
+                return
+        self._switch(Mode.DEEP, command_id, end, "command")
+        if not self._sleep_until(end, gen):
+            return
+        with self._lock:
+            if self._gen != gen:
+                return
+        self._switch(Mode.SENTINEL, command_id, 0, "window ended")
+
+    def _switch(self, mode: Mode, command_id: str, until: int, reason: str) -> None:
+        now = self._mono_ns()
+        self.mode, self.until_mono_ns, self.command_id = mode, until, command_id
+        if mode is Mode.DEEP:
+            self.started_mono_ns = now
+        self._set_mode(mode)
+        self._emit([ModeChange(now, mode, command_id, until, reason)])
+        log.info("mode %s (%s)", mode.name.lower(), reason)
+
+
+class CommandHandler:
+    def __init__(self, deep: DeepModeScheduler) -> None:
+        self.deep = deep
+
+    def __call__(self, cmd: ipb.Command) -> ipb.CommandResult:
+        kind = cmd.WhichOneof("kind")
+        try:
+            if kind == "deep":
+                d = cmd.deep
+                if d.enable:
+                    msg = self.deep.schedule(cmd.command_id, d.start_mono_ns, d.duration_ns)
+                else:
+                    msg = self.deep.cancel(cmd.command_id)
+                return ipb.CommandResult(command_id=cmd.command_id, ok=True, message=msg)
+            if kind == "config":
+                if cmd.config.source not in SOURCE_PATHS:
+                    raise ValueError(f"unknown source {cmd.config.source!r}")
+                import tomllib
+                table = tomllib.loads(cmd.config.toml)
+                build_config(load_source_class(cmd.config.source).config_class, table,
+                             f"[sources.{cmd.config.source}]")
+                return ipb.CommandResult(command_id=cmd.command_id, ok=False,
+                                         message="config is valid, but live reconfiguration is not implemented "
+                                                 "in this agent version; edit agent.toml and restart")
+            if kind == "fetch":
+                return ipb.CommandResult(command_id=cmd.command_id, ok=False,
+                                         message="this agent keeps no node-local detail store yet")
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"unknown command kind {kind!r}")
+        except Exception as exc:
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"{type(exc).__name__}: {exc}")

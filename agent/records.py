@@ -1,0 +1,97 @@
+"""Records: the plain dataclasses every agent source emits.
+
+Sources never see protobuf or gRPC; agent/transport/codec.py encodes these, and the collector's
+ingest decodes them. Every record carries mono_ns, this host's CLOCK_MONOTONIC at observation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Mode(IntEnum):
+    SENTINEL = 1
+    DEEP = 2
+
+
+@dataclass(slots=True)
+class Metric:
+    """One sample. Names carry units (`_bytes`, `_seconds`, `_percent`) and `_total` for counters."""
+
+    mono_ns: int
+    name: str
+    entity: str
+    value: float
+
+
+@dataclass(slots=True)
+class GpuInfo:
+    mono_ns: int
+    index: int
+    uuid: str
+    name: str = ""
+    pci_bus_id: str = ""
+    memory_total_bytes: int = 0
+    driver_version: str = ""
+    cuda_driver_version: str = ""
+    nvlink_count: int = 0
+    serial: str = ""
+
+
+@dataclass(slots=True)
+class ProcessInfo:
+    mono_ns: int
+    pid: int
+    start_ticks: int
+    ppid: int = 0
+    exe: str = ""
+    cmdline: list[str] = field(default_factory=list)
+    framework: str = ""
+    job_key: str = ""
+    rank: int = -1
+    local_rank: int = -1
+    world_size: int = -1
+    master_addr: str = ""
+    master_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
+    container_id: str = ""
+    uid: int = 0
+
+
+@dataclass(slots=True)
+class ProcessExit:
+    mono_ns: int
+    pid: int
+    start_ticks: int
+
+
+@dataclass(slots=True)
+class Event:
+    mono_ns: int
+    kind: str
+    entity: str = ""
+    message: str = ""
+    value: float = 0.0
+
+
+@dataclass(slots=True)
+class Gap:
+    mono_ns: int
+    dropped_records: int
+    dropped_batches: int
+    first_seq: int
+    last_seq: int
+    reason: str = ""
+
+
+@dataclass(slots=True)
+class ModeChange:
+    mono_ns: int
+    mode: Mode
+    command_id: str = ""
+    until_mono_ns: int = 0
+    reason: str = ""
+
+
+Record = Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange

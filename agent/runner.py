@@ -1,0 +1,256 @@
+"""Runs the agent's sources: one thread each, timed, isolated and bounded.
+
+Each source's step() runs on its own thread at its interval (its deep interval while deep mode is
+on), so a slow or failing source never stalls another. Records go into one bounded queue that
+drops the oldest and counts it; a batcher thread cuts batches by size and age, encodes them and
+appends them to the spool. Queue drops become a Gap record, so a loss is never silent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from steplens.agent.records import Gap, Mode
+from steplens.agent.sources.base import Availability, HostContext, Source, SourceConfig
+
+log = logging.getLogger("steplens.agent.runner")
+
+
+@dataclass
+class SourceState:
+    name: str
+    enabled: bool
+    up: bool = False
+    reason: str = ""
+    last_duration_seconds: float = 0.0
+    steps: int = 0
+    errors: int = 0
+    records: int = 0
+    step_started: float = 0.0  # time.monotonic() of a step in progress, 0 when idle
+
+    def as_dict(self) -> dict:
+        return {"up": self.up, "reason": self.reason, "last_duration_seconds": self.last_duration_seconds,
+                "steps": self.steps, "errors": self.errors, "records": self.records}
+
+
+@dataclass
+class BatchPolicy:
+    max_records: int = 2000
+    max_bytes: int = 1024 * 1024
+    max_delay_seconds: float = 1.0
+    queue_max_records: int = 100_000
+
+
+class RecordQueue:
+    """Bounded FIFO of (source, record); drops the oldest when full and counts it."""
+
+    def __init__(self, max_records: int) -> None:
+        self._items: collections.deque = collections.deque()
+        self._max = max_records
+        self._cond = threading.Condition()
+        self.dropped_total = 0
+
+    def put_many(self, source: str, records: list) -> None:
+        with self._cond:
+            items = self._items
+            for rec in records:
+                items.append((source, rec))
+            over = len(items) - self._max
+            if over > 0:
+                for _ in range(over):
+                    items.popleft()
+                self.dropped_total += over
+            self._cond.notify()
+
+    def take(self, max_items: int, wait_seconds: float, min_items: int) -> list:
+        """Wait up to wait_seconds for min_items, then take at most max_items."""
+        deadline = time.monotonic() + wait_seconds
+        with self._cond:
+            while len(self._items) < min_items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            n = min(max_items, len(self._items))
+            return [self._items.popleft() for _ in range(n)]
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+class Runner:
+    def __init__(self, ctx: HostContext, sources: dict[str, tuple[type[Source], SourceConfig]],
+                 encode: Callable[[list], bytes], spool, policy: BatchPolicy,
+                 observers: list[Callable[[list], None]] | None = None) -> None:
+        self.ctx = ctx
+        self.spool = spool
+        self.policy = policy
+        self._encode = encode
+        self._observers = observers or []
+        self.queue = RecordQueue(policy.queue_max_records)
+        self._stop = threading.Event()
+        self._batcher_stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._instances: dict[str, Source] = {}
+        self._specs = sources
+        self.states: dict[str, SourceState] = {
+            name: SourceState(name, cfg.enabled, reason="" if cfg.enabled else "disabled in config")
+            for name, (_, cfg) in sources.items()}
+        self._mode = Mode.SENTINEL
+        self._queue_drops_reported = 0
+        self.batch_errors = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        for name, (cls, cfg) in self._specs.items():
+            if not cfg.enabled:
+                continue
+            t = threading.Thread(target=self._source_main, args=(name, cls, cfg), name=f"source-{name}", daemon=True)
+            self._threads.append(t)
+            t.start()
+        b = threading.Thread(target=self._batcher_main, name="batcher", daemon=True)
+        self._batcher = b
+        b.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop sources (each gets its share of timeout), then flush the queue into the spool."""
+        if self._stop.is_set() and self._batcher_stop.is_set():
+            return
+        self._stop.set()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        for name, t in zip([n for n, (_, c) in self._specs.items() if c.enabled], self._threads):
+            if t.is_alive():
+                log.warning("source %s did not stop within %.1fs; abandoning its thread", name, timeout)
+        self._batcher_stop.set()
+        if getattr(self, "_batcher", None) is not None:
+            self._batcher.join(max(1.0, deadline - time.monotonic()))
+
+    # -- mode ------------------------------------------------------------------------------
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    def set_mode(self, mode: Mode) -> None:
+        self._mode = mode
+        for name, inst in list(self._instances.items()):
+            try:
+                inst.set_mode(mode)
+            except Exception as exc:  # a source's mode switch failing must not hurt the others
+                self.states[name].errors += 1
+                self.states[name].reason = f"set_mode failed: {exc}"
+
+    def emit(self, source: str, records: list) -> None:
+        """Records made by the agent itself (mode changes) take the same path as sources'."""
+        self.queue.put_many(source, records)
+
+    # -- threads ---------------------------------------------------------------------------
+    def _source_main(self, name: str, cls: type[Source], cfg: SourceConfig) -> None:
+        state = self.states[name]
+        try:
+            avail: Availability = cls.probe(self.ctx)
+        except Exception as exc:
+            avail = Availability.no(f"probe failed: {type(exc).__name__}: {exc}")
+        if not avail.ok:
+            state.up, state.reason = False, avail.reason
+            return
+        try:
+            inst = cls(self.ctx, cfg)
+            inst.start()
+        except Exception as exc:
+            state.up, state.reason = False, f"start failed: {type(exc).__name__}: {exc}"
+            state.errors += 1
+            return
+        self._instances[name] = inst
+        if self._mode is not Mode.SENTINEL:
+            try:
+                inst.set_mode(self._mode)
+            except Exception:
+                state.errors += 1
+        state.up, state.reason = True, avail.reason
+        next_at = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                state.step_started = t0
+                try:
+                    recs = inst.step()
+                    ok = True
+                except Exception as exc:
+                    ok = False
+                    state.errors += 1
+                    state.up, state.reason = False, f"step failed: {type(exc).__name__}: {exc}"
+                    log.debug("source %s step failed", name, exc_info=True)
+                    recs = []
+                dt = time.monotonic() - t0
+                state.step_started = 0.0
+                state.last_duration_seconds = dt
+                state.steps += 1
+                if ok:
+                    state.up, state.reason = True, avail.reason
+                if recs:
+                    state.records += len(recs)
+                    self.queue.put_many(name, recs)
+                interval = cfg.deep_interval_seconds if (self._mode is Mode.DEEP and cfg.deep_interval_seconds) \
+                    else cfg.interval_seconds
+                next_at += interval
+                now = time.monotonic()
+                if next_at < now:  # overran: skip the missed ticks rather than bursting
+                    next_at = now + interval - ((now - next_at) % interval)
+                self._stop.wait(next_at - now)
+        finally:
+            try:
+                inst.stop()
+            except Exception as exc:
+                log.warning("source %s stop failed: %s", name, exc)
+            state.up = False
+            if not state.reason or state.reason == avail.reason:
+                state.reason = "stopped"
+
+    def stalled_check(self) -> None:
+        """Mark sources whose step has run past their step timeout as down (called by status)."""
+        now = time.monotonic()
+        for name, (_, cfg) in self._specs.items():
+            st = self.states[name]
+            if st.step_started and now - st.step_started > cfg.step_timeout_seconds:
+                st.up, st.reason = False, f"stalled: step running for {now - st.step_started:.1f}s"
+
+    def _batcher_main(self) -> None:
+        p = self.policy
+        while True:
+            stopping = self._batcher_stop.is_set()
+            items = self.queue.take(p.max_records, 0.05 if stopping else p.max_delay_seconds, p.max_records)
+            drops = self.queue.dropped_total - self._queue_drops_reported
+            if drops:
+                self._queue_drops_reported += drops
+                self.spool.count_lost(drops)
+                items.append(("agent", Gap(self.ctx.mono_ns(), drops, 0, 0, 0, "agent record queue full")))
+            if items:
+                for obs in self._observers:
+                    try:
+                        obs(items)
+                    except Exception:
+                        log.debug("observer failed", exc_info=True)
+                self._write(items)
+            elif stopping:
+                return
+
+    def _write(self, items: list) -> None:
+        payload = self._encode(items)
+        if len(payload) > self.policy.max_bytes and len(items) > 1:
+            half = len(items) // 2
+            self._write(items[:half])
+            self._write(items[half:])
+            return
+        try:
+            self.spool.append(payload, len(items), self.ctx.mono_ns())
+        except Exception as exc:  # disk full, I/O error: count it, keep running, records are lost visibly
+            self.batch_errors += 1
+            self.spool_error = str(exc)
+            log.error("spool append failed, %d records lost: %s", len(items), exc)

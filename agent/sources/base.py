@@ -1,0 +1,158 @@
+"""The contract between the agent's runner and its sources.
+
+A source says whether it can run here (`probe`), is started once with its validated config,
+then `step()` is called on its own thread at its interval and returns Records. Optional libraries
+(pynvml, bcc, cupti, torch) are imported inside probe()/start(), never at module top.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+from steplens.agent.records import Mode, ProcessInfo
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; raised before any thread starts."""
+
+
+@dataclass
+class SourceConfig:
+    """Keys every source has. Subclasses add their own, each with a default and a unit in its name."""
+
+    enabled: bool = True
+    interval_seconds: float = 1.0
+    deep_interval_seconds: float = 0.0  # 0: same as interval_seconds
+    step_timeout_seconds: float = 10.0  # a step longer than this marks the source stalled
+
+    def validate(self) -> None:
+        if not (0.001 <= self.interval_seconds <= 3600):
+            raise ConfigError(f"interval_seconds must be within 0.001..3600, got {self.interval_seconds}")
+        if self.deep_interval_seconds and not (0.0005 <= self.deep_interval_seconds <= 3600):
+            raise ConfigError(f"deep_interval_seconds must be 0 or within 0.0005..3600, got {self.deep_interval_seconds}")
+        if self.step_timeout_seconds <= 0:
+            raise ConfigError("step_timeout_seconds must be > 0")
+
+
+@dataclass(frozen=True)
+class Availability:
+    ok: bool
+    reason: str = ""
+
+    @classmethod
+    def yes(cls, reason: str = "") -> "Availability":
+        return cls(True, reason)
+
+    @classmethod
+    def no(cls, reason: str) -> "Availability":
+        return cls(False, reason)
+
+
+class WorkloadRegistry:
+    """The workload processes the `procs` source has found, read by other sources.
+
+    Keyed by (pid, start_ticks) so a reused PID is never mistaken for the old process.
+    Replaced as a whole each scan, so readers need no lock for a consistent view.
+    """
+
+    def __init__(self) -> None:
+        self._procs: dict[tuple[int, int], ProcessInfo] = {}
+
+    def replace(self, procs: dict[tuple[int, int], ProcessInfo]) -> None:
+        self._procs = dict(procs)
+
+    def snapshot(self) -> dict[tuple[int, int], ProcessInfo]:
+        return self._procs
+
+
+@dataclass
+class HostContext:
+    """What a source may touch of the host; tests point these at fixture trees or fakes."""
+
+    node_id: str
+    proc_root: str = "/proc"
+    sys_root: str = "/sys"
+    state_dir: str = "/var/lib/steplens-agent"
+    mono_ns: Callable[[], int] = time.monotonic_ns
+    workloads: WorkloadRegistry = field(default_factory=WorkloadRegistry)
+    mode: Callable[[], Mode] = lambda: Mode.SENTINEL
+
+
+class Source:
+    """Base class. Subclasses set `name`, `config_class`, and implement probe/start/step."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[SourceConfig]] = SourceConfig
+    description: ClassVar[str] = ""
+
+    def __init__(self, ctx: HostContext, config: SourceConfig) -> None:
+        self.ctx = ctx
+        self.config = config
+
+    @classmethod
+    def probe(cls, ctx: HostContext) -> Availability:
+        return Availability.yes()
+
+    def start(self) -> None:
+        """Acquire handles. May raise: the source is then marked down with the error as reason."""
+
+    def step(self) -> list:
+        raise NotImplementedError
+
+    def set_mode(self, mode: Mode) -> None:
+        """Deep mode began or ended; sources with a deep mode change what they collect."""
+
+    def stop(self) -> None:
+        """Release handles. Idempotent."""
+
+
+def build_config(cls: type[SourceConfig], table: dict[str, Any], where: str) -> SourceConfig:
+    """A typed config from a TOML table: unknown keys and wrong types are errors, not ignored."""
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    values = {}
+    for key, value in table.items():
+        default = known[key].default
+        if default is dataclasses.MISSING and known[key].default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+            default = known[key].default_factory()  # type: ignore[misc]
+        values[key] = _coerce(value, default, f"{where}.{key}")
+    config = cls(**values)
+    try:
+        config.validate()
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return config
+
+
+def _coerce(value: Any, default: Any, where: str) -> Any:
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(default, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(default, int):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(default, str):
+        if not isinstance(value, str):
+            raise ConfigError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(default, list):
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return list(value)
+    return value
+
+
+def host_path(root: str, *parts: str) -> str:
+    return os.path.join(root, *parts)

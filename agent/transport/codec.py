@@ -1,0 +1,112 @@
+"""Encode agent Records into protobuf batch payloads: the only agent module that knows protobuf
+besides the stream client. The collector's ingest/decode.py is the inverse; a round-trip test
+keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from steplens.agent import records as r
+from steplens.v1 import records_pb2 as pb
+
+
+def encode_records(items: list[tuple[str, object]]) -> bytes:
+    """(source name, record) pairs -> serialized RecordList."""
+    out = pb.RecordList()
+    add = out.records.add
+    for source, rec in items:
+        msg = add()
+        msg.mono_ns = rec.mono_ns
+        msg.source = source
+        t = type(rec)
+        if t is r.Metric:
+            m = msg.metric
+            m.name = rec.name
+            m.entity = rec.entity
+            m.value = rec.value
+        elif t is r.ProcessInfo:
+            p = msg.process
+            p.pid = rec.pid
+            p.ppid = rec.ppid
+            p.start_ticks = rec.start_ticks
+            p.exe = rec.exe
+            p.cmdline.extend(rec.cmdline)
+            p.framework = rec.framework
+            p.job_key = rec.job_key
+            p.rank = rec.rank
+            p.local_rank = rec.local_rank
+            p.world_size = rec.world_size
+            p.master_addr = rec.master_addr
+            p.master_port = rec.master_port
+            p.env.update(rec.env)
+            p.container_id = rec.container_id
+            p.uid = rec.uid
+        elif t is r.ProcessExit:
+            msg.process_exit.pid = rec.pid
+            msg.process_exit.start_ticks = rec.start_ticks
+        elif t is r.GpuInfo:
+            g = msg.gpu
+            g.index = rec.index
+            g.uuid = rec.uuid
+            g.name = rec.name
+            g.pci_bus_id = rec.pci_bus_id
+            g.memory_total_bytes = rec.memory_total_bytes
+            g.driver_version = rec.driver_version
+            g.cuda_driver_version = rec.cuda_driver_version
+            g.nvlink_count = rec.nvlink_count
+            g.serial = rec.serial
+        elif t is r.Event:
+            e = msg.event
+            e.kind = rec.kind
+            e.entity = rec.entity
+            e.message = rec.message
+            e.value = rec.value
+        elif t is r.Gap:
+            g = msg.gap
+            g.dropped_records = rec.dropped_records
+            g.dropped_batches = rec.dropped_batches
+            g.first_seq = rec.first_seq
+            g.last_seq = rec.last_seq
+            g.reason = rec.reason
+        elif t is r.ModeChange:
+            m = msg.mode
+            m.mode = int(rec.mode)
+            m.command_id = rec.command_id
+            m.until_mono_ns = rec.until_mono_ns
+            m.reason = rec.reason
+        else:
+            raise TypeError(f"source {source!r} emitted {t.__name__}, which is not a steplens record")
+    return out.SerializeToString()
+
+
+def decode_records(payload: bytes) -> list[tuple[str, object]]:
+    """The inverse of encode_records, for the node-local detail path and tests."""
+    out = pb.RecordList.FromString(payload)
+    items: list[tuple[str, object]] = []
+    for msg in out.records:
+        kind = msg.WhichOneof("body")
+        if kind == "metric":
+            rec = r.Metric(msg.mono_ns, msg.metric.name, msg.metric.entity, msg.metric.value)
+        elif kind == "process":
+            p = msg.process
+            rec = r.ProcessInfo(msg.mono_ns, p.pid, p.start_ticks, p.ppid, p.exe, list(p.cmdline), p.framework,
+                                p.job_key, p.rank, p.local_rank, p.world_size, p.master_addr, p.master_port,
+                                dict(p.env), p.container_id, p.uid)
+        elif kind == "process_exit":
+            rec = r.ProcessExit(msg.mono_ns, msg.process_exit.pid, msg.process_exit.start_ticks)
+        elif kind == "gpu":
+            g = msg.gpu
+            rec = r.GpuInfo(msg.mono_ns, g.index, g.uuid, g.name, g.pci_bus_id, g.memory_total_bytes,
+                            g.driver_version, g.cuda_driver_version, g.nvlink_count, g.serial)
+        elif kind == "event":
+            e = msg.event
+            rec = r.Event(msg.mono_ns, e.kind, e.entity, e.message, e.value)
+        elif kind == "gap":
+            g = msg.gap
+            rec = r.Gap(msg.mono_ns, g.dropped_records, g.dropped_batches, g.first_seq, g.last_seq, g.reason)
+        elif kind == "mode":
+            m = msg.mode
+            rec = r.ModeChange(msg.mono_ns, r.Mode(m.mode), m.command_id, m.until_mono_ns, m.reason)
+        else:
+            raise ValueError(f"record with unknown body {kind!r}")
+        items.append((msg.source, rec))
+    return items

@@ -1,0 +1,202 @@
+"""steplens: the operators' CLI, a thin layer over the collector's Control API.
+
+Every listing takes --json and prints one JSON document; errors go to stderr, exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import grpc
+
+from steplens import conn
+from steplens.collector.cli.serve import parse_duration
+from steplens.v1 import control_pb2 as cpb
+from steplens.v1 import control_pb2_grpc as cgrpc
+
+EXIT_RPC = 1
+EXIT_USAGE = 2
+
+
+def _ago(ns: int) -> str:
+    if not ns:
+        return "-"
+    s = max(0.0, (time.time_ns() - ns) / 1e9)
+    return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows])
+
+
+def _us(ns: int) -> str:
+    return f"{ns / 1e3:.0f}µs" if abs(ns) < 10**7 else f"{ns / 1e6:.1f}ms"
+
+
+def cmd_nodes(stub, args) -> int:
+    reply = stub.ListNodes(cpb.ListRequest(node_id=args.node or ""), timeout=args.timeout)
+    nodes = []
+    for n in reply.nodes:
+        nodes.append({
+            "node_id": n.node_id, "hostname": n.hostname, "agent_version": n.agent_version, "connected": n.connected,
+            "last_seen_ns": n.last_seen_ns, "clock_offset_ns": n.clock_offset_ns,
+            "clock_uncertainty_ns": n.clock_uncertainty_ns, "clock_drift_ppm": n.clock_drift_ppm,
+            "clock_rtt_ns": n.clock_rtt_ns,
+            "sources": {s.name: {"up": s.up, "reason": s.reason, "last_duration_seconds": s.last_duration_seconds,
+                                 "errors": s.errors} for s in n.sources},
+            "spool_backlog": n.spool_backlog, "records_produced": n.records_produced,
+            "records_acked": n.records_acked, "records_dropped": n.records_dropped,
+            "records_stored": n.records_stored, "records_rejected": n.records_rejected,
+            "batches_stored": n.batches_stored, "batches_duplicate": n.batches_duplicate, "gaps": n.gaps,
+            "mode": n.mode, "mode_until_ns": n.mode_until_ns})
+    if args.json:
+        print(json.dumps(nodes, indent=2))
+        return 0
+    rows = []
+    for n in nodes:
+        up = [k for k, s in n["sources"].items() if s["up"]]
+        down = [f"{k}({s['reason']})" for k, s in n["sources"].items() if not s["up"]]
+        rows.append([n["node_id"], "yes" if n["connected"] else "no", _ago(n["last_seen_ns"]),
+                     f"±{_us(n['clock_uncertainty_ns'])}", ",".join(up) or "-", "; ".join(down) or "-",
+                     n["spool_backlog"], n["records_produced"], n["records_stored"], n["records_dropped"],
+                     n["records_rejected"], n["gaps"], n["mode"]])
+    print(_table(rows, ["NODE", "CONN", "LAST SEEN", "CLOCK", "UP", "DOWN (why)", "BACKLOG", "PRODUCED", "STORED",
+                        "DROPPED", "REJECTED", "GAPS", "MODE"]))
+    return 0
+
+
+_GPU_COLS = [("gpu_utilization_percent", "UTIL%"), ("gpu_memory_used_bytes", "MEM USED"),
+             ("gpu_sm_clock_mhz", "SM MHz"), ("gpu_temperature_celsius", "TEMP C"), ("gpu_power_watts", "POWER W")]
+
+
+def cmd_gpus(stub, args) -> int:
+    reply = stub.ListGpus(cpb.ListRequest(node_id=args.node or ""), timeout=args.timeout)
+    gpus = [{"node_id": g.node_id, "index": g.index, "uuid": g.uuid, "name": g.name, "pci_bus_id": g.pci_bus_id,
+             "memory_total_bytes": g.memory_total_bytes, "driver_version": g.driver_version,
+             "last_seen_ns": g.last_seen_ns,
+             "latest": {m.name: {"value": m.value, "ts_ns": m.ts_ns} for m in g.latest}} for g in reply.gpus]
+    if args.json:
+        print(json.dumps(gpus, indent=2))
+        return 0
+    if not gpus:
+        print("no GPUs reported (hosts without NVML show the reason under `steplens nodes`)")
+        return 0
+    rows = []
+    for g in gpus:
+        vals = [g["latest"].get(k, {}).get("value") for k, _ in _GPU_COLS]
+        rows.append([g["node_id"], g["index"], g["name"], g["uuid"][:16]] +
+                    ["-" if v is None else f"{v:.0f}" if i != 1 else f"{v / 2**30:.1f}G" for i, v in enumerate(vals)] +
+                    [_ago(max((m["ts_ns"] for m in g["latest"].values()), default=0))])
+    print(_table(rows, ["NODE", "GPU", "MODEL", "UUID"] + [h for _, h in _GPU_COLS] + ["UPDATED"]))
+    return 0
+
+
+def cmd_procs(stub, args) -> int:
+    reply = stub.ListProcs(cpb.ListRequest(node_id=args.node or "", alive_only=not args.all), timeout=args.timeout)
+    procs = [{"node_id": p.node_id, "pid": p.pid, "start_ticks": p.start_ticks, "exe": p.exe, "cmdline": p.cmdline,
+              "framework": p.framework, "job_key": p.job_key, "rank": p.rank, "local_rank": p.local_rank,
+              "world_size": p.world_size, "master_addr": p.master_addr, "master_port": p.master_port,
+              "started_ns": p.started_ns, "exited_ns": p.exited_ns, "alive": p.alive, "cpu_percent": p.cpu_percent,
+              "rss_bytes": p.rss_bytes, "threads": p.threads} for p in reply.procs]
+    if args.json:
+        print(json.dumps(procs, indent=2))
+        return 0
+    rows = [[p["job_key"], p["rank"] if p["rank"] >= 0 else "-", p["world_size"] if p["world_size"] >= 0 else "-",
+             p["node_id"], p["pid"], p["framework"], f"{p['cpu_percent']:.0f}", f"{p['rss_bytes'] / 2**20:.0f}M",
+             p["threads"], "alive" if p["alive"] else "exited", p["cmdline"][:60]] for p in procs]
+    print(_table(rows, ["JOB", "RANK", "WORLD", "NODE", "PID", "FRAMEWORK", "CPU%", "RSS", "THR", "STATE", "CMD"]))
+    return 0
+
+
+def cmd_gaps(stub, args) -> int:
+    reply = stub.ListGaps(cpb.ListRequest(node_id=args.node or ""), timeout=args.timeout)
+    gaps = [{"node_id": g.node_id, "ts_ns": g.ts_ns, "dropped_records": g.dropped_records,
+             "dropped_batches": g.dropped_batches, "first_seq": g.first_seq, "last_seq": g.last_seq,
+             "reason": g.reason} for g in reply.gaps]
+    if args.json:
+        print(json.dumps(gaps, indent=2))
+        return 0
+    rows = [[g["node_id"], _ago(g["ts_ns"]), g["dropped_records"], g["dropped_batches"],
+             f"{g['first_seq']}-{g['last_seq']}", g["reason"]] for g in gaps]
+    print(_table(rows, ["NODE", "WHEN", "RECORDS LOST", "BATCHES", "SEQS", "REASON"]) if rows else "no gaps: nothing lost")
+    return 0
+
+
+def cmd_deep(stub, args) -> int:
+    enable = args.action == "start"
+    req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
+                          lead_ms=args.lead_ms, duration_ns=int(parse_duration(args.duration) * 1e9) if enable else 0,
+                          sources=args.sources.split(",") if args.sources else [])
+    reply = stub.SetDeepMode(req, timeout=args.timeout + 10)
+    out = {"command_id": reply.command_id, "start_ns": reply.start_ns, "delivered": list(reply.delivered),
+           "offline": list(reply.offline), "messages": dict(reply.messages)}
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"deep mode {args.action}: command {reply.command_id}; delivered to {len(reply.delivered)} node(s)")
+        for node, msg in sorted(reply.messages.items()):
+            print(f"  {node}: {msg}")
+    return 0 if not reply.offline else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="steplens", description="steplens operator CLI (talks to a collector)")
+    p.add_argument("--collector", default=os.environ.get("STEPLENS_COLLECTOR", "127.0.0.1:7707"),
+                   help="collector HOST:PORT (env STEPLENS_COLLECTOR)")
+    p.add_argument("--insecure", action="store_true", help="plaintext, loopback collectors only")
+    p.add_argument("--tls-ca", help="CA bundle for the collector's certificate")
+    p.add_argument("--tls-cert", help="operator client certificate")
+    p.add_argument("--tls-key", help="operator client key")
+    p.add_argument("--token-file", default=os.environ.get("STEPLENS_TOKEN_FILE", ""), help="bearer token file")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def listing(name, func, help_):
+        sp = sub.add_parser(name, help=help_)
+        sp.add_argument("--json", action="store_true", help="one JSON document on stdout")
+        sp.add_argument("--node", help="only this node")
+        sp.set_defaults(func=func)
+        return sp
+    listing("nodes", cmd_nodes, "agents: last seen, clock, sources, spool and record counters")
+    listing("gpus", cmd_gpus, "latest telemetry per GPU")
+    sp = listing("procs", cmd_procs, "workload processes with job and rank")
+    sp.add_argument("--all", action="store_true", help="include exited processes")
+    listing("gaps", cmd_gaps, "records lost on agents (spool or queue overflow)")
+    sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
+    sp.add_argument("action", choices=["start", "stop"])
+    sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")
+    sp.add_argument("--duration", default="30s", help="how long (start only; e.g. 30s, 5m)")
+    sp.add_argument("--lead-ms", type=int, default=500, help="start this long from now, so all agents start together")
+    sp.add_argument("--sources", help="comma-separated sources (default: all with a deep mode)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_deep)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        token = conn.read_token(args.token_file)
+        channel = conn.client_channel(args.collector, args.insecure, conn.TlsFiles(args.tls_ca or "", args.tls_cert or "",
+                                                                                   args.tls_key or ""), token)
+        with channel:
+            return args.func(cgrpc.ControlStub(channel), args)
+    except conn.SecurityError as exc:
+        print(f"steplens: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ValueError as exc:
+        print(f"steplens: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except grpc.RpcError as exc:
+        print(f"steplens: {args.collector}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return EXIT_RPC
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""steplens-collector: serve | allinone. A thin layer over steplens.collector.server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from steplens import conn
+from steplens.collector.server import Collector, CollectorSettings
+from steplens.collector.store.schema import StoreError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_CONFIG_PATH = "/etc/steplens/collector.toml"
+_KEYS = {"db", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
+         "operator_cns", "retention", "log_level"}
+
+
+def parse_duration(text: str) -> float:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", str(text))
+    if not m:
+        raise ValueError(f"bad duration {text!r}: expected e.g. 500ms, 30s, 10m, 2h, 7d")
+    return float(m.group(1)) * {"ms": 1e-3, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}[m.group(2)]
+
+
+def _settings(args) -> tuple[CollectorSettings, str]:
+    table: dict = {}
+    path = args.config or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                table = tomllib.load(fh).get("collector", {})
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"cannot read config {path!r}: {exc}") from None
+        unknown = set(table) - _KEYS
+        if unknown:
+            raise ValueError(f"{path}: unknown key(s) in [collector]: {', '.join(sorted(unknown))}")
+    for key in _KEYS:
+        value = getattr(args, key, None)
+        if value not in (None, ""):
+            table[key] = value
+    if not table.get("db"):
+        raise ValueError("--db PATH is required (or db in the config file)")
+    s = CollectorSettings(
+        db=table["db"], listen=table.get("listen", "127.0.0.1:7707"), control_listen=table.get("control_listen", ""),
+        insecure=bool(table.get("insecure", False)),
+        tls=conn.TlsFiles(table.get("tls_ca", ""), table.get("tls_cert", ""), table.get("tls_key", "")),
+        token=conn.read_token(table.get("token_file", "")),
+        operator_cns=tuple(table.get("operator_cns", ["steplens-operator"])),
+        retention_seconds=parse_duration(table.get("retention", "7d")))
+    return s, table.get("log_level", "info")
+
+
+async def _serve(settings: CollectorSettings, ready_line: bool) -> int:
+    collector = Collector(settings)
+    try:
+        port = await collector.start()
+    except StoreError as exc:
+        print(f"steplens-collector: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"steplens-collector: {exc}", file=sys.stderr)
+        await collector.stop(0)
+        return 1
+    if ready_line:
+        print(f"steplens-collector: listening on port {port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await collector.stop()
+    return 0
+
+
+def cmd_serve(args) -> int:
+    settings, level = _settings(args)
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(_serve(settings, True))
+
+
+def cmd_allinone(args) -> int:
+    """Collector in this process, one local agent as a child; Ctrl-C stops both cleanly."""
+    os.makedirs(args.state_dir, exist_ok=True)
+    db = args.db or os.path.join(args.state_dir, "steplens.db")
+    settings = CollectorSettings(db=db, listen=args.listen, insecure=True)
+    settings.validate()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    agent_cmd = [os.path.join(os.path.dirname(sys.executable), "steplens-agent"), "run", "--collector", args.listen,
+                 "--insecure", "--state-dir", os.path.join(args.state_dir, "agent"),
+                 "--metrics-listen", args.metrics_listen]
+    if not os.path.exists(agent_cmd[0]):
+        agent_cmd = [sys.executable, "-m", "steplens.agent.cli"] + agent_cmd[1:]
+
+    async def main() -> int:
+        collector = Collector(settings)
+        await collector.start()
+        agent = subprocess.Popen(agent_cmd)
+        print(f"\nsteplens all-in-one: collector on {args.listen} (store {db}), agent pid {agent.pid}"
+              f"{', /metrics on ' + args.metrics_listen if args.metrics_listen else ''}.\n"
+              f"Look with:\n  steplens --collector {args.listen} --insecure nodes\n"
+              f"  steplens --collector {args.listen} --insecure gpus\n"
+              f"  steplens --collector {args.listen} --insecure procs\n"
+              "Ctrl-C stops both.\n", flush=True)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        while not stop.is_set() and agent.poll() is None:
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        if agent.poll() is None:
+            agent.send_signal(signal.SIGTERM)  # the agent flushes to us before we stop
+            try:
+                await asyncio.to_thread(agent.wait, 15)
+            except subprocess.TimeoutExpired:
+                agent.kill()
+        await collector.stop()
+        return 0 if agent.returncode in (0, -signal.SIGTERM, -signal.SIGINT, 3) else 1
+    return asyncio.run(main())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="steplens-collector", description="steplens central collector")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("serve", help="serve Ingest (agents) and Control (operators)")
+    p.add_argument("--config", help=f"TOML with a [collector] table (default {DEFAULT_CONFIG_PATH} when present)")
+    p.add_argument("--db", help="SQLite store path")
+    p.add_argument("--listen", help="HOST:PORT or unix:PATH (default 127.0.0.1:7707)")
+    p.add_argument("--control-listen", dest="control_listen", help="extra TLS port for token-authenticated operators")
+    p.add_argument("--insecure", action="store_true", default=None, help="plaintext, loopback/unix only")
+    p.add_argument("--tls-ca", dest="tls_ca", help="CA that signs agent and operator client certificates")
+    p.add_argument("--tls-cert", dest="tls_cert", help="server certificate")
+    p.add_argument("--tls-key", dest="tls_key", help="server key")
+    p.add_argument("--token-file", dest="token_file", help="bearer token accepted on Control")
+    p.add_argument("--retention", help="keep data this long (e.g. 7d, 12h; default 7d)")
+    p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("allinone", help="collector + one local agent on loopback (what `make run` starts)")
+    p.add_argument("--state-dir", default="run", help="where the store and the agent's spool go (default ./run)")
+    p.add_argument("--db", help="store path (default STATE_DIR/steplens.db)")
+    p.add_argument("--listen", default="127.0.0.1:7707")
+    p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="agent /metrics ('' disables)")
+    p.set_defaults(func=cmd_allinone)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, conn.SecurityError, StoreError) as exc:
+        print(f"steplens-collector: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

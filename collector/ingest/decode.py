@@ -1,0 +1,107 @@
+"""Decode and validate one batch payload (a serialized RecordList) into rows for the store.
+
+Intrinsic checks only (what a record says about itself): a time that is zero or ahead of the
+batch's send time, a non-finite value, over-long names, an unknown body. Failing records are
+counted per reason and left out; the rest of the batch is kept. A payload that does not parse,
+or whose record count disagrees with its header, rejects the whole batch: nothing of it is
+written. Checks that need stored state (time going backwards within a series) live in the writer.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+from dataclasses import dataclass, field
+
+from google.protobuf.message import DecodeError
+
+from steplens.v1 import records_pb2 as pb
+
+MAX_NAME = 256
+MAX_TEXT = 4096
+FUTURE_SLACK_NS = 60 * 10**9
+
+
+class BatchRejected(ValueError):
+    """The whole batch is refused; the reason goes to the rejections table and the agent."""
+
+
+@dataclass
+class DecodedBatch:
+    metrics: list = field(default_factory=list)    # (mono_ns, name, entity, value)
+    gpus: list = field(default_factory=list)       # (mono_ns, GpuInfo msg)
+    processes: list = field(default_factory=list)  # (mono_ns, ProcessInfo msg)
+    exits: list = field(default_factory=list)      # (mono_ns, pid, start_ticks)
+    events: list = field(default_factory=list)     # (mono_ns, source, kind, entity, message, value)
+    gaps: list = field(default_factory=list)       # (mono_ns, source, Gap msg)
+    modes: list = field(default_factory=list)      # (mono_ns, ModeChange msg)
+    rejected: collections.Counter = field(default_factory=collections.Counter)
+    n_records: int = 0
+
+
+def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBatch:
+    try:
+        rl = pb.RecordList.FromString(payload)
+    except (DecodeError, ValueError) as exc:
+        raise BatchRejected(f"malformed records payload: {exc}") from None
+    recs = rl.records
+    if len(recs) != n_records:
+        raise BatchRejected(f"batch header says {n_records} records, payload has {len(recs)}")
+    out = DecodedBatch(n_records=n_records)
+    limit = sent_mono_ns + FUTURE_SLACK_NS if sent_mono_ns else 1 << 63
+    rej = out.rejected
+    metrics_append = out.metrics.append
+    isfinite = math.isfinite
+    for rec in recs:
+        mono = rec.mono_ns
+        if mono == 0:
+            rej["missing time (mono_ns = 0)"] += 1
+            continue
+        if mono > limit:
+            rej["time ahead of the batch's send time"] += 1
+            continue
+        kind = rec.WhichOneof("body")
+        if kind == "metric":
+            m = rec.metric
+            v = m.value
+            if not isfinite(v):
+                rej["non-finite metric value"] += 1
+                continue
+            name, entity = m.name, m.entity
+            if not name or len(name) > MAX_NAME or len(entity) > MAX_NAME:
+                rej["metric name or entity empty or too long"] += 1
+                continue
+            metrics_append((mono, name, entity, v))
+        elif kind == "process":
+            out.processes.append((mono, rec.process))
+        elif kind == "process_exit":
+            out.exits.append((mono, rec.process_exit.pid, rec.process_exit.start_ticks))
+        elif kind == "gpu":
+            if not rec.gpu.uuid:
+                rej["gpu record without uuid"] += 1
+                continue
+            out.gpus.append((mono, rec.gpu))
+        elif kind == "event":
+            e = rec.event
+            if not e.kind or len(e.kind) > MAX_NAME or len(e.message) > MAX_TEXT:
+                rej["event kind empty or text too long"] += 1
+                continue
+            v = e.value if isfinite(e.value) else 0.0
+            out.events.append((mono, rec.source, e.kind, e.entity, e.message, v))
+        elif kind == "gap":
+            out.gaps.append((mono, rec.source, rec.gap))
+        elif kind == "mode":
+            out.modes.append((mono, rec.mode))
+        else:
+            rej["record with no known body"] += 1
+    return out
+
+
+def process_row(proc) -> dict:
+    return {"pid": proc.pid, "start_ticks": proc.start_ticks, "ppid": proc.ppid, "exe": proc.exe,
+            "cmdline": json.dumps(list(proc.cmdline)), "framework": proc.framework, "job_key": proc.job_key,
+            "rank": proc.rank, "local_rank": proc.local_rank, "world_size": proc.world_size,
+            "master_addr": proc.master_addr, "master_port": proc.master_port,
+            "env_json": json.dumps(dict(proc.env), sort_keys=True), "container_id": proc.container_id,
+            "uid": proc.uid}

@@ -1,0 +1,101 @@
+"""Assembles a collector: store writer + Ingest + Control on one grpc.aio server.
+
+Used by `steplens-collector serve`, by `allinone`, and by tests and benchmarks that need a real
+collector in-process or as a child process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from steplens import conn
+from steplens.collector.control.service import ControlService
+from steplens.collector.ingest.clock import ClusterClock
+from steplens.collector.ingest.server import IngestService, IngestSettings
+from steplens.collector.store.queries import Reader
+from steplens.collector.store.writer import StoreWriter
+from steplens.v1 import control_pb2_grpc as cgrpc
+
+log = logging.getLogger("steplens.collector")
+
+
+@dataclass
+class CollectorSettings:
+    db: str
+    listen: str = "127.0.0.1:7707"
+    control_listen: str = ""  # TLS port without client certs, for operators with a bearer token
+    insecure: bool = False
+    tls: conn.TlsFiles = field(default_factory=conn.TlsFiles)
+    token: str = ""
+    operator_cns: tuple[str, ...] = ("steplens-operator",)
+    retention_seconds: float = 7 * 86400
+    max_message_bytes: int = conn.MAX_MESSAGE_BYTES
+    ingest: IngestSettings = field(default_factory=IngestSettings)
+
+    def validate(self) -> None:
+        conn.split_host_port(self.listen)
+        if self.insecure:
+            conn.require_insecure_allowed(self.listen)
+        else:
+            conn.server_credentials(self.tls, require_client_cert=True)  # raises with the reason
+        if self.control_listen:
+            conn.split_host_port(self.control_listen)
+            if self.insecure:
+                raise conn.SecurityError("--control-listen is for TLS collectors; an insecure one serves Control "
+                                         "on --listen")
+            if not self.token:
+                raise conn.SecurityError("--control-listen needs --token-file: it accepts no client certificates")
+
+
+class Collector:
+    def __init__(self, settings: CollectorSettings) -> None:
+        settings.validate()
+        self.settings = settings
+        self.clock = ClusterClock()
+        self.writer = StoreWriter(settings.db, now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds)
+        ingest_settings = settings.ingest
+        ingest_settings.require_client_cert = not settings.insecure
+        self.ingest = IngestService(self.writer, self.clock, ingest_settings)
+        self.control = ControlService(Reader(settings.db), self.ingest, self.clock, tls=not settings.insecure,
+                                      token=settings.token, operator_cns=settings.operator_cns)
+        self.server: grpc.aio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        s = self.settings
+        opts = [("grpc.max_receive_message_length", s.max_message_bytes),
+                ("grpc.max_send_message_length", s.max_message_bytes),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+                ("grpc.so_reuseport", 0)]
+        self.server = grpc.aio.server(options=opts)
+        self.server.add_generic_rpc_handlers((self.ingest.generic_handler(),))
+        cgrpc.add_ControlServicer_to_server(self.control, self.server)
+        if s.insecure:
+            self.port = self.server.add_insecure_port(s.listen)
+        else:
+            self.port = self.server.add_secure_port(s.listen, conn.server_credentials(s.tls, require_client_cert=True))
+        if self.port == 0 and not s.listen.startswith("unix:"):
+            raise OSError(f"cannot listen on {s.listen} (address in use or not local)")
+        if s.control_listen:
+            # same services, server-side TLS only: Ingest refuses here (no client certificate), Control
+            # accepts the bearer token
+            self.control_port = self.server.add_secure_port(
+                s.control_listen, conn.server_credentials(conn.TlsFiles("", s.tls.cert, s.tls.key), False))
+            if self.control_port == 0:
+                raise OSError(f"cannot listen on {s.control_listen}")
+        self.writer.start()
+        await self.server.start()
+        log.info("collector listening on %s (port %d), store %s, %s", s.listen, self.port, s.db,
+                 "insecure (loopback only)" if s.insecure else "mutual TLS")
+        return self.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        if self.server is not None:
+            await self.server.stop(grace)
+            self.server = None
+        await asyncio.to_thread(self.writer.stop)

@@ -1,0 +1,113 @@
+"""Read-side queries behind the Control API and the CLI; each opens its own read-only connection
+(WAL lets readers run beside the writer without blocking it)."""
+
+from __future__ import annotations
+
+import json
+
+from steplens.collector.store import schema
+
+# per-process metric names emitted by the host source, shown by `steplens procs`
+PROC_CPU = "process_cpu_percent"
+PROC_RSS = "process_resident_memory_bytes"
+PROC_THREADS = "process_threads"
+
+
+class Reader:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _db(self):
+        return schema.connect(self.path, readonly=True)
+
+    def nodes(self, node_id: str = "") -> list[dict]:
+        db = self._db()
+        try:
+            where, args = ("WHERE a.agent_id = ?", [node_id]) if node_id else ("", [])
+            rows = list(db.query(
+                f"""SELECT a.*, (SELECT COUNT(*) FROM gaps g WHERE g.agent_id = a.agent_id) AS gaps
+                    FROM agents a {where} ORDER BY a.agent_id""", args))
+        finally:
+            db.conn.close()
+        out = []
+        for r in rows:
+            sources = json.loads(r.get("sources_json") or "{}")
+            out.append({
+                "node_id": r["agent_id"], "hostname": r["hostname"] or "", "agent_version": r["agent_version"] or "",
+                "connected": bool(r["connected"]), "peer": r["peer"] or "",
+                "first_seen_ns": r["first_seen_ns"] or 0, "last_seen_ns": r["last_seen_ns"] or 0,
+                "clock_offset_ns": r["clock_offset_ns"] or 0, "clock_uncertainty_ns": r["clock_uncertainty_ns"] or 0,
+                "clock_drift_ppm": r["clock_drift_ppm"] or 0.0, "clock_rtt_ns": r["clock_rtt_ns"] or 0,
+                "clock_samples": r["clock_samples"] or 0,
+                "sources": {n: {"up": bool(s.get("up")), "reason": s.get("reason", ""),
+                                "last_duration_seconds": s.get("last_duration_seconds", 0.0),
+                                "errors": s.get("errors", 0)} for n, s in sorted(sources.items())},
+                "spool_backlog": r["spool_backlog"], "records_produced": r["records_produced"],
+                "records_acked": r["records_acked"], "records_dropped": r["records_dropped"],
+                "records_stored": r["records_stored"], "records_rejected": r["records_rejected"],
+                "batches_stored": r["batches_stored"], "batches_duplicate": r["batches_duplicate"],
+                "gaps": r["gaps"], "mode": r["mode"], "mode_until_ns": r["mode_until_ns"] or 0,
+            })
+        return out
+
+    def gpus(self, node_id: str = "") -> list[dict]:
+        db = self._db()
+        try:
+            where, args = ("WHERE agent_id = ?", [node_id]) if node_id else ("", [])
+            gpus = list(db.query(f"SELECT * FROM gpus {where} ORDER BY agent_id, gpu_index", args))
+            out = []
+            for g in gpus:
+                latest = list(db.query(
+                    "SELECT name, last_value AS value, last_ts_ns AS ts_ns FROM series WHERE agent_id=? AND entity=?"
+                    " AND last_ts_ns IS NOT NULL ORDER BY name", [g["agent_id"], f"gpu{g['gpu_index']}"]))
+                out.append({"node_id": g["agent_id"], "index": g["gpu_index"], "uuid": g["uuid"], "name": g["name"],
+                            "pci_bus_id": g["pci_bus_id"], "memory_total_bytes": g["memory_total_bytes"],
+                            "driver_version": g["driver_version"], "last_seen_ns": g["last_seen_ns"],
+                            "latest": {m["name"]: {"value": m["value"], "ts_ns": m["ts_ns"]} for m in latest}})
+            return out
+        finally:
+            db.conn.close()
+
+    def procs(self, node_id: str = "", alive_only: bool = False) -> list[dict]:
+        db = self._db()
+        try:
+            cond, args = [], []
+            if node_id:
+                cond.append("p.agent_id = ?")
+                args.append(node_id)
+            if alive_only:
+                cond.append("p.exited_ns IS NULL")
+            where = ("WHERE " + " AND ".join(cond)) if cond else ""
+            rows = list(db.query(f"""
+                SELECT p.*,
+                  (SELECT last_value FROM series s WHERE s.agent_id = p.agent_id AND s.name = '{PROC_CPU}'
+                     AND s.entity = 'pid:' || p.pid || ':' || p.start_ticks) AS cpu_percent,
+                  (SELECT last_value FROM series s WHERE s.agent_id = p.agent_id AND s.name = '{PROC_RSS}'
+                     AND s.entity = 'pid:' || p.pid || ':' || p.start_ticks) AS rss_bytes,
+                  (SELECT last_value FROM series s WHERE s.agent_id = p.agent_id AND s.name = '{PROC_THREADS}'
+                     AND s.entity = 'pid:' || p.pid || ':' || p.start_ticks) AS threads
+                FROM processes p {where} ORDER BY p.job_key, p.rank, p.agent_id, p.pid""", args))
+        finally:
+            db.conn.close()
+        out = []
+        for r in rows:
+            out.append({"node_id": r["agent_id"], "pid": r["pid"], "start_ticks": r["start_ticks"], "exe": r["exe"],
+                        "cmdline": " ".join(json.loads(r["cmdline"] or "[]")), "framework": r["framework"],
+                        "job_key": r["job_key"], "rank": r["rank"], "local_rank": r["local_rank"],
+                        "world_size": r["world_size"], "master_addr": r["master_addr"],
+                        "master_port": r["master_port"], "started_ns": r["started_ns"] or 0,
+                        "exited_ns": r["exited_ns"] or 0, "alive": r["exited_ns"] is None,
+                        "cpu_percent": r["cpu_percent"] or 0.0, "rss_bytes": int(r["rss_bytes"] or 0),
+                        "threads": int(r["threads"] or 0)})
+        return out
+
+    def gaps(self, node_id: str = "") -> list[dict]:
+        db = self._db()
+        try:
+            where, args = ("WHERE agent_id = ?", [node_id]) if node_id else ("", [])
+            return [{"node_id": r["agent_id"], "ts_ns": r["ts_ns"], "dropped_records": r["dropped_records"],
+                     "dropped_batches": r["dropped_batches"], "first_seq": r["first_seq"], "last_seq": r["last_seq"],
+                     "reason": r["reason"]}
+                    for r in db.query(f"SELECT * FROM gaps {where} ORDER BY ts_ns", args)]
+        finally:
+            db.conn.close()

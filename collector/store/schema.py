@@ -1,0 +1,132 @@
+"""The collector's SQLite schema and its migrations (PRAGMA user_version), applied at open.
+
+Layout, chosen for the ingest hot path:
+- metrics(series_id, ts_ns, value) is a WITHOUT ROWID table keyed by (series_id, ts_ns): one b-tree,
+  appends at each series' tail, "last 10 minutes of one series" is a range scan. Series names live
+  once in `series`, which also holds each series' latest value for the listing commands.
+- batches(agent_id, spool_id, seq) records every accepted batch: the dedupe key, and the proof of
+  contiguous, exactly-once delivery.
+- ts_ns columns are cluster time; the clock offset and uncertainty used are kept per batch.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import sqlite_utils
+
+MIGRATIONS: list[tuple[int, str]] = [
+    (1, """
+CREATE TABLE agents (
+  agent_id TEXT PRIMARY KEY, hostname TEXT, agent_version TEXT, boot_id TEXT, spool_id TEXT,
+  first_seen_ns INTEGER, last_seen_ns INTEGER, connected INTEGER NOT NULL DEFAULT 0, peer TEXT,
+  clock_offset_ns INTEGER, clock_drift_ppm REAL, clock_uncertainty_ns INTEGER, clock_rtt_ns INTEGER,
+  clock_samples INTEGER, sources_json TEXT NOT NULL DEFAULT '{}',
+  spool_backlog INTEGER NOT NULL DEFAULT 0, records_produced INTEGER NOT NULL DEFAULT 0,
+  records_acked INTEGER NOT NULL DEFAULT 0, records_dropped INTEGER NOT NULL DEFAULT 0,
+  records_stored INTEGER NOT NULL DEFAULT 0, records_rejected INTEGER NOT NULL DEFAULT 0,
+  batches_stored INTEGER NOT NULL DEFAULT 0, batches_duplicate INTEGER NOT NULL DEFAULT 0,
+  mode TEXT NOT NULL DEFAULT 'sentinel', mode_until_ns INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE batches (
+  agent_id TEXT NOT NULL, spool_id TEXT NOT NULL, seq INTEGER NOT NULL, n_records INTEGER NOT NULL,
+  n_rejected INTEGER NOT NULL DEFAULT 0, n_bytes INTEGER NOT NULL, received_ns INTEGER NOT NULL,
+  clock_offset_ns INTEGER, clock_uncertainty_ns INTEGER,
+  PRIMARY KEY (agent_id, spool_id, seq)
+) WITHOUT ROWID;
+CREATE TABLE series (
+  id INTEGER PRIMARY KEY, agent_id TEXT NOT NULL, name TEXT NOT NULL, entity TEXT NOT NULL,
+  last_ts_ns INTEGER, last_mono_ns INTEGER, last_value REAL,
+  UNIQUE (agent_id, name, entity)
+);
+CREATE TABLE metrics (
+  series_id INTEGER NOT NULL, ts_ns INTEGER NOT NULL, value REAL NOT NULL,
+  PRIMARY KEY (series_id, ts_ns)
+) WITHOUT ROWID;
+CREATE TABLE gpus (
+  agent_id TEXT NOT NULL, uuid TEXT NOT NULL, gpu_index INTEGER, name TEXT, pci_bus_id TEXT,
+  memory_total_bytes INTEGER, driver_version TEXT, cuda_driver_version TEXT, nvlink_count INTEGER,
+  serial TEXT, first_seen_ns INTEGER, last_seen_ns INTEGER,
+  PRIMARY KEY (agent_id, uuid)
+);
+CREATE TABLE processes (
+  agent_id TEXT NOT NULL, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL, ppid INTEGER, exe TEXT,
+  cmdline TEXT, framework TEXT, job_key TEXT, rank INTEGER, local_rank INTEGER, world_size INTEGER,
+  master_addr TEXT, master_port INTEGER, env_json TEXT, container_id TEXT, uid INTEGER,
+  started_ns INTEGER, exited_ns INTEGER,
+  PRIMARY KEY (agent_id, pid, start_ticks)
+);
+CREATE INDEX processes_job ON processes (job_key, rank);
+CREATE TABLE events (
+  agent_id TEXT NOT NULL, ts_ns INTEGER NOT NULL, source TEXT, kind TEXT NOT NULL, entity TEXT,
+  message TEXT, value REAL
+);
+CREATE INDEX events_agent_ts ON events (agent_id, ts_ns);
+CREATE INDEX events_kind_ts ON events (kind, ts_ns);
+CREATE TABLE gaps (
+  agent_id TEXT NOT NULL, spool_id TEXT, ts_ns INTEGER NOT NULL, source TEXT, dropped_records INTEGER,
+  dropped_batches INTEGER, first_seq INTEGER, last_seq INTEGER, reason TEXT
+);
+CREATE INDEX gaps_agent_ts ON gaps (agent_id, ts_ns);
+CREATE TABLE rejections (
+  agent_id TEXT NOT NULL, ts_ns INTEGER NOT NULL, spool_id TEXT, seq INTEGER, reason TEXT NOT NULL,
+  count INTEGER NOT NULL
+);
+CREATE INDEX rejections_agent_ts ON rejections (agent_id, ts_ns);
+"""),
+]
+
+LATEST_VERSION = MIGRATIONS[-1][0]
+
+
+class StoreError(RuntimeError):
+    pass
+
+
+def connect(path: str, readonly: bool = False) -> sqlite_utils.Database:
+    """Open the store; the writer (readonly=False) also applies pending migrations."""
+    try:
+        if readonly:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        else:
+            conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        conn.execute("PRAGMA busy_timeout=5000")
+        db = sqlite_utils.Database(conn)
+        if not readonly:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            migrate(db)
+        else:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > LATEST_VERSION:
+                raise StoreError(f"store {path!r} has schema {version}, newer than this collector ({LATEST_VERSION})")
+        return db
+    except sqlite3.Error as exc:
+        raise StoreError(f"cannot open store {path!r}: {exc}") from None
+
+
+def migrate(db: sqlite_utils.Database) -> list[int]:
+    """Apply every migration above the file's user_version, each in its own transaction."""
+    conn = db.conn
+    current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if current > LATEST_VERSION:
+        raise StoreError(f"store has schema version {current}, newer than this collector knows "
+                         f"({LATEST_VERSION}); upgrade steplens")
+    applied = []
+    for version, sql in MIGRATIONS:
+        if version <= current:
+            continue
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in [s for s in sql.split(";") if s.strip()]:
+                conn.execute(stmt)
+            conn.execute(f"PRAGMA user_version={version}")
+            conn.execute("COMMIT")
+        except sqlite3.Error:
+            conn.execute("ROLLBACK")
+            raise
+        applied.append(version)
+    if applied:
+        db["schema_log"].insert({"version": applied[-1], "applied_ns": time.time_ns()}, alter=True)
+    return applied

@@ -1,0 +1,351 @@
+"""The collector's single store writer: group commit of batches from every agent, then acks.
+
+One thread owns the write connection. It takes whatever is queued (up to a few dozen batches),
+writes it in one transaction, commits, and only then reports each batch done, so an ack always
+means "durable". Per batch: dedupe on (agent_id, spool_id, seq), decode and validate, convert
+every agent mono_ns to cluster time with the clock estimate the stream attached, check that each
+series moves forward in time, insert. A batch that is refused as a whole writes nothing but its
+rejection row. If the store itself fails (disk full, I/O error), the transaction rolls back and
+every batch in it is reported failed, unacknowledged, so agents keep them and resend.
+
+Cost on this 2-core machine: see bench/ingest.py (rows/s and CPU seconds per 100k rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from steplens.collector.ingest.clock import ClockEstimate
+from steplens.collector.ingest.decode import BatchRejected, decode_batch, process_row
+from steplens.collector.store import schema
+
+log = logging.getLogger("steplens.collector.writer")
+
+MODE_NAMES = {1: "sentinel", 2: "deep"}
+
+
+@dataclass
+class BatchJob:
+    agent_id: str
+    spool_id: str
+    seq: int
+    n_records: int
+    payload: bytes
+    sent_mono_ns: int
+    clock: ClockEstimate
+    received_ns: int
+    done: Callable[[str, int, str], None]  # (outcome: stored|duplicate|rejected|failed, rejected, note)
+
+
+@dataclass
+class AgentUpdate:
+    agent_id: str
+    fields: dict
+
+
+class StoreWriter:
+    def __init__(self, path: str, now_ns: Callable[[], int] = time.time_ns, retention_seconds: float = 7 * 86400,
+                 retention_check_seconds: float = 300.0, max_group: int = 64, queue_size: int = 2048) -> None:
+        self.path = path
+        self.db = schema.connect(path)
+        self.conn: sqlite3.Connection = self.db.conn
+        self.now_ns = now_ns
+        self.retention_ns = int(retention_seconds * 1e9)
+        self.retention_check_seconds = retention_check_seconds
+        self.max_group = max_group
+        self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._series: dict[tuple[str, str, str], list] = {}  # key -> [id, last_mono, last_ts, last_value, dirty]
+        self._last_seq: dict[tuple[str, str], int] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.rows_written = 0
+        self.batches_written = 0
+        self.commits = 0
+        self.failures = 0
+        self.last_error = ""
+        self._next_retention = time.monotonic() + retention_check_seconds
+
+    # -- public API (any thread) -----------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._main, name="store-writer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        try:
+            self.queue.put_nowait(None)
+        except queue.Full:
+            pass
+        if self._thread is not None:
+            self._thread.join(timeout)
+        try:
+            self.conn.close()
+        except sqlite3.Error:
+            pass
+
+    def submit(self, job: BatchJob | AgentUpdate) -> bool:
+        """False when the writer is backlogged; the caller should slow down (stop reading)."""
+        try:
+            self.queue.put_nowait(job)
+            return True
+        except queue.Full:
+            return False
+
+    def last_seq(self, agent_id: str, spool_id: str) -> int:
+        """Highest committed seq for this spool (asks the writer thread's view via a read connection)."""
+        ro = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True)
+        try:
+            row = ro.execute("SELECT MAX(seq) FROM batches WHERE agent_id=? AND spool_id=?",
+                             (agent_id, spool_id)).fetchone()
+            return row[0] or 0
+        finally:
+            ro.close()
+
+    # -- writer thread ---------------------------------------------------------------------
+    def _main(self) -> None:
+        while True:
+            try:
+                first = self.queue.get(timeout=1.0)
+            except queue.Empty:
+                self._maybe_retention()
+                continue
+            if first is None:
+                self._drain_remaining()
+                return
+            group = [first]
+            while len(group) < self.max_group:
+                try:
+                    item = self.queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._write_group(group)
+                    self._drain_remaining()
+                    return
+                group.append(item)
+            self._write_group(group)
+            self._maybe_retention()
+
+    def _drain_remaining(self) -> None:
+        group = []
+        while True:
+            try:
+                item = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                group.append(item)
+        if group:
+            self._write_group(group)
+
+    def _write_group(self, group: list) -> None:
+        outcomes: list[tuple[BatchJob, str, int, str]] = []
+        conn = self.conn
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            updates: dict[str, dict] = {}
+            for item in group:
+                if isinstance(item, AgentUpdate):
+                    updates.setdefault(item.agent_id, {}).update(item.fields)
+                else:
+                    outcomes.append((item, *self._write_batch(item)))
+            for agent_id, fields in updates.items():
+                self._update_agent(agent_id, fields)
+            self._flush_series()
+            conn.execute("COMMIT")
+            self.commits += 1
+        except sqlite3.Error as exc:
+            try:
+                conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            self.failures += 1
+            self.last_error = f"store write failed: {exc}"
+            log.error("%s; %d batches left unacknowledged", self.last_error, len(outcomes))
+            self._series.clear()
+            self._last_seq.clear()
+            for item in group:
+                if isinstance(item, BatchJob):
+                    item.done("failed", 0, self.last_error)
+            return
+        for job, outcome, rejected, note in outcomes:
+            if outcome == "stored":
+                self.batches_written += 1
+            job.done(outcome, rejected, note)
+
+    def _committed_seq(self, key: tuple[str, str]) -> int:
+        seq = self._last_seq.get(key)
+        if seq is None:
+            row = self.conn.execute("SELECT MAX(seq) FROM batches WHERE agent_id=? AND spool_id=?", key).fetchone()
+            seq = row[0] or 0
+            self._last_seq[key] = seq
+        return seq
+
+    def _write_batch(self, job: BatchJob) -> tuple[str, int, str]:
+        conn = self.conn
+        key = (job.agent_id, job.spool_id)
+        if job.seq <= self._committed_seq(key):
+            conn.execute("UPDATE agents SET batches_duplicate = batches_duplicate + 1 WHERE agent_id=?",
+                         (job.agent_id,))
+            return "duplicate", 0, "duplicate batch ignored"
+        try:
+            dec = decode_batch(job.payload, job.n_records, job.sent_mono_ns)
+        except BatchRejected as exc:
+            reason = str(exc)
+            conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
+                         (job.agent_id, job.received_ns, job.spool_id, job.seq, reason, job.n_records))
+            self._record_batch(job, 0, job.n_records)
+            return "rejected", job.n_records, reason
+        to_cluster = job.clock.to_cluster
+        rejected = dec.rejected
+        # metrics: series lookup, forward-in-time check, cluster time
+        rows = []
+        series = self._series
+        agent = job.agent_id
+        for mono, name, entity, value in dec.metrics:
+            s = series.get((agent, name, entity))
+            if s is None:
+                s = self._load_series(agent, name, entity)
+            if s[1] is not None and mono <= s[1]:
+                rejected["non-monotonic time within a series"] += 1
+                continue
+            ts = to_cluster(mono)
+            s[1], s[2], s[3], s[4] = mono, ts, value, True
+            rows.append((s[0], ts, value))
+        if rows:
+            conn.executemany("INSERT OR REPLACE INTO metrics(series_id, ts_ns, value) VALUES (?,?,?)", rows)
+        for mono, g in dec.gpus:
+            ts = to_cluster(mono)
+            conn.execute(
+                "INSERT INTO gpus(agent_id, uuid, gpu_index, name, pci_bus_id, memory_total_bytes, driver_version,"
+                " cuda_driver_version, nvlink_count, serial, first_seen_ns, last_seen_ns)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(agent_id, uuid) DO UPDATE SET gpu_index=excluded.gpu_index,"
+                " name=excluded.name, pci_bus_id=excluded.pci_bus_id, memory_total_bytes=excluded.memory_total_bytes,"
+                " driver_version=excluded.driver_version, cuda_driver_version=excluded.cuda_driver_version,"
+                " nvlink_count=excluded.nvlink_count, serial=excluded.serial, last_seen_ns=excluded.last_seen_ns",
+                (agent, g.uuid, g.index, g.name, g.pci_bus_id, g.memory_total_bytes, g.driver_version,
+                 g.cuda_driver_version, g.nvlink_count, g.serial, ts, ts))
+        for mono, p in dec.processes:
+            row = process_row(p)
+            row.update(agent_id=agent, started_ns=to_cluster(mono), exited_ns=None)
+            cols = ",".join(row)
+            conn.execute(f"INSERT INTO processes({cols}) VALUES ({','.join('?' * len(row))})"
+                         " ON CONFLICT(agent_id, pid, start_ticks) DO UPDATE SET exited_ns=NULL,"
+                         " job_key=excluded.job_key, rank=excluded.rank, env_json=excluded.env_json",
+                         list(row.values()))
+        for mono, pid, start_ticks in dec.exits:
+            conn.execute("UPDATE processes SET exited_ns=? WHERE agent_id=? AND pid=? AND start_ticks=?",
+                         (to_cluster(mono), agent, pid, start_ticks))
+        if dec.events:
+            conn.executemany("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value)"
+                             " VALUES (?,?,?,?,?,?,?)",
+                             [(agent, to_cluster(m), src, k, e, msg, v) for m, src, k, e, msg, v in dec.events])
+        for mono, src, g in dec.gaps:
+            conn.execute("INSERT INTO gaps(agent_id, spool_id, ts_ns, source, dropped_records, dropped_batches,"
+                         " first_seq, last_seq, reason) VALUES (?,?,?,?,?,?,?,?,?)",
+                         (agent, job.spool_id, to_cluster(mono), src, g.dropped_records, g.dropped_batches,
+                          g.first_seq, g.last_seq, g.reason))
+        for mono, m in dec.modes:
+            ts = to_cluster(mono)
+            mode = MODE_NAMES.get(m.mode, "unknown")
+            until = job.clock.to_cluster(m.until_mono_ns) if m.until_mono_ns else 0
+            conn.execute("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value) VALUES (?,?,?,?,?,?,?)",
+                         (agent, ts, "agent", "mode", mode, f"{mode} ({m.reason}) command {m.command_id}", until))
+        n_rej = sum(rejected.values())
+        for reason, count in rejected.items():
+            conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
+                         (agent, job.received_ns, job.spool_id, job.seq, reason, count))
+        self._record_batch(job, job.n_records - n_rej, n_rej)
+        self.rows_written += len(rows)
+        note = "; ".join(f"{c} x {r}" for r, c in rejected.items())
+        return "stored", n_rej, note
+
+    def _record_batch(self, job: BatchJob, stored: int, rejected: int) -> None:
+        conn = self.conn
+        conn.execute("INSERT INTO batches(agent_id, spool_id, seq, n_records, n_rejected, n_bytes, received_ns,"
+                     " clock_offset_ns, clock_uncertainty_ns) VALUES (?,?,?,?,?,?,?,?,?)",
+                     (job.agent_id, job.spool_id, job.seq, job.n_records, rejected, len(job.payload),
+                      job.received_ns, job.clock.offset_ns, job.clock.uncertainty_ns))
+        cur = conn.execute("UPDATE agents SET records_stored = records_stored + ?, records_rejected = records_rejected + ?,"
+                           " batches_stored = batches_stored + 1, last_seen_ns = ? WHERE agent_id=?",
+                           (stored, rejected, job.received_ns, job.agent_id))
+        if cur.rowcount == 0:
+            conn.execute("INSERT INTO agents(agent_id, first_seen_ns, last_seen_ns, records_stored, records_rejected,"
+                         " batches_stored) VALUES (?,?,?,?,?,1)",
+                         (job.agent_id, job.received_ns, job.received_ns, stored, rejected))
+        self._last_seq[(job.agent_id, job.spool_id)] = job.seq
+
+    def _load_series(self, agent: str, name: str, entity: str) -> list:
+        row = self.conn.execute("SELECT id, last_mono_ns, last_ts_ns, last_value FROM series"
+                                " WHERE agent_id=? AND name=? AND entity=?", (agent, name, entity)).fetchone()
+        if row is None:
+            cur = self.conn.execute("INSERT INTO series(agent_id, name, entity) VALUES (?,?,?)", (agent, name, entity))
+            s = [cur.lastrowid, None, None, None, False]
+        else:
+            s = [row[0], row[1], row[2], row[3], False]
+        self._series[(agent, name, entity)] = s
+        return s
+
+    def _flush_series(self) -> None:
+        dirty = [(s[1], s[2], s[3], s[0]) for s in self._series.values() if s[4]]
+        if dirty:
+            self.conn.executemany("UPDATE series SET last_mono_ns=?, last_ts_ns=?, last_value=? WHERE id=?", dirty)
+            for s in self._series.values():
+                s[4] = False
+
+    def _update_agent(self, agent_id: str, fields: dict) -> None:
+        fields = dict(fields)
+        if "sources" in fields:
+            fields["sources_json"] = json.dumps(fields.pop("sources"), sort_keys=True)
+        fields.setdefault("last_seen_ns", self.now_ns())
+        cols = list(fields)
+        cur = self.conn.execute(f"UPDATE agents SET {', '.join(c + '=?' for c in cols)} WHERE agent_id=?",
+                                [fields[c] for c in cols] + [agent_id])
+        if cur.rowcount == 0:
+            fields.setdefault("first_seen_ns", fields["last_seen_ns"])
+            cols = list(fields)
+            self.conn.execute(f"INSERT INTO agents(agent_id, {', '.join(cols)}) VALUES (?{', ?' * len(cols)})",
+                              [agent_id] + [fields[c] for c in cols])
+
+    def _maybe_retention(self) -> None:
+        if time.monotonic() < self._next_retention or self.retention_ns <= 0:
+            return
+        self._next_retention = time.monotonic() + self.retention_check_seconds
+        self.apply_retention(self.now_ns() - self.retention_ns)
+
+    def apply_retention(self, cutoff_ns: int) -> int:
+        """Delete everything older than cutoff_ns, one series at a time (short transactions)."""
+        deleted = 0
+        ids = [r[0] for r in self.conn.execute("SELECT id FROM series").fetchall()]
+        try:
+            for i in range(0, len(ids), 200):
+                self.conn.execute("BEGIN IMMEDIATE")
+                for sid in ids[i:i + 200]:
+                    deleted += self.conn.execute("DELETE FROM metrics WHERE series_id=? AND ts_ns < ?",
+                                                 (sid, cutoff_ns)).rowcount
+                self.conn.execute("COMMIT")
+            self.conn.execute("BEGIN IMMEDIATE")
+            for table in ("events", "gaps", "rejections"):
+                deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("
+                                         "SELECT MAX(seq) FROM batches b2 WHERE b2.agent_id = batches.agent_id"
+                                         " AND b2.spool_id = batches.spool_id)", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM processes WHERE exited_ns IS NOT NULL AND exited_ns < ?",
+                                         (cutoff_ns,)).rowcount
+            self.conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            try:
+                self.conn.execute("ROLLBACK")
+            except sqlite3.Error:
+                pass
+            log.error("retention failed: %s", exc)
+        return deleted

@@ -1,0 +1,232 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SourceHealth(_message.Message):
+    __slots__ = ("name", "up", "reason", "last_duration_seconds", "errors")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    UP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    LAST_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    up: bool
+    reason: str
+    last_duration_seconds: float
+    errors: int
+    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node_id", "hostname", "agent_version", "connected", "peer", "first_seen_ns", "last_seen_ns", "clock_offset_ns", "clock_uncertainty_ns", "clock_drift_ppm", "clock_rtt_ns", "clock_samples", "sources", "spool_backlog", "records_produced", "records_acked", "records_dropped", "records_stored", "records_rejected", "batches_stored", "batches_duplicate", "gaps", "mode", "mode_until_ns")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_UNCERTAINTY_NS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_DRIFT_PPM_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_RTT_NS_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SPOOL_BACKLOG_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_PRODUCED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_ACKED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_STORED_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_STORED_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MODE_UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    hostname: str
+    agent_version: str
+    connected: bool
+    peer: str
+    first_seen_ns: int
+    last_seen_ns: int
+    clock_offset_ns: int
+    clock_uncertainty_ns: int
+    clock_drift_ppm: float
+    clock_rtt_ns: int
+    clock_samples: int
+    sources: _containers.RepeatedCompositeFieldContainer[SourceHealth]
+    spool_backlog: int
+    records_produced: int
+    records_acked: int
+    records_dropped: int
+    records_stored: int
+    records_rejected: int
+    batches_stored: int
+    batches_duplicate: int
+    gaps: int
+    mode: str
+    mode_until_ns: int
+    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., connected: _Optional[bool] = ..., peer: _Optional[str] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., clock_offset_ns: _Optional[int] = ..., clock_uncertainty_ns: _Optional[int] = ..., clock_drift_ppm: _Optional[float] = ..., clock_rtt_ns: _Optional[int] = ..., clock_samples: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceHealth, _Mapping]]] = ..., spool_backlog: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., records_stored: _Optional[int] = ..., records_rejected: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps: _Optional[int] = ..., mode: _Optional[str] = ..., mode_until_ns: _Optional[int] = ...) -> None: ...
+
+class GpuSample(_message.Message):
+    __slots__ = ("name", "value", "ts_ns")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TS_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    ts_ns: int
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., ts_ns: _Optional[int] = ...) -> None: ...
+
+class Gpu(_message.Message):
+    __slots__ = ("node_id", "index", "uuid", "name", "pci_bus_id", "memory_total_bytes", "driver_version", "last_seen_ns", "latest")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total_bytes: int
+    driver_version: str
+    last_seen_ns: int
+    latest: _containers.RepeatedCompositeFieldContainer[GpuSample]
+    def __init__(self, node_id: _Optional[str] = ..., index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., driver_version: _Optional[str] = ..., last_seen_ns: _Optional[int] = ..., latest: _Optional[_Iterable[_Union[GpuSample, _Mapping]]] = ...) -> None: ...
+
+class Proc(_message.Message):
+    __slots__ = ("node_id", "pid", "start_ticks", "exe", "cmdline", "framework", "job_key", "rank", "local_rank", "world_size", "master_addr", "master_port", "started_ns", "exited_ns", "alive", "cpu_percent", "rss_bytes", "threads")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    EXE_FIELD_NUMBER: _ClassVar[int]
+    CMDLINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    STARTED_NS_FIELD_NUMBER: _ClassVar[int]
+    EXITED_NS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    THREADS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    pid: int
+    start_ticks: int
+    exe: str
+    cmdline: str
+    framework: str
+    job_key: str
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    started_ns: int
+    exited_ns: int
+    alive: bool
+    cpu_percent: float
+    rss_bytes: int
+    threads: int
+    def __init__(self, node_id: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., exe: _Optional[str] = ..., cmdline: _Optional[str] = ..., framework: _Optional[str] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., started_ns: _Optional[int] = ..., exited_ns: _Optional[int] = ..., alive: _Optional[bool] = ..., cpu_percent: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., threads: _Optional[int] = ...) -> None: ...
+
+class GapRow(_message.Message):
+    __slots__ = ("node_id", "ts_ns", "dropped_records", "dropped_batches", "first_seq", "last_seq", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TS_NS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    ts_ns: int
+    dropped_records: int
+    dropped_batches: int
+    first_seq: int
+    last_seq: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., ts_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ..., dropped_batches: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("node_id", "alive_only")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    alive_only: bool
+    def __init__(self, node_id: _Optional[str] = ..., alive_only: _Optional[bool] = ...) -> None: ...
+
+class NodeList(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class GpuList(_message.Message):
+    __slots__ = ("gpus",)
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    gpus: _containers.RepeatedCompositeFieldContainer[Gpu]
+    def __init__(self, gpus: _Optional[_Iterable[_Union[Gpu, _Mapping]]] = ...) -> None: ...
+
+class ProcList(_message.Message):
+    __slots__ = ("procs",)
+    PROCS_FIELD_NUMBER: _ClassVar[int]
+    procs: _containers.RepeatedCompositeFieldContainer[Proc]
+    def __init__(self, procs: _Optional[_Iterable[_Union[Proc, _Mapping]]] = ...) -> None: ...
+
+class GapList(_message.Message):
+    __slots__ = ("gaps",)
+    GAPS_FIELD_NUMBER: _ClassVar[int]
+    gaps: _containers.RepeatedCompositeFieldContainer[GapRow]
+    def __init__(self, gaps: _Optional[_Iterable[_Union[GapRow, _Mapping]]] = ...) -> None: ...
+
+class DeepRequest(_message.Message):
+    __slots__ = ("node_ids", "enable", "start_ns", "lead_ms", "duration_ns", "sources")
+    NODE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    LEAD_MS_FIELD_NUMBER: _ClassVar[int]
+    DURATION_NS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    node_ids: _containers.RepeatedScalarFieldContainer[str]
+    enable: bool
+    start_ns: int
+    lead_ms: int
+    duration_ns: int
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., enable: _Optional[bool] = ..., start_ns: _Optional[int] = ..., lead_ms: _Optional[int] = ..., duration_ns: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DeepReply(_message.Message):
+    __slots__ = ("command_id", "start_ns", "delivered", "offline", "messages")
+    class MessagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    DELIVERED_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    command_id: str
+    start_ns: int
+    delivered: _containers.RepeatedScalarFieldContainer[str]
+    offline: _containers.RepeatedScalarFieldContainer[str]
+    messages: _containers.ScalarMap[str, str]
+    def __init__(self, command_id: _Optional[str] = ..., start_ns: _Optional[int] = ..., delivered: _Optional[_Iterable[str]] = ..., offline: _Optional[_Iterable[str]] = ..., messages: _Optional[_Mapping[str, str]] = ...) -> None: ...

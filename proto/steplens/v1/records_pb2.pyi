@@ -1,0 +1,164 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Mode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MODE_UNSPECIFIED: _ClassVar[Mode]
+    MODE_SENTINEL: _ClassVar[Mode]
+    MODE_DEEP: _ClassVar[Mode]
+MODE_UNSPECIFIED: Mode
+MODE_SENTINEL: Mode
+MODE_DEEP: Mode
+
+class Metric(_message.Message):
+    __slots__ = ("name", "entity", "value")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    entity: str
+    value: float
+    def __init__(self, name: _Optional[str] = ..., entity: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class GpuInfo(_message.Message):
+    __slots__ = ("index", "uuid", "name", "pci_bus_id", "memory_total_bytes", "driver_version", "cuda_driver_version", "nvlink_count", "serial")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PCI_BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DRIVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NVLINK_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SERIAL_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    uuid: str
+    name: str
+    pci_bus_id: str
+    memory_total_bytes: int
+    driver_version: str
+    cuda_driver_version: str
+    nvlink_count: int
+    serial: str
+    def __init__(self, index: _Optional[int] = ..., uuid: _Optional[str] = ..., name: _Optional[str] = ..., pci_bus_id: _Optional[str] = ..., memory_total_bytes: _Optional[int] = ..., driver_version: _Optional[str] = ..., cuda_driver_version: _Optional[str] = ..., nvlink_count: _Optional[int] = ..., serial: _Optional[str] = ...) -> None: ...
+
+class ProcessInfo(_message.Message):
+    __slots__ = ("pid", "ppid", "start_ticks", "exe", "cmdline", "framework", "job_key", "rank", "local_rank", "world_size", "master_addr", "master_port", "env", "container_id", "uid")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PID_FIELD_NUMBER: _ClassVar[int]
+    PPID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    EXE_FIELD_NUMBER: _ClassVar[int]
+    CMDLINE_FIELD_NUMBER: _ClassVar[int]
+    FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    ppid: int
+    start_ticks: int
+    exe: str
+    cmdline: _containers.RepeatedScalarFieldContainer[str]
+    framework: str
+    job_key: str
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    env: _containers.ScalarMap[str, str]
+    container_id: str
+    uid: int
+    def __init__(self, pid: _Optional[int] = ..., ppid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., exe: _Optional[str] = ..., cmdline: _Optional[_Iterable[str]] = ..., framework: _Optional[str] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., local_rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., container_id: _Optional[str] = ..., uid: _Optional[int] = ...) -> None: ...
+
+class ProcessExit(_message.Message):
+    __slots__ = ("pid", "start_ticks")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ...) -> None: ...
+
+class Event(_message.Message):
+    __slots__ = ("kind", "entity", "message", "value")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ENTITY_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    entity: str
+    message: str
+    value: float
+    def __init__(self, kind: _Optional[str] = ..., entity: _Optional[str] = ..., message: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+
+class Gap(_message.Message):
+    __slots__ = ("dropped_records", "dropped_batches", "first_seq", "last_seq", "reason")
+    DROPPED_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    dropped_records: int
+    dropped_batches: int
+    first_seq: int
+    last_seq: int
+    reason: str
+    def __init__(self, dropped_records: _Optional[int] = ..., dropped_batches: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ModeChange(_message.Message):
+    __slots__ = ("mode", "command_id", "until_mono_ns", "reason")
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    mode: Mode
+    command_id: str
+    until_mono_ns: int
+    reason: str
+    def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., command_id: _Optional[str] = ..., until_mono_ns: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Record(_message.Message):
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode")
+    MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    GPU_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_EXIT_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    mono_ns: int
+    source: str
+    metric: Metric
+    gpu: GpuInfo
+    process: ProcessInfo
+    process_exit: ProcessExit
+    event: Event
+    gap: Gap
+    mode: ModeChange
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ...) -> None: ...
+
+class RecordList(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[Record]
+    def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ...) -> None: ...

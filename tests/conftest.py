@@ -1,0 +1,167 @@
+"""Shared harness: real collector and agent processes on loopback, a free port each, JSON from the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+BIN = os.path.dirname(sys.executable)
+STEPLENS = os.path.join(BIN, "steplens")
+AGENT = os.path.join(BIN, "steplens-agent")
+COLLECTOR = os.path.join(BIN, "steplens-collector")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# fast settings for tests: small batches, frequent status, quick reconnects
+FAST_AGENT_TOML = """
+[agent]
+batch_max_delay_seconds = 0.2
+status_interval_seconds = 0.5
+flush_timeout_seconds = 10.0
+reconnect_min_seconds = 0.2
+reconnect_max_seconds = 1.0
+log_level = "info"
+
+[sources.host]
+interval_seconds = 0.2
+
+[sources.procs]
+interval_seconds = 0.5
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+class CollectorProc:
+    def __init__(self, tmp_path, port: int | None = None, extra: list[str] | None = None, db: str | None = None):
+        self.port = port or free_port()
+        self.db = db or str(tmp_path / "collector.db")
+        self.extra = extra or []
+        self.log = open(tmp_path / f"collector-{self.port}.log", "ab")
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, insecure: bool = True) -> "CollectorProc":
+        cmd = [COLLECTOR, "serve", "--db", self.db, "--listen", self.address] + (["--insecure"] if insecure else [])
+        self.proc = subprocess.Popen(cmd + self.extra, stdout=subprocess.PIPE, stderr=self.log)
+        line = self.proc.stdout.readline().decode()
+        if "listening" not in line:
+            raise RuntimeError(f"collector did not start: {line!r}; see {self.log.name}")
+        return self
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def cli(self, *args: str, check: bool = True) -> object:
+        out = subprocess.run([STEPLENS, "--collector", self.address, "--insecure", *args, "--json"],
+                             capture_output=True, text=True, timeout=30)
+        if check and out.returncode != 0:
+            raise AssertionError(f"steplens {' '.join(args)} failed: {out.stderr}")
+        return json.loads(out.stdout) if out.stdout.strip() else None
+
+    def node(self, node_id: str) -> dict | None:
+        for n in self.cli("nodes"):
+            if n["node_id"] == node_id:
+                return n
+        return None
+
+
+class AgentProc:
+    def __init__(self, tmp_path, node_id: str, collector: str, prefix: list[str] | None = None,
+                 extra: list[str] | None = None, toml: str = FAST_AGENT_TOML):
+        self.node_id = node_id
+        self.collector = collector
+        self.state_dir = str(tmp_path / f"agent-{node_id}")
+        os.makedirs(self.state_dir, exist_ok=True)
+        self.config = os.path.join(self.state_dir, "agent.toml")
+        with open(self.config, "w") as fh:
+            fh.write(toml)
+        self.prefix = prefix or []
+        self.extra = extra or []
+        self.log_path = os.path.join(self.state_dir, "agent.log")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "AgentProc":
+        cmd = self.prefix + [AGENT, "run", "--config", self.config, "--collector", self.collector, "--insecure",
+                             "--node-id", self.node_id, "--state-dir", self.state_dir, "--metrics-listen", "",
+                             *self.extra]
+        self.proc = subprocess.Popen(cmd, stdout=open(self.log_path, "ab"), stderr=subprocess.STDOUT)
+        return self
+
+    def agent_pid(self) -> int:
+        """The agent's own PID (below `unshare --fork` when the agent runs in a time namespace)."""
+        import psutil
+        p = psutil.Process(self.proc.pid)
+        for child in [p] + p.children(recursive=True):
+            try:
+                if any("steplens-agent" in part for part in child.cmdline()) and child.name() != "unshare":
+                    return child.pid
+            except psutil.NoSuchProcess:
+                continue
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.agent_pid(), signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError(f"agent {self.node_id} did not stop on SIGTERM; log: {self.read_log()[-2000:]}")
+        return self.proc.returncode
+
+    def read_log(self) -> str:
+        with open(self.log_path, errors="replace") as fh:
+            return fh.read()
+
+
+@pytest.fixture
+def collector(tmp_path):
+    c = CollectorProc(tmp_path).start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def agents():
+    started: list[AgentProc] = []
+    yield started
+    for a in started:
+        if a.proc and a.proc.poll() is None:
+            a.proc.kill()
+            a.proc.wait(5)

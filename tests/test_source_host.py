@@ -1,0 +1,201 @@
+"""host source: real steps on this machine, plus a small fixture tree for the disk and frequency parsers."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from steplens.agent.records import Metric, ProcessInfo
+from steplens.agent.sources.base import ConfigError, HostContext, build_config
+from steplens.agent.sources.host import HostConfig, HostSource
+
+
+@pytest.fixture(autouse=True)
+def _restore_procfs_path():
+    saved = psutil.PROCFS_PATH
+    yield
+    psutil.PROCFS_PATH = saved
+
+
+def _by(records, name):
+    return {m.entity: m.value for m in records if isinstance(m, Metric) and m.name == name}
+
+
+def _source(**ctx_kw) -> HostSource:
+    ctx = HostContext(node_id="t", **ctx_kw)
+    src = HostSource(ctx, build_config(HostConfig, {}, "sources.host"))
+    assert HostSource.probe(ctx).ok
+    src.start()
+    return src
+
+
+def _start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def test_cpu_memory_load_values_are_sane():
+    src = _source()
+    first = src.step()
+    assert _by(first, "cpu_utilization_percent") == {}  # needs two samples
+    end = time.monotonic() + 0.3
+    while time.monotonic() < end:  # keep a core busy so there is something to measure
+        pass
+    second = src.step()
+    util = _by(second, "cpu_utilization_percent")
+    assert set(util) == {f"cpu{i}" for i in range(psutil.cpu_count())}
+    assert all(0.0 <= v <= 100.0 for v in util.values())
+    assert max(util.values()) > 20.0  # the busy loop above shows up on some core
+
+    vm = psutil.virtual_memory()
+    mem = {m.name: m.value for m in second if m.entity == "" and m.name.startswith(("memory_", "swap_"))}
+    assert mem["memory_total_bytes"] == vm.total
+    assert 0 < mem["memory_available_bytes"] <= vm.total
+    assert 0 < mem["memory_used_bytes"] < vm.total
+    assert mem["swap_total_bytes"] == psutil.swap_memory().total
+
+    load = {m.name: m.value for m in second if m.name.startswith("load")}
+    assert set(load) == {"load1", "load5", "load15"}
+    assert abs(load["load1"] - os.getloadavg()[0]) < 1.0
+
+    freq = _by(second, "cpu_frequency_mhz")
+    assert freq and all(v > 100 for v in freq.values())
+    assert all(isinstance(m.mono_ns, int) and m.mono_ns > 0 for m in second)
+    assert all(not m.name.endswith("_total") or m.value >= 0 for m in second)
+
+
+def test_loopback_counters_follow_real_traffic():
+    src = _source()
+    before = src.step()
+    payload = b"x" * 200_000
+    srv = socket.create_server(("127.0.0.1", 0))
+    cli = socket.create_connection(srv.getsockname())
+    conn, _ = srv.accept()
+    cli.sendall(payload)
+    got = 0
+    while got < len(payload):
+        got += len(conn.recv(65536))
+    for s in (cli, conn, srv):
+        s.close()
+    after = src.step()
+    for name in ("network_receive_bytes_total", "network_transmit_bytes_total"):
+        assert _by(after, name)["lo"] - _by(before, name)["lo"] >= len(payload)
+    for name in ("network_receive_packets_total", "network_transmit_packets_total"):
+        assert _by(after, name)["lo"] > _by(before, name)["lo"]
+    assert "lo" in _by(after, "network_receive_drops_total")
+
+
+def test_workload_process_figures(tmp_path):
+    burner = subprocess.Popen([sys.executable, "-c", "import threading,time\n"
+                               "t=threading.Thread(target=time.sleep,args=(60,));t.start()\n"
+                               "x=bytearray(64<<20)\n"
+                               "while True: pass"])
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    try:
+        time.sleep(0.3)
+        ctx = HostContext(node_id="t")
+        key = (burner.pid, _start_ticks(burner.pid))
+        reused = (burner.pid, key[1] - 1)  # same pid, other start time: must not be reported as the burner
+        ctx.workloads.replace({
+            key: ProcessInfo(0, *key),
+            (gone.pid, 12345): ProcessInfo(0, gone.pid, 12345),
+            reused: ProcessInfo(0, *reused),
+        })
+        src = HostSource(ctx, HostConfig())
+        src.start()
+        first = src.step()
+        entity = f"pid:{key[0]}:{key[1]}"
+        ents = {m.entity for m in first if m.name.startswith("process_")}
+        assert ents == {entity}  # the vanished and the mismatched process are skipped, silently
+        assert _by(first, "process_cpu_percent") == {}
+        time.sleep(0.5)
+        second = src.step()
+        pct = _by(second, "process_cpu_percent")[entity]
+        assert 50.0 < pct <= 110.0  # one spinning thread: about one core
+        assert _by(second, "process_cpu_seconds_total")[entity] > _by(first, "process_cpu_seconds_total")[entity]
+        rss = _by(second, "process_resident_memory_bytes")[entity]
+        assert rss >= 64 << 20
+        assert _by(second, "process_threads")[entity] == 2
+        assert _by(second, "process_voluntary_context_switches_total")[entity] >= 0
+        assert _by(second, "process_involuntary_context_switches_total")[entity] >= 0
+        assert rss == pytest.approx(psutil.Process(burner.pid).memory_info().rss, rel=0.05)
+    finally:
+        burner.kill()
+        burner.wait()
+
+
+def test_fixture_tree_disks_and_sysfs_frequency(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    for name in ("stat", "meminfo", "vmstat", "loadavg"):
+        shutil.copy(f"/proc/{name}", proc / name)
+    shutil.copy("/proc/net/dev", proc / "net" / "dev")
+    # fields: major minor name reads merged sectors_read ms writes merged sectors_written ms in_flight io_ms ...
+    (proc / "diskstats").write_text(
+        "   8       0 sda 100 0 2048 10 50 0 4096 20 0 1500 30 0 0 0 0\n"
+        "   8       1 sda1 90 0 2000 9 40 0 4000 19 0 1400 28 0 0 0 0\n"
+        " 259       0 nvme0n1 7 0 8 1 3 0 16 1 0 250 2 0 0 0 0\n"
+        " 259       1 nvme0n1p1 7 0 8 1 3 0 16 1 0 250 2 0 0 0 0\n"
+        "   7       0 loop0 1 0 2 0 0 0 0 0 0 0 0 0 0 0 0\n"
+    )
+    sys_root = tmp_path / "sys"
+    for dev in ("sda", "nvme0n1", "loop0"):
+        (sys_root / "block" / dev).mkdir(parents=True)
+    for cpu, khz in ((0, 2400000), (1, 3100000)):
+        d = sys_root / "devices" / "system" / "cpu" / f"cpu{cpu}" / "cpufreq"
+        d.mkdir(parents=True)
+        (d / "scaling_cur_freq").write_text(f"{khz}\n")
+
+    src = _source(proc_root=str(proc), sys_root=str(sys_root))
+    out = src.step()
+    assert _by(out, "disk_read_bytes_total") == {"sda": 2048 * 512, "nvme0n1": 8 * 512}
+    assert _by(out, "disk_written_bytes_total") == {"sda": 4096 * 512, "nvme0n1": 16 * 512}
+    assert _by(out, "disk_reads_completed_total")["sda"] == 100
+    assert _by(out, "disk_writes_completed_total")["nvme0n1"] == 3
+    assert _by(out, "disk_io_time_seconds_total")["sda"] == 1.5
+    assert _by(out, "cpu_frequency_mhz") == {"cpu0": 2400.0, "cpu1": 3100.0}
+    with open(proc / "loadavg") as f:
+        assert _by(out, "load15")[""] == float(f.read().split()[2])
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="nic_exclude_regex"):
+        build_config(HostConfig, {"nic_exclude_regex": "["}, "sources.host")
+    with pytest.raises(ConfigError, match="interval_seconds"):
+        build_config(HostConfig, {"interval_seconds": 0}, "sources.host")
+
+
+def test_nic_exclusion():
+    src = HostSource(HostContext(node_id="t"), build_config(HostConfig, {"nic_exclude_regex": "^lo$"}, "sources.host"))
+    src.start()
+    assert "lo" not in _by(src.step(), "network_receive_bytes_total")
+
+
+def test_step_cost():
+    """CPU per step at steady state; the figure goes into the module docstring."""
+    ctx = HostContext(node_id="t")
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]) for _ in range(2)]
+    try:
+        ctx.workloads.replace({(p.pid, _start_ticks(p.pid)): ProcessInfo(0, p.pid, _start_ticks(p.pid)) for p in procs})
+        src = HostSource(ctx, HostConfig())
+        src.start()
+        src.step()
+        n = 100
+        t0 = time.process_time()
+        for _ in range(n):
+            src.step()
+        per_step = (time.process_time() - t0) / n
+        print(f"host step: {per_step * 1e6:.0f} us CPU ({psutil.cpu_count()} cpus, 2 workload processes)")
+        assert per_step < 0.005
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
