@@ -3,7 +3,8 @@
 Batches are appended with the next seq, sent in order by the transport, and deleted when the
 collector acknowledges a durable commit. The spool is bounded in bytes: when full, the oldest
 batches not in flight are dropped, counted, and a Gap record saying how many is queued, so a loss
-always reaches the store. Counters live in the same file and change in the same transaction as
+always reaches the store. Gap batches are never dropped: an unsent one absorbs later losses in
+place, so there is at most one waiting, seqs stay contiguous and the reported totals stay exact. Counters live in the same file and change in the same transaction as
 the batches, so produced = acked + dropped + backlog holds across crashes.
 
 Cost: one small transaction per append/ack (~100 µs with synchronous=NORMAL under WAL).
@@ -24,7 +25,12 @@ CREATE TABLE IF NOT EXISTS batches (
   n_records INTEGER NOT NULL,
   n_bytes INTEGER NOT NULL,
   created_mono_ns INTEGER NOT NULL,
-  payload BLOB NOT NULL
+  payload BLOB NOT NULL,
+  -- for a batch that carries a Gap record: the loss it reports (merged into the next gap if unsent)
+  gap_records INTEGER NOT NULL DEFAULT 0,
+  gap_batches INTEGER NOT NULL DEFAULT 0,
+  gap_first INTEGER NOT NULL DEFAULT 0,
+  gap_last INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value);
 """
@@ -78,7 +84,8 @@ class Spool:
                 self._set("last_acked_seq", 0)
         self.spool_id: str = self._meta("spool_id")
         self._backlog_bytes = self._db.execute("SELECT COALESCE(SUM(n_bytes),0) FROM batches").fetchone()[0]
-        self._in_flight_floor = 0  # seqs >= this may be in flight; never dropped
+        self._in_flight_floor = 0  # seqs >= this may be in flight; never dropped (0: none in flight)
+        self._last_handed = 0
 
     # -- helpers --------------------------------------------------------------------------
     def _tx(self):
@@ -117,10 +124,11 @@ class Spool:
             except sqlite3.Error as exc:
                 raise SpoolError(f"spool append failed: {exc}") from None
 
-    def _insert(self, payload: bytes, n_records: int, mono_ns: int) -> int:
+    def _insert(self, payload: bytes, n_records: int, mono_ns: int, gap: tuple = (0, 0, 0, 0)) -> int:
         seq = self._meta("next_seq")
-        self._db.execute("INSERT INTO batches(seq,n_records,n_bytes,created_mono_ns,payload) VALUES(?,?,?,?,?)",
-                         (seq, n_records, len(payload), mono_ns, payload))
+        self._db.execute("INSERT INTO batches(seq,n_records,n_bytes,created_mono_ns,payload,gap_records,gap_batches,"
+                         "gap_first,gap_last) VALUES(?,?,?,?,?,?,?,?,?)",
+                         (seq, n_records, len(payload), mono_ns, payload, *gap))
         self._set("next_seq", seq + 1)
         self._add("records_produced", n_records)
         self._backlog_bytes += len(payload)
@@ -129,7 +137,7 @@ class Spool:
     def _make_room(self, incoming: int) -> None:
         while self._backlog_bytes + incoming > self.max_bytes:
             row = self._db.execute(
-                "SELECT seq, n_records, n_bytes FROM batches WHERE seq < ? ORDER BY seq LIMIT 1",
+                "SELECT seq, n_records, n_bytes FROM batches WHERE seq < ? AND gap_batches = 0 ORDER BY seq LIMIT 1",
                 (self._in_flight_floor or (1 << 62),)).fetchone()
             if row is None:
                 return  # only in-flight batches left; let the spool exceed its bound briefly
@@ -149,11 +157,23 @@ class Spool:
         batches = self._meta("pending_gap_batches")
         if not batches or self._gap_encoder is None:
             return
-        payload, n = self._gap_encoder(dropped, batches, self._meta("pending_gap_first"),
-                                       self._meta("pending_gap_last"))
+        first, last = self._meta("pending_gap_first"), self._meta("pending_gap_last")
         for key in ("pending_gap_records", "pending_gap_batches", "pending_gap_first", "pending_gap_last"):
             self._set(key, 0)
-        self._insert(payload, n, mono_ns)
+        # an unsent gap batch absorbs the new loss in place (same seq: no hole, no second gap record)
+        row = self._db.execute("SELECT seq, n_bytes, gap_records, gap_batches, gap_first, gap_last FROM batches"
+                               " WHERE gap_batches > 0 AND seq < ? ORDER BY seq DESC LIMIT 1",
+                               (self._in_flight_floor or (1 << 62),)).fetchone()
+        if row is not None:
+            seq, nbytes, g_rec, g_bat, g_first, g_last = row
+            gap = (dropped + g_rec, batches + g_bat, min(first, g_first), max(last, g_last))
+            payload, _ = self._gap_encoder(*gap)
+            self._db.execute("UPDATE batches SET payload=?, n_bytes=?, gap_records=?, gap_batches=?, gap_first=?,"
+                             " gap_last=? WHERE seq=?", (payload, len(payload), *gap, seq))
+            self._backlog_bytes += len(payload) - nbytes
+            return
+        payload, n = self._gap_encoder(dropped, batches, first, last)
+        self._insert(payload, n, mono_ns, (dropped, batches, first, last))
 
     def count_lost(self, n_records: int) -> None:
         """Records lost before reaching the spool (agent queue overflow): produced and dropped."""
@@ -161,16 +181,24 @@ class Spool:
             self._add("records_produced", n_records)
             self._add("records_dropped", n_records)
 
-    def set_in_flight_floor(self, seq: int) -> None:
-        """The transport's oldest unacknowledged sent seq (0: nothing in flight)."""
-        self._in_flight_floor = seq
-
-    def read_after(self, seq: int, limit: int = 16) -> list[tuple[int, int, bytes]]:
-        """Batches with seq > `seq`, oldest first: (seq, n_records, payload)."""
+    def reset_in_flight(self) -> None:
+        """The stream broke: nothing is in flight any more (unacked batches will be sent again)."""
         with self._lock:
-            return self._db.execute(
+            self._in_flight_floor = 0
+            self._last_handed = 0
+
+    def take_for_send(self, after_seq: int, limit: int = 16) -> list[tuple[int, int, bytes]]:
+        """Batches with seq > after_seq, oldest first: (seq, n_records, payload). They count as in flight
+        from this moment (under the same lock), so overflow never drops or rewrites a batch being sent."""
+        with self._lock:
+            rows = self._db.execute(
                 "SELECT seq, n_records, payload FROM batches WHERE seq > ? ORDER BY seq LIMIT ?",
-                (seq, limit)).fetchall()
+                (after_seq, limit)).fetchall()
+            if rows:
+                if not self._in_flight_floor:
+                    self._in_flight_floor = rows[0][0]
+                self._last_handed = max(self._last_handed, rows[-1][0])
+            return rows
 
     def ack(self, seq: int) -> int:
         """Delete every batch up to seq (the collector committed them). Returns records acked."""
@@ -180,6 +208,8 @@ class Spool:
                                        "FROM batches WHERE seq <= ?", (seq,)).fetchone()
                 n, nbytes = row
                 self._db.execute("DELETE FROM batches WHERE seq <= ?", (seq,))
+                if self._in_flight_floor:
+                    self._in_flight_floor = seq + 1 if self._last_handed > seq else 0
                 self._add("records_acked", n)
                 if seq > (self._meta("last_acked_seq") or 0):
                     self._set("last_acked_seq", seq)

@@ -1,8 +1,9 @@
 """procs: finds the training/inference processes on this node and says which job and rank each belongs to.
 
-Each step scans ctx.proc_root: /proc/PID/stat for every process (start time, parent, comm; kernel threads
-skipped by their PF_KTHREAD flag), and for a process not seen before (new pid, start time or comm, since
-exec and setproctitle change comm) its cmdline, exe link, environ, cgroup and, for Python processes the
+Each step lists ctx.proc_root and reads /proc/PID/stat (start time, parent, comm, state, PF_KTHREAD flag)
+of every new PID, of every workload, and of each known non-workload once per recheck_seconds (to catch
+exec and PID reuse cheaply). For a process not seen before (new pid, start time or comm, since exec and
+setproctitle change comm) it reads cmdline, the exe link, environ, cgroup and, for Python processes the
 cmdline does not classify, /proc/PID/maps. A process is a workload when
   * it is Python (exe basename or argv[0] matches python*) and its cmdline names a framework launcher or
     module (torchrun, torch.distributed.run, vllm, sglang, megatron, deepspeed, VLLM::* process titles), or
@@ -12,15 +13,23 @@ A Python process that has not imported torch yet maps nothing telling, so its ma
 doubling back-off (1 s, 2 s, 4 s ... up to maps_recheck_max_seconds) instead of once; a classified process
 is never re-read.
 
-Emits ProcessInfo when a (pid, start_ticks) is first seen (everything present on the first step) and
-ProcessExit when it is gone, and keeps ctx.workloads current for the other sources.
+Job key: STEPLENS_JOB, else torchelastic:<TORCHELASTIC_RUN_ID>, else slurm:<SLURM_JOB_ID>, else
+master:<MASTER_ADDR>:<MASTER_PORT>, else pid:<top-most workload ancestor>. Unless include_helpers is set, a
+workload whose parent is a workload of the same rank (a forked DataLoader or compile worker) is left out.
+
+Emits ProcessInfo when a (pid, start_ticks) is first seen (everything present on the first step), again if
+exec changed what it runs, and ProcessExit when it is gone (a zombie counts as gone); keeps ctx.workloads
+current for the other sources.
 
 Privileges: /proc/PID/environ and /proc/PID/exe of other users' processes need root (or CAP_SYS_PTRACE);
 without them the process is still reported with what cmdline and stat say (no rank, env empty).
 
-Cost (2-core Debian 12 VM, ~75 processes, measured by tests/test_source_procs.py::test_step_cost):
-~0.5 ms of CPU per steady-state scan (one stat read per process, ~6 µs each), so ~0.05% of a core at
-1 Hz; a new process costs one extra classification (~0.1-1 ms, more when maps is large).
+Cost (2-core Debian 12 VM, ~75 processes of which 6 unclassified Python ones; tests/test_source_procs.py::
+test_step_cost, process_time over 120 steps with the clock advanced 1 s per step, after a 60 s warm-up):
+~0.3 ms of CPU per scan, ~0.03% of a core at 1 Hz. A known non-workload costs nothing between its
+verifications (a stat read every recheck_seconds); a workload one stat read (~7 µs) per scan; an
+unclassified Python process one maps read (~0.5 ms for a large interpreter) per maps_recheck_max_seconds
+once the back-off has ramped up; a new process one classification (~0.1-1 ms).
 """
 
 from __future__ import annotations

@@ -121,7 +121,7 @@ class StreamClient:
                 log.exception("transport error")
             finally:
                 self.connected = False
-                self.spool.set_in_flight_floor(0)
+                self.spool.reset_in_flight()
             if self._stop.is_set():
                 break
             if got_hello and time.monotonic() - started > 10:
@@ -179,6 +179,7 @@ class StreamClient:
                     got_hello = True
                     watchdog.cancel()
                     last = msg.hello_ack.last_seq
+                    self.spool.reset_in_flight()
                     if last:
                         self.spool.ack(last)
                         self._last_acked = max(self._last_acked, last)
@@ -206,7 +207,6 @@ class StreamClient:
         self._last_acked = max(self._last_acked, seq)
         with self._wake:
             state["in_flight"] = [s for s in state["in_flight"] if s > seq]
-            self.spool.set_in_flight_floor(state["in_flight"][0] if state["in_flight"] else 0)
             self._wake.notify_all()
 
     def _run_command(self, command: ipb.Command, outbox: queue.Queue) -> None:
@@ -227,12 +227,11 @@ class StreamClient:
                 outbox.put(ipb.AgentMessage(status=self._status_fn(False)))
                 next_status = now + cfg.status_interval_seconds
             room = cfg.window_batches - len(state["in_flight"])
-            batches = self.spool.read_after(state["last_sent"], room) if room > 0 else []
+            batches = self.spool.take_for_send(state["last_sent"], room) if room > 0 else []
             if batches:
                 with self._wake:
                     for seq, n, payload in batches:
                         state["in_flight"].append(seq)
-                    self.spool.set_in_flight_floor(state["in_flight"][0])
                 for seq, n, payload in batches:
                     outbox.put(ipb.AgentMessage(batch=ipb.Batch(
                         agent_id=cfg.agent_id, spool_id=self.spool.spool_id, seq=seq, n_records=n,

@@ -155,6 +155,8 @@ class IngestService:
         self._update(agent, hostname=hello.hostname, agent_version=hello.agent_version, boot_id=hello.boot_id,
                      spool_id=hello.spool_id, connected=1, peer=context.peer())
         acked_hello = False
+        inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
+        reader = asyncio.create_task(self._read_loop(it, inbox))
         try:
             last_seq = await asyncio.to_thread(self.writer.last_seq, agent, hello.spool_id)
             ack_deadline = time.monotonic() + s.hello_timeout_seconds
@@ -164,15 +166,17 @@ class IngestService:
                         hello_ack=ipb.HelloAck(schema_version=SCHEMA_VERSION, last_seq=last_seq)))
                     acked_hello = True
                 try:
-                    raw = await asyncio.wait_for(it.__anext__(), 0.25 if not acked_hello else None)
+                    # never time out a read on the stream itself (cancelling it ends the stream); the
+                    # reader task owns the stream and hands over (t4, bytes) pairs
+                    item = await asyncio.wait_for(inbox.get(), 0.25 if not acked_hello else None)
                 except asyncio.TimeoutError:
                     if time.monotonic() > ack_deadline:
                         await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                                            "the agent did not answer clock probes")
                     continue
-                except StopAsyncIteration:
+                if item is None:
                     break
-                t4 = self.clock.now_ns()
+                t4, raw = item
                 msg = await self._parse(raw, context)
                 kind = msg.WhichOneof("msg")
                 if kind == "clock":
@@ -207,6 +211,7 @@ class IngestService:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, failed["note"])
         finally:
             prober.cancel()
+            reader.cancel()
             session.closed = True
             session.outbox.put_nowait(_CLOSE)
             try:
@@ -219,6 +224,15 @@ class IngestService:
             if self.sessions.get(agent) is session:
                 del self.sessions[agent]
                 self._update(agent, connected=0)
+
+    async def _read_loop(self, it, inbox: asyncio.Queue) -> None:
+        try:
+            async for raw in it:
+                await inbox.put((self.clock.now_ns(), raw))
+        except Exception:  # the stream broke or was cancelled: the handler sees the end
+            pass
+        finally:
+            await inbox.put(None)
 
     async def _submit(self, session: Session, b: ipb.Batch, loop, failed: dict) -> None:
         def done(outcome: str, rejected: int, note: str, seq=b.seq) -> None:
