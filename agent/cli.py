@@ -66,7 +66,7 @@ def cmd_run(args) -> int:
 
 
 def cmd_check(args) -> int:
-    cfg = agent_config.load(args.config, _overrides(args))
+    cfg = agent_config.load(args.config, _overrides(args), check_transport=False)
     ctx = HostContext(node_id=cfg.agent.node_id, proc_root=cfg.agent.proc_root, sys_root=cfg.agent.sys_root,
                       state_dir=cfg.agent.state_dir)
     report = {}
@@ -91,7 +91,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_print_config(args) -> int:
-    cfg = agent_config.load(args.config, _overrides(args))
+    cfg = agent_config.load(args.config, _overrides(args), check_transport=False)
     sys.stdout.write(cfg.as_toml())
     return 0
 
@@ -110,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     _common(p)
     p.set_defaults(func=cmd_print_config)
     args = parser.parse_args(argv)
-    if args.command == "check" and args.insecure is None and not args.collector:
-        args.insecure = True  # check never connects; do not demand TLS settings for it
     try:
         return args.func(args)
     except (ConfigError, conn.SecurityError) as exc:

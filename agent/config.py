@@ -53,13 +53,6 @@ class AgentSettings:
         conn.split_host_port(self.collector)
         if self.metrics_listen:
             conn.split_host_port(self.metrics_listen)
-        if self.insecure:
-            conn.require_insecure_allowed(self.collector)
-        elif not (self.tls_ca or self.tls_cert):
-            raise ConfigError("without --insecure the agent needs TLS: set tls_ca, tls_cert and tls_key "
-                              "(mutual TLS to the collector)")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ConfigError("tls_cert and tls_key go together")
         if not (1 <= self.batch_max_records <= 100_000):
             raise ConfigError("batch_max_records must be within 1..100000")
         if not (4096 <= self.batch_max_bytes <= conn.MAX_MESSAGE_BYTES // 2):
@@ -76,6 +69,16 @@ class AgentSettings:
             raise ConfigError("need 0 < reconnect_min_seconds <= reconnect_max_seconds")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ConfigError("log_level is one of debug, info, warning, error")
+
+    def validate_transport(self) -> None:
+        """How the agent reaches the collector (skipped by `check`, which never connects)."""
+        if self.insecure:
+            conn.require_insecure_allowed(self.collector)
+        elif not (self.tls_ca or self.tls_cert):
+            raise ConfigError("without --insecure the agent needs TLS: set tls_ca, tls_cert and tls_key "
+                              "(mutual TLS to the collector)")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key go together")
 
 
 @dataclass
@@ -103,7 +106,7 @@ def _toml_value(v) -> str:
     return f'"{s}"'
 
 
-def load(path: str | None, overrides: dict | None = None) -> AgentConfig:
+def load(path: str | None, overrides: dict | None = None, check_transport: bool = True) -> AgentConfig:
     """Read, merge overrides ({"agent": {...}, "sources": {name: {...}}}), type-check and validate."""
     data: dict = {}
     if path is None and os.path.exists(DEFAULT_CONFIG_PATH):
@@ -129,6 +132,11 @@ def load(path: str | None, overrides: dict | None = None) -> AgentConfig:
     if not agent_table.get("node_id"):
         agent_table["node_id"] = conn.hostname()
     settings = build_config(AgentSettings, agent_table, "[agent]")  # type: ignore[arg-type]
+    if check_transport:
+        try:
+            settings.validate_transport()
+        except ValueError as exc:
+            raise ConfigError(f"[agent]: {exc}") from None
     unknown_sources = sorted(set(sources_table) - set(SOURCE_PATHS))
     if unknown_sources:
         raise ConfigError(f"unknown source(s) {', '.join(unknown_sources)}; known: {', '.join(SOURCE_PATHS)}")

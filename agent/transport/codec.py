@@ -9,15 +9,20 @@ from steplens.agent import records as r
 from steplens.v1 import records_pb2 as pb
 
 
+_KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange})
+
+
 def encode_records(items: list[tuple[str, object]]) -> bytes:
     """(source name, record) pairs -> serialized RecordList."""
     out = pb.RecordList()
     add = out.records.add
     for source, rec in items:
+        t = type(rec)
+        if t not in _KNOWN:
+            raise TypeError(f"source {source!r} emitted {t.__name__}, which is not a steplens record")
         msg = add()
         msg.mono_ns = rec.mono_ns
         msg.source = source
-        t = type(rec)
         if t is r.Metric:
             m = msg.metric
             m.name = rec.name
@@ -73,8 +78,6 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
             m.command_id = rec.command_id
             m.until_mono_ns = rec.until_mono_ns
             m.reason = rec.reason
-        else:
-            raise TypeError(f"source {source!r} emitted {t.__name__}, which is not a steplens record")
     return out.SerializeToString()
 
 

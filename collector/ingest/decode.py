@@ -100,8 +100,8 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
 
 def process_row(proc) -> dict:
     return {"pid": proc.pid, "start_ticks": proc.start_ticks, "ppid": proc.ppid, "exe": proc.exe,
-            "cmdline": json.dumps(list(proc.cmdline)), "framework": proc.framework, "job_key": proc.job_key,
+            "cmdline": json.dumps(list(proc.cmdline), ensure_ascii=False), "framework": proc.framework, "job_key": proc.job_key,
             "rank": proc.rank, "local_rank": proc.local_rank, "world_size": proc.world_size,
             "master_addr": proc.master_addr, "master_port": proc.master_port,
-            "env_json": json.dumps(dict(proc.env), sort_keys=True), "container_id": proc.container_id,
+            "env_json": json.dumps(dict(proc.env), sort_keys=True, ensure_ascii=False), "container_id": proc.container_id,
             "uid": proc.uid}

@@ -1,0 +1,52 @@
+"""Round trip: agent records -> agent/transport encoding -> collector/ingest decoding."""
+
+import math
+import time
+
+from steplens.agent import records as r
+from steplens.agent.transport.codec import decode_records, encode_records
+from steplens.collector.ingest.decode import decode_batch, process_row
+
+T = time.monotonic_ns()
+SAMPLES = [
+    ("host", r.Metric(T, "cpu_utilization_percent", "cpu0", 12.5)),
+    ("gpu", r.GpuInfo(T + 1, 0, "GPU-1234", "NVIDIA H100", "00000000:1B:00.0", 80 * 2**30, "575.1", "12.9", 18, "S1")),
+    ("procs", r.ProcessInfo(T + 2, 4242, 99812, 1, "/usr/bin/python3", ["python", "train.py", "--lr", "ü"], "torch",
+                            "torchelastic:abc", 3, 1, 8, "10.0.0.1", 29500, {"RANK": "3"}, "c0ffee", 1000)),
+    ("procs", r.ProcessExit(T + 3, 4242, 99812)),
+    ("gpu", r.Event(T + 4, "xid", "gpu0", "XID 79: fallen off the bus", 79.0)),
+    ("agent", r.Gap(T + 5, 100, 3, 7, 9, "spool full")),
+    ("agent", r.ModeChange(T + 6, r.Mode.DEEP, "cmd1", T + 10**9, "command")),
+]
+
+
+def test_agent_side_round_trip():
+    assert decode_records(encode_records(SAMPLES)) == SAMPLES
+
+
+def test_collector_decodes_what_the_agent_encodes():
+    d = decode_batch(encode_records(SAMPLES), len(SAMPLES), T + 10**9)
+    assert not d.rejected
+    assert d.metrics == [(T, "cpu_utilization_percent", "cpu0", 12.5)]
+    (mono, g), = d.gpus
+    assert (mono, g.uuid, g.memory_total_bytes, g.nvlink_count) == (T + 1, "GPU-1234", 80 * 2**30, 18)
+    (mono, p), = d.processes
+    row = process_row(p)
+    assert row["rank"] == 3 and row["job_key"] == "torchelastic:abc" and "ü" in row["cmdline"]
+    assert d.exits == [(T + 3, 4242, 99812)]
+    assert d.events == [(T + 4, "gpu", "xid", "gpu0", "XID 79: fallen off the bus", 79.0)]
+    (mono, src, gap), = d.gaps
+    assert (gap.dropped_records, gap.dropped_batches, gap.reason) == (100, 3, "spool full")
+    (mono, mode), = d.modes
+    assert mode.mode == 2 and mode.until_mono_ns == T + 10**9
+
+
+def test_non_record_is_refused_by_the_encoder():
+    import pytest
+    with pytest.raises(TypeError, match="not a steplens record"):
+        encode_records([("x", object())])
+
+
+def test_nan_is_carried_so_the_collector_can_count_it():
+    d = decode_batch(encode_records([("h", r.Metric(T, "m", "e", math.nan))]), 1, T + 1)
+    assert d.metrics == [] and sum(d.rejected.values()) == 1

@@ -1,0 +1,111 @@
+"""The runner isolates sources: a failing, slow or stuck source never stalls the others, errors
+are counted with their reason, and queue overflow becomes a counted gap."""
+
+import dataclasses
+import time
+
+from steplens.agent.records import Gap, Metric
+from steplens.agent.runner import BatchPolicy, Runner
+from steplens.agent.sources.base import Availability, HostContext, Source, SourceConfig
+from steplens.agent.transport.codec import decode_records, encode_records
+
+
+class ListSpool:
+    def __init__(self):
+        self.batches = []
+        self.lost = 0
+
+    def append(self, payload, n, mono):
+        self.batches.append(decode_records(payload))
+        return len(self.batches)
+
+    def count_lost(self, n):
+        self.lost += n
+
+    def records(self):
+        return [x for b in self.batches for x in b]
+
+
+class Ticker(Source):
+    name = "ticker"
+    description = "emits one metric per step"
+
+    def step(self):
+        return [Metric(time.monotonic_ns(), "tick", "", 1.0)]
+
+
+class Failing(Source):
+    name = "failing"
+    description = "raises every step"
+
+    def step(self):
+        raise RuntimeError("sensor on fire")
+
+
+class Stuck(Source):
+    name = "stuck"
+    description = "never returns from step"
+
+    def step(self):
+        time.sleep(3600)
+
+
+class Unavailable(Source):
+    name = "unavailable"
+    description = "cannot run here"
+
+    @classmethod
+    def probe(cls, ctx):
+        return Availability.no("no such hardware")
+
+
+class Flood(Source):
+    name = "flood"
+    description = "emits more than the queue holds"
+
+    def step(self):
+        t = time.monotonic_ns()
+        return [Metric(t + i, "flood", "", float(i)) for i in range(5000)]
+
+
+def _runner(sources, policy=None):
+    spool = ListSpool()
+    cfg = SourceConfig(interval_seconds=0.02, step_timeout_seconds=0.5)
+    runner = Runner(HostContext("t"), {c.name: (c, cfg) for c in sources}, encode_records, spool,
+                    policy or BatchPolicy(max_records=500, max_delay_seconds=0.05))
+    return runner, spool
+
+
+def test_failing_and_stuck_sources_do_not_stall_others():
+    runner, spool = _runner([Ticker, Failing, Stuck, Unavailable])
+    runner.start()
+    time.sleep(1.2)
+    runner.stalled_check()
+    states = {n: dataclasses.replace(s) for n, s in runner.states.items()}
+    runner.stop(timeout=1.0)
+    ticks = [x for x in spool.records() if x[0] == "ticker"]
+    assert len(ticks) > 20
+    assert states["ticker"].up and states["ticker"].errors == 0
+    assert not states["failing"].up and "sensor on fire" in states["failing"].reason
+    assert states["failing"].errors > 10
+    assert not states["stuck"].up and states["stuck"].reason.startswith("stalled")
+    assert not states["unavailable"].up and states["unavailable"].reason == "no such hardware"
+
+
+def test_queue_overflow_is_a_gap_not_silence():
+    runner, spool = _runner([Flood], BatchPolicy(max_records=100, max_delay_seconds=0.5, queue_max_records=1000))
+    runner.start()
+    time.sleep(0.5)
+    runner.stop(timeout=1.0)
+    gaps = [rec for src, rec in spool.records() if isinstance(rec, Gap)]
+    assert gaps and sum(g.dropped_records for g in gaps) == spool.lost == runner.queue.dropped_total > 0
+    assert all(g.reason == "agent record queue full" for g in gaps)
+
+
+def test_stop_is_idempotent_and_flushes():
+    runner, spool = _runner([Ticker])
+    runner.start()
+    time.sleep(0.2)
+    runner.stop(timeout=1.0)
+    runner.stop(timeout=1.0)
+    assert len(runner.queue) == 0 and spool.records()
