@@ -53,7 +53,7 @@ def test_agent_with_its_certificate_streams(tls_collector, pki):
 
 def test_agent_without_a_certificate_is_refused(tls_collector, pki):
     a = RawAgent(tls_collector.address, "node-a", channel=_channel(tls_collector.address, pki[0]))
-    a.hello(timeout=5)
+    a.hello(timeout=5, expect=False)
     assert a.wait_error().code() == grpc.StatusCode.UNAVAILABLE  # the TLS handshake fails
 
 
@@ -61,14 +61,14 @@ def test_certificate_from_another_ca_is_refused(tls_collector, pki, tmp_path):
     other = Pki(str(tmp_path / "other"), "evil")
     a = RawAgent(tls_collector.address, "node-a",
                  channel=_channel(tls_collector.address, pki[0], other.issue("node-a")))
-    a.hello(timeout=5)
+    a.hello(timeout=5, expect=False)
     assert a.wait_error().code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_agent_id_must_match_certificate(tls_collector, pki):
     ca = pki[0]
     a = RawAgent(tls_collector.address, "node-b", channel=_channel(tls_collector.address, ca, ca.issue("node-a")))
-    a.hello(timeout=5)
+    a.hello(timeout=5, expect=False)
     err = a.wait_error()
     assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "node-a" in err.details()
 
@@ -76,7 +76,7 @@ def test_agent_id_must_match_certificate(tls_collector, pki):
 def test_ingest_on_the_token_port_is_refused(tls_collector, pki):
     # the operators' port asks for no client certificate, so no agent can stream there
     a = RawAgent(tls_collector.control_address, "node-a", channel=_channel(tls_collector.control_address, pki[0]))
-    a.hello(timeout=5)
+    a.hello(timeout=5, expect=False)
     assert a.wait_error().code() == grpc.StatusCode.PERMISSION_DENIED
 
 

@@ -81,7 +81,7 @@ def test_oversized_batch(collector):
 
 def test_wrong_schema_version(collector):
     a = RawAgent(collector.address, "future", schema_version=2)
-    assert a.hello(timeout=5) is None
+    assert a.hello(timeout=5, expect=False) is None
     err = a.wait_error()
     assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "schema version 2 is not supported" in err.details()

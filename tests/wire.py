@@ -69,12 +69,16 @@ class RawAgent:
     def send(self, item) -> None:
         self.out.put(item)
 
-    def hello(self, timeout: float = 30.0) -> ipb.HelloAck:
+    def hello(self, timeout: float = 30.0, expect: bool = True) -> ipb.HelloAck | None:
         self.send(ipb.AgentMessage(hello=ipb.Hello(schema_version=self.schema_version, agent_id=self.agent_id,
                                                    spool_id=self.spool_id, hostname="test")))
         deadline = time.monotonic() + timeout
         while self.hello_ack is None and not self.done.is_set() and time.monotonic() < deadline:
             time.sleep(0.01)
+        if expect and self.hello_ack is None:
+            err = self.error
+            raise AssertionError(f"no HelloAck within {timeout}s: "
+                                 f"{(err.code().name + ': ' + err.details()) if err else 'stream still open'}")
         return self.hello_ack
 
     def batch(self, seq: int, records: list, n_records: int | None = None, payload: bytes | None = None) -> None:
