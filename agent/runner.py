@@ -29,7 +29,8 @@ class SourceState:
     reason: str = ""
     last_duration_seconds: float = 0.0
     steps: int = 0
-    errors: int = 0
+    errors: int = 0            # failed steps plus the non-fatal errors the source counts itself
+    step_errors: int = 0
     records: int = 0
     step_started: float = 0.0  # time.monotonic() of a step in progress, 0 when idle
 
@@ -184,7 +185,7 @@ class Runner:
                     ok = True
                 except Exception as exc:
                     ok = False
-                    state.errors += 1
+                    state.step_errors += 1
                     state.up, state.reason = False, f"step failed: {type(exc).__name__}: {exc}"
                     log.debug("source %s step failed", name, exc_info=True)
                     recs = []
@@ -192,6 +193,9 @@ class Runner:
                 state.step_started = 0.0
                 state.last_duration_seconds = dt
                 state.steps += 1
+                # a source may count partial failures (one NVML field unsupported on one GPU) in `errors`
+                own = getattr(inst, "errors", 0)
+                state.errors = state.step_errors + (own if isinstance(own, int) else 0)
                 if ok:
                     state.up, state.reason = True, avail.reason
                 if recs:

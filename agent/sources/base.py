@@ -92,6 +92,7 @@ class Source:
     def __init__(self, ctx: HostContext, config: SourceConfig) -> None:
         self.ctx = ctx
         self.config = config
+        self.errors = 0  # non-fatal errors inside steps that still returned records; the runner reports them
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
