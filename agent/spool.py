@@ -84,6 +84,7 @@ class Spool:
                 self._set("last_acked_seq", 0)
         self.spool_id: str = self._meta("spool_id")
         self._backlog_bytes = self._db.execute("SELECT COALESCE(SUM(n_bytes),0) FROM batches").fetchone()[0]
+        self._listeners: list = []  # called after each append (the transport's sender wakes up)
         self._in_flight_floor = 0  # seqs >= this may be in flight; never dropped (0: none in flight)
         self._last_handed = 0
 
@@ -120,9 +121,14 @@ class Spool:
                     self._make_room(len(payload))
                     seq = self._insert(payload, n_records, mono_ns)
                     self._flush_gap(mono_ns)
-                return seq
             except sqlite3.Error as exc:
                 raise SpoolError(f"spool append failed: {exc}") from None
+        for listener in self._listeners:
+            listener()
+        return seq
+
+    def add_listener(self, fn) -> None:
+        self._listeners.append(fn)
 
     def _insert(self, payload: bytes, n_records: int, mono_ns: int, gap: tuple = (0, 0, 0, 0)) -> int:
         seq = self._meta("next_seq")

@@ -69,6 +69,13 @@ class StreamClient:
         self._outbox: queue.Queue | None = None
         self._call = None
         self._last_acked = 0
+        self._appends = 0  # bumped by every spool append, so the sender never sleeps through one
+        spool.add_listener(self._notify)
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._appends += 1
+            self._wake.notify_all()
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -226,6 +233,7 @@ class StreamClient:
             if now >= next_status:
                 outbox.put(ipb.AgentMessage(status=self._status_fn(False)))
                 next_status = now + cfg.status_interval_seconds
+            seen = self._appends
             room = cfg.window_batches - len(state["in_flight"])
             batches = self.spool.take_for_send(state["last_sent"], room) if room > 0 else []
             if batches:
@@ -238,5 +246,8 @@ class StreamClient:
                         sent_mono_ns=self._mono_ns(), payload=payload)))
                     state["last_sent"] = seq
                 continue
+            # woken by a spool append, an ack or shutdown; otherwise only for the next status
             with self._wake:
-                self._wake.wait(0.05 if not self._drain.is_set() else 0.01)
+                if self._appends == seen:
+                    self._wake.wait(0.01 if self._drain.is_set()
+                                    else max(0.01, min(1.0, next_status - time.monotonic())))

@@ -155,13 +155,16 @@ class IngestService:
         self._update(agent, hostname=hello.hostname, agent_version=hello.agent_version, boot_id=hello.boot_id,
                      spool_id=hello.spool_id, connected=1, peer=context.peer())
         acked_hello = False
+        answered = 0
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
         reader = asyncio.create_task(self._read_loop(it, inbox))
         try:
             last_seq = await asyncio.to_thread(self.writer.last_seq, agent, hello.spool_id)
             ack_deadline = time.monotonic() + s.hello_timeout_seconds
             while not session.closed:
-                if not acked_hello and model.estimate is not None and model.estimate.samples >= s.min_probes_before_ack:
+                # gate on exchanges answered on *this* stream: the model's count of good (near-minimum RTT)
+                # samples can stay low for minutes after one lucky exchange
+                if not acked_hello and answered >= s.min_probes_before_ack:
                     session.outbox.put_nowait(ipb.CollectorMessage(
                         hello_ack=ipb.HelloAck(schema_version=SCHEMA_VERSION, last_seq=last_seq)))
                     acked_hello = True
@@ -182,6 +185,7 @@ class IngestService:
                 if kind == "clock":
                     c = msg.clock
                     if probes.pop(c.probe_id, None) == c.t1_ns and model.add(c.t1_ns, c.t2_mono_ns, c.t3_mono_ns, t4):
+                        answered += 1
                         e = model.estimate
                         self._update(agent, clock_offset_ns=e.offset_ns, clock_drift_ppm=e.drift_ppm,
                                      clock_uncertainty_ns=e.uncertainty_ns, clock_rtt_ns=e.best_rtt_ns,
