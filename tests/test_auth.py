@@ -1,6 +1,7 @@
 """Authentication: mutual TLS for agents (agent_id = certificate CN), bearer token or operator
 certificate for Control, and plaintext refused anywhere but loopback."""
 
+import json
 import subprocess
 
 import grpc
@@ -103,25 +104,19 @@ def test_real_agent_over_mutual_tls(tmp_path, tls_collector, pki, agents):
     ca, _, token = pki
     cert, key = ca.issue("tls-node")
     a = AgentProc(tmp_path, "tls-node", tls_collector.address)
-    a.start_cmd = None
-    import os
-    import signal
-    proc = subprocess.Popen([AGENT, "run", "--config", a.config, "--collector", tls_collector.address,
-                             "--node-id", "tls-node", "--state-dir", a.state_dir, "--metrics-listen", "",
-                             "--tls-ca", ca.ca_path, "--tls-cert", cert, "--tls-key", key],
-                            stdout=open(a.log_path, "ab"), stderr=subprocess.STDOUT)
-    a.proc = proc
+    a.proc = subprocess.Popen([AGENT, "run", "--config", a.config, "--collector", tls_collector.address,
+                               "--node-id", "tls-node", "--state-dir", a.state_dir, "--metrics-listen", "",
+                               "--tls-ca", ca.ca_path, "--tls-cert", cert, "--tls-key", key],
+                              stdout=open(a.log_path, "ab"), stderr=subprocess.STDOUT)
     agents.append(a)
 
     def stored():
         out = subprocess.run([STEPLENS, "--collector", tls_collector.control_address, "--tls-ca", ca.ca_path,
                               "--token-file", token, "nodes", "--json"], capture_output=True, text=True, timeout=30)
-        import json
         nodes = json.loads(out.stdout or "[]")
         return nodes and nodes[0]["records_stored"] > 0
     wait_for(stored, 30, what="records over mutual TLS")
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    assert a.stop() == 0
 
 
 @pytest.mark.parametrize("argv", [
