@@ -85,24 +85,12 @@ class EmulatedAgent:
         self.last_tick_mono_ns = 0
         self._collector = collector
         self._client_class, self._config_class = StreamClient, TransportConfig
-        self.fresh_starts = 0
         self.client = self._new_client()
 
     def _new_client(self):
-        # a new boot_id gives the collector a new clock model for this agent (it keys them by
-        # (agent_id, boot_id)); see restart_with_fresh_clock
         return self._client_class(self._config_class(self._collector, self.agent_id, insecure=True), self.spool,
                                   self.status, self.command, hostname=f"bench-{self.agent_id}",
                                   boot_id=uuid.uuid4().hex)
-
-    def restart_with_fresh_clock(self) -> None:
-        """Work around a collector bug: it acks Hello only once estimate.samples >= 3, but samples counts
-        only the exchanges within the RTT margin of the best one, so one lucky low-RTT probe can keep it
-        below 3 for good, and the model (with that probe) survives reconnects. A new boot_id = a new model."""
-        self.client.drain_and_stop(0.5)
-        self.fresh_starts += 1
-        self.client = self._new_client()
-        self.client.start()
 
     def status(self, final: bool):
         from steplens.v1 import ingest_pb2 as ipb
@@ -145,23 +133,17 @@ def run_emulator(args) -> int:
     agents = [EmulatedAgent(i, os.path.join(args.tmp, "emu", f"{i:02d}"), collector) for i in range(args.agents)]
     for a in agents:
         a.client.start()
-    # the collector refuses a stream after 10 s without HelloAck; give each attempt 12 s
-    for attempt in range(args.connect_attempts):
-        deadline = time.monotonic() + 12
-        while not all(a.client.connected for a in agents) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        stuck = [a for a in agents if not a.client.connected]
-        if not stuck:
-            break
-        if attempt == args.connect_attempts - 1:
-            print(json.dumps({"event": "error", "error": f"{len(stuck)} emulated agents did not connect in "
-                              f"{args.connect_attempts} attempts of 12 s",
-                              "last_errors": {a.agent_id: a.client.last_error for a in stuck}}), flush=True)
-            return 1
-        print(f"emulator: {len(stuck)} agent(s) not acked after 12 s ({stuck[0].client.last_error}); "
-              "restarting them with a fresh boot_id", file=sys.stderr, flush=True)
-        for a in stuck:
-            a.restart_with_fresh_clock()
+    # every agent must be acknowledged (HelloAck) promptly; a refusal or a stall is a failure to report,
+    # never something to retry around
+    deadline = time.monotonic() + args.connect_timeout
+    while not all(a.client.connected for a in agents) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stuck = [a for a in agents if not a.client.connected]
+    if stuck:
+        print(json.dumps({"event": "error", "error": f"{len(stuck)} emulated agents were not acknowledged within "
+                          f"{args.connect_timeout} s", "last_errors": {a.agent_id: a.client.last_error for a in stuck}}),
+              flush=True)
+        return 1
 
     stop = threading.Event()
     gen = {"batches": 0, "records": 0, "throttled_s": 0.0, "encode_s": 0.0, "append_s": 0.0}
@@ -197,7 +179,6 @@ def run_emulator(args) -> int:
     gen_thread = threading.Thread(target=generate, name="generator", daemon=True)
     gen_thread.start()
     print(json.dumps({"event": "ready", "series_per_agent": len(agents[0].series),
-                      "fresh_starts": sum(a.fresh_starts for a in agents),
                       "records_per_batch": n_ticks * len(agents[0].series)}), flush=True)
     for line in sys.stdin:
         if line.strip() == "mark":  # the start of the measured window: reset the generator counters
@@ -338,12 +319,12 @@ def run_ingest(args, tmp: str, children: Children, collector, store: Store, port
     cmd = [sys.executable, os.path.abspath(__file__), "--_emulator", "--port", str(port), "--tmp", tmp,
            "--agents", str(args.agents), "--batch-records", str(args.batch_records),
            "--max-backlog", str(args.max_backlog), "--rate", str(args.rate),
-           "--drain-timeout", str(args.drain_timeout), "--connect-attempts", str(args.connect_attempts)]
+           "--drain-timeout", str(args.drain_timeout), "--connect-timeout", str(args.connect_timeout)]
     with open(emu_log, "w") as log_fh:
         emu = children.start(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_fh, text=True, bufsize=1)
     emu_ps = psutil.Process(emu.pid)
     t_start = time.monotonic()
-    ready = _emulator_event(emu, 30 + 15 * args.connect_attempts, "ready", emu_log)
+    ready = _emulator_event(emu, 30 + args.connect_timeout, "ready", emu_log)
     connect_s = time.monotonic() - t_start
     print(f"ingest: {args.agents} emulated agents connected ({ready['series_per_agent']} series each, "
           f"{ready['records_per_batch']} records per batch); warm-up {args.warmup:.0f} s", flush=True)
@@ -404,7 +385,7 @@ def run_ingest(args, tmp: str, children: Children, collector, store: Store, port
         "reconnects": sum(r["connects"] - 1 for r in done["agents"].values()),
         "drain_seconds_max": max(r["drain_seconds"] for r in done["agents"].values()),
         "rejections": store.one("SELECT COALESCE(SUM(count), 0) FROM rejections"),
-        "connect_s": connect_s, "fresh_starts": ready.get("fresh_starts", 0),
+        "connect_s": connect_s,
     }
 
 
@@ -452,8 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.0, help="offered rows/s over all agents (default 0: as fast "
                    "as the collector takes them)")
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to drain the spools at the end")
-    p.add_argument("--connect-attempts", type=int, default=5, help="12 s attempts for the emulated agents to be "
-                   "acked before giving up (default 5)")
+    p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds for every emulated agent to be "
+                   "acknowledged before the run fails (default 30)")
     p.add_argument("--quick", action="store_true", help="smoke test: 5 s ingest, 5 s agent, 1 s warm-up")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (store, spools, logs)")
     p.add_argument("--tmp-dir", help="parent of the temporary directory (default: the system's)")
@@ -523,8 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in ing["mismatches"]:
             print(f"  MISMATCH {m}")
         print(f"connect                 {ing['connect_s']:.1f} s for all emulated agents to be acked; collector "
-              f"refused {refused} stream(s) over the run; {ing['fresh_starts']} emulated agent(s) restarted with "
-              "a fresh boot_id (HelloAck gating bug, see restart_with_fresh_clock)")
+              f"refused {refused} stream(s) over the run")
         if ag is not None:
             print(f"== real agent (host + procs at 1 Hz), {ag['wall_s']:.1f} s ==")
             print(f"agent CPU               {ag['cpu_percent_of_core']:>12.3f} % of one core "
@@ -544,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             "agent_cpu_percent_of_core": round(ag["cpu_percent_of_core"], 3) if ag else None,
             "agent_rss_bytes": ag["rss_bytes"] if ag else None,
             "agent_rows_per_s": round(ag["rows_per_s"], 1) if ag else None,
-            "collector_refused_streams": refused, "emulator_fresh_starts": ing["fresh_starts"],
+            "collector_refused_streams": refused,
             "goal_rows_per_s": GOAL_ROWS_PER_S, "goal_agent_cpu_percent": GOAL_AGENT_CPU_PERCENT,
         }
         print(json.dumps(headline), flush=True)
