@@ -105,11 +105,13 @@ def cmd_allinone(args) -> int:
         collector = Collector(settings)
         await collector.start()
         agent = subprocess.Popen(agent_cmd)
+        cli = os.path.join(os.path.dirname(sys.executable), "steplens")
+        cli = os.path.relpath(cli) if cli.startswith(os.getcwd() + os.sep) else cli
         print(f"\nsteplens all-in-one: collector on {args.listen} (store {db}), agent pid {agent.pid}"
               f"{', /metrics on ' + args.metrics_listen if args.metrics_listen else ''}.\n"
-              f"Look with:\n  steplens --collector {args.listen} --insecure nodes\n"
-              f"  steplens --collector {args.listen} --insecure gpus\n"
-              f"  steplens --collector {args.listen} --insecure procs\n"
+              f"Look with:\n  {cli} --collector {args.listen} --insecure nodes\n"
+              f"  {cli} --collector {args.listen} --insecure gpus\n"
+              f"  {cli} --collector {args.listen} --insecure procs\n"
               "Ctrl-C stops both.\n", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
