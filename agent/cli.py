@@ -96,6 +96,84 @@ def cmd_print_config(args) -> int:
     return 0
 
 
+def _print_stack(sample, pid: int) -> None:
+    print(f"Process {pid}")
+    for t in sample.threads:
+        flags = ", ".join(x for x in (t.state, "holds GIL" if t.gil else "") if x)
+        print(f"\nThread {t.tid} \"{t.name}\" ({flags})")
+        for f in t.frames:
+            print(f"    {f.qualname} ({f.file}:{f.line})")
+
+
+def cmd_stack(args) -> int:
+    from steplens.agent.pyframes import memory, reader
+    try:
+        proc = reader.attach(args.pid, args.proc_root or "/proc")
+        try:
+            sample = proc.sample(stop_threads=args.stop)
+        finally:
+            proc.close()
+    except memory.PyFramesError as exc:
+        print(f"steplens-agent: stack {args.pid}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"pid": args.pid, "python": ".".join(map(str, proc.version)), "mono_ns": sample.mono_ns,
+                          "threads": [t.as_dict() for t in sample.threads]}, indent=2, ensure_ascii=False))
+    else:
+        _print_stack(sample, args.pid)
+    return 0
+
+
+def cmd_record(args) -> int:
+    import time as _time
+
+    from steplens.agent.pyframes import formats, memory, reader
+    if not (0 < args.rate <= 10000) or args.duration <= 0:
+        print("steplens-agent: record: --rate must be within 0..10000 Hz and --duration > 0", file=sys.stderr)
+        return 2
+    try:
+        proc = reader.attach(args.pid, args.proc_root or "/proc", thread_states=True)
+    except memory.PyFramesError as exc:
+        print(f"steplens-agent: record {args.pid}: {exc}", file=sys.stderr)
+        return 1
+    samples, errors, ended = [], 0, ""
+    period = 1.0 / args.rate
+    cpu0, t0 = _time.process_time(), _time.monotonic()
+    deadline = t0 + args.duration
+    next_at = t0
+    try:
+        while True:
+            now = _time.monotonic()
+            if now >= deadline:
+                break
+            if now < next_at:
+                _time.sleep(next_at - now)
+            next_at += period
+            if next_at < _time.monotonic() - period:  # fell behind: skip, never burst
+                next_at = _time.monotonic() + period
+            try:
+                samples.append(proc.sample(stop_threads=args.stop))
+            except memory.ProcessGone:
+                ended = "the process exited"
+                break
+            except memory.PyFramesError:
+                errors += 1
+    except KeyboardInterrupt:
+        ended = "interrupted"
+    finally:
+        proc.close()
+    wall = _time.monotonic() - t0
+    cpu = _time.process_time() - cpu0
+    with open(args.output, "w", encoding="utf-8") as fh:
+        formats.write(samples, fh, args.format, name=f"steplens pid {args.pid}", interval_ns=int(period * 1e9),
+                      include_idle=args.idle)
+    n = len(samples)
+    print(f"steplens-agent: {n} samples in {wall:.2f}s ({n / wall:.0f} Hz achieved of {args.rate:g}), "
+          f"{errors} failed, {cpu / max(n, 1) * 1e6:.0f} µs CPU per sample; wrote {args.output}"
+          + (f"; stopped early: {ended}" if ended else ""), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steplens-agent", description="steplens per-node agent")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -109,6 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("print-config", help="the effective config (file + overrides + defaults) as TOML")
     _common(p)
     p.set_defaults(func=cmd_print_config)
+    p = sub.add_parser("stack", help="dump the Python stacks of a process once (like py-spy dump)")
+    p.add_argument("pid", type=int)
+    p.add_argument("--json", action="store_true", help="one JSON document on stdout")
+    p.add_argument("--stop", action="store_true", help="stop the Python threads for the read (consistent snapshot)")
+    p.add_argument("--proc-root", help="procfs mount (default /proc)")
+    p.set_defaults(func=cmd_stack)
+    p = sub.add_parser("record", help="sample a process's Python stacks at a rate into a profile file")
+    p.add_argument("pid", type=int)
+    p.add_argument("--rate", type=float, default=100.0, help="samples per second (default 100)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds (default 10)")
+    p.add_argument("--format", choices=["collapsed", "speedscope", "chrome"], default="collapsed")
+    p.add_argument("-o", "--output", required=True, help="output file")
+    p.add_argument("--idle", action="store_true", help="include idle threads")
+    p.add_argument("--stop", action="store_true", help="stop the Python threads for each read")
+    p.add_argument("--proc-root", help="procfs mount (default /proc)")
+    p.set_defaults(func=cmd_record)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -38,9 +38,11 @@ class Memory:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ProcessGone(f"process {pid} does not exist") from None
-        except PermissionError:
-            raise NoPermission(f"cannot read memory of process {pid}: needs root or CAP_SYS_PTRACE "
-                               "(or the same user with kernel.yama.ptrace_scope=0)") from None
+        except PermissionError as exc:
+            who = "uid 0" if os.geteuid() == 0 else f"uid {os.geteuid()}"
+            raise NoPermission(f"permission denied reading the memory of process {pid} (as {who}: {exc.strerror}); "
+                               "needs CAP_SYS_PTRACE over it (root in the same user namespace, or the same user "
+                               "with kernel.yama.ptrace_scope=0)") from None
         self.reads = 0
 
     def read(self, addr: int, size: int) -> bytes:

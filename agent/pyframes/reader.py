@@ -101,8 +101,13 @@ class PythonProcess:
         self._code: dict[int, CodeInfo] = {}
         self._tid_off: int | None = None
         self._blocks: dict[int, bytes] = {}
+        self._tasks: dict[int, list] = {}   # tid -> [stat fd, name, name read at]
+        self._main_pthread_id = 0
+        self._gil_ptr: dict[int, int] = {}
         self.samples = 0
         self.torn = 0
+        self.stopped_ns_total = 0
+        self._python_tids: list[int] = []
 
     # -- attach ----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -272,13 +277,15 @@ class PythonProcess:
         self._code[addr] = info
         return info
 
-    def _line(self, info: CodeInfo, byte_offset: int) -> int:
-        line = info.lines.get(byte_offset)
-        if line is None:
+    def _frame(self, info: CodeInfo, byte_offset: int) -> Frame:
+        """The Frame for this code at this offset, decoded once and then shared (frames are immutable)."""
+        frame = info.lines.get(byte_offset)
+        if frame is None:
             line = self._decode_line(info.linetable, info.firstlineno, byte_offset)
+            frame = Frame(info.name, info.qualname, info.filename, line)
             if len(info.lines) < 4096:
-                info.lines[byte_offset] = line
-        return line
+                info.lines[byte_offset] = frame
+        return frame
 
     # -- frames ----------------------------------------------------------------------------
     def _frames_object(self, frame: int, now: float) -> list[Frame]:
@@ -294,7 +301,7 @@ class PythonProcess:
             lasti = _I32.unpack_from(raw, lay.frame_lasti)[0]
             byte_off = lasti if self.version == (3, 9) else lasti * 2
             info = self._code_info(code, now, byte_off // 2)
-            out.append(Frame(info.name, info.qualname, info.filename, self._line(info, max(byte_off, 0))))
+            out.append(self._frame(info, max(byte_off, 0)))
             frame = _U64.unpack_from(raw, lay.frame_back)[0]
         return out
 
@@ -318,7 +325,7 @@ class PythonProcess:
             units = (instr - code - lay.code_code_adaptive) // 2
             info = self._code_info(code, now, units)
             units = min(max(units, 0), max(info.n_units - 1, 0))
-            out.append(Frame(info.name, info.qualname, info.filename, self._line(info, units * 2)))
+            out.append(self._frame(info, units * 2))
             frame = prev
         return out
 
@@ -341,17 +348,36 @@ class PythonProcess:
         except ReadError:
             return 0
 
-    def _task(self, tid: int) -> tuple[str, str]:
-        base = os.path.join(self.proc_root, str(self.pid), "task", str(tid))
+    def _task(self, tid: int, now: float) -> tuple[str, str]:
+        """Scheduler state (one pread on a kept-open /proc/PID/task/TID/stat) and thread name (cached)."""
+        entry = self._tasks.get(tid)
         try:
-            with open(base + "/stat", "rb") as fh:
-                stat = fh.read()
-            state = _STATES.get(chr(stat[stat.rindex(b")") + 2]), "unknown")
-            with open(base + "/comm", "rb") as fh:
-                name = fh.read().strip().decode(errors="replace")
-            return state, name
+            if entry is None:
+                base = os.path.join(self.proc_root, str(self.pid), "task", str(tid))
+                fd = os.open(base + "/stat", os.O_RDONLY | os.O_CLOEXEC)
+                with open(base + "/comm", "rb") as fh:
+                    name = fh.read().strip().decode(errors="replace")
+                entry = self._tasks[tid] = [fd, name, now]
+            stat = os.pread(entry[0], 512, 0)
+            if not stat:
+                raise OSError("thread gone")
+            if now - entry[2] > 5.0:  # names change rarely; refresh now and then
+                entry[2] = now
+                with open(os.path.join(self.proc_root, str(self.pid), "task", str(tid), "comm"), "rb") as fh:
+                    entry[1] = fh.read().strip().decode(errors="replace")
+            return _STATES.get(chr(stat[stat.rindex(b")") + 2]), "unknown"), entry[1]
         except (OSError, ValueError):
+            if entry is not None:
+                self._forget_task(tid)
             return "unknown", ""
+
+    def _forget_task(self, tid: int) -> None:
+        entry = self._tasks.pop(tid, None)
+        if entry is not None:
+            try:
+                os.close(entry[0])
+            except OSError:
+                pass
 
     def _gil_holder(self, interp: int) -> int:
         lay = self.layout
@@ -361,17 +387,30 @@ class PythonProcess:
                 locked = _I32.unpack_from(blob, lay.gil_locked - lay.gil_last_holder)[0]
                 holder = _U64.unpack_from(blob, 0)[0]
             else:
-                gil = self.mem.u64(interp + lay.interp_ceval_gil)
+                gil = self._gil_ptr.get(interp)
+                if gil is None:
+                    gil = self._gil_ptr[interp] = self.mem.u64(interp + lay.interp_ceval_gil)
                 if not gil:
                     return 0
-                holder = self.mem.u64(gil + lay.gil_last_holder)
-                locked = _I32.unpack(self.mem.read(gil + lay.gil_locked, 4))[0]
+                lo = min(lay.gil_last_holder, lay.gil_locked)
+                blob = self.mem.read(gil + lo, max(lay.gil_last_holder + 8, lay.gil_locked + 4) - lo)
+                holder = _U64.unpack_from(blob, lay.gil_last_holder - lo)[0]
+                locked = _I32.unpack_from(blob, lay.gil_locked - lo)[0]
             return holder if locked else 0
         except ReadError:
             return 0
 
-    def sample(self, retries: int = 3) -> Sample:
-        """One consistent-as-possible sample of every thread; raises ProcessGone when it exited."""
+    def sample(self, retries: int = 3, stop_threads: bool = False) -> Sample:
+        """One sample of every thread, the target running (default) or with only its Python threads
+        stopped for the read (stop_threads); raises ProcessGone when it exited."""
+        if stop_threads:
+            from steplens.agent.pyframes.seize import StoppedThreads
+            tids = self._python_tids or [t.tid for t in self.sample(retries).threads]
+            with StoppedThreads(tids) as stopped:
+                sample = self.sample(retries)
+            self.stopped_ns_total += stopped.stopped_ns
+            self._python_tids = [t.tid for t in sample.threads]
+            return sample
         last: Exception | None = None
         for _ in range(retries + 1):
             try:
@@ -392,6 +431,7 @@ class PythonProcess:
         if not interp:
             raise TornRead("no interpreter (starting up or finalizing)")
         threads = []
+        live_tids: set[int] = set()
         seen_interps = set()
         while interp:
             if interp in seen_interps or len(seen_interps) > 64:
@@ -400,7 +440,6 @@ class PythonProcess:
             holder = self._gil_holder(interp)
             tstate = self.mem.u64(interp + lay.interp_tstate_head)
             seen = set()
-            main_thread_id = 0
             while tstate:
                 if tstate in seen or len(seen) > MAX_THREADS:
                     raise TornRead("thread list loops")
@@ -416,13 +455,16 @@ class PythonProcess:
                     frame = _U64.unpack_from(raw, lay.tstate_frame)[0]
                 frames = (self._frames_interp(frame, now) if lay.frame_kind == "interp"
                           else self._frames_object(frame, now))
-                if not main_thread_id:
-                    main_thread_id = self._main_pthread(interp) or thread_id
-                tid = self._native_tid(raw, main_thread_id)
-                state, name = self._task(tid) if (self.thread_states and tid) else ("unknown", "")
+                if lay.tstate_native_thread_id is None and not self._main_pthread_id:
+                    self._main_pthread_id = self._main_pthread(interp) or thread_id
+                tid = self._native_tid(raw, self._main_pthread_id)
+                live_tids.add(tid)
+                state, name = self._task(tid, now) if (self.thread_states and tid) else ("unknown", "")
                 threads.append(ThreadStack(tid, thread_id, name, tstate == holder, state, frames))
                 tstate = _U64.unpack_from(raw, lay.tstate_next)[0]
             interp = self.mem.u64(interp + lay.interp_next)
+        for gone in [t for t in self._tasks if t not in live_tids]:
+            self._forget_task(gone)
         self.samples += 1
         return Sample(mono, self.pid, threads)
 
@@ -439,6 +481,8 @@ class PythonProcess:
         return self.mem.u64(last + lay.tstate_thread_id)
 
     def close(self) -> None:
+        for tid in list(self._tasks):
+            self._forget_task(tid)
         self.mem.close()
 
 
