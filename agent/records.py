@@ -94,4 +94,24 @@ class ModeChange:
     reason: str = ""
 
 
-Record = Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange
+@dataclass(slots=True)
+class StackSummary:
+    """Python stacks of one thread over [start_mono_ns, mono_ns]: frames interned, stacks counted."""
+
+    mono_ns: int
+    pid: int
+    start_ticks: int
+    tid: int
+    thread_name: str
+    start_mono_ns: int
+    samples: int
+    # (function, qualname, file, line) per frame id
+    frames: list[tuple[str, str, str, int]] = field(default_factory=list)
+    # (frame ids innermost first, count, gil, running)
+    stacks: list[tuple[tuple[int, ...], int, int, int]] = field(default_factory=list)
+    errors: int = 0
+    python: str = ""
+    last_state: str = ""
+
+
+Record = Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary

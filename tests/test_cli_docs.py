@@ -9,9 +9,10 @@ import pytest
 from conftest import AGENT, COLLECTOR, REPO, STEPLENS
 
 COMMANDS = [
-    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]),
+    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
-    (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["deep"]),
+    (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
+    (STEPLENS, ["deep"]),
 ]
 
 

@@ -15,6 +15,7 @@ SOURCE_PATHS: dict[str, str] = {
     "host": "steplens.agent.sources.host:HostSource",
     "procs": "steplens.agent.sources.procs:ProcsSource",
     "gpu": "steplens.agent.sources.gpu:GpuSource",
+    "pystacks": "steplens.agent.sources.pystacks:PystacksSource",
 }
 
 

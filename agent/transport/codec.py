@@ -9,7 +9,8 @@ from steplens.agent import records as r
 from steplens.v1 import records_pb2 as pb
 
 
-_KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange})
+_KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange,
+                    r.StackSummary})
 
 
 def encode_records(items: list[tuple[str, object]]) -> bytes:
@@ -72,6 +73,21 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
             g.first_seq = rec.first_seq
             g.last_seq = rec.last_seq
             g.reason = rec.reason
+        elif t is r.StackSummary:
+            st = msg.stacks
+            st.pid = rec.pid
+            st.start_ticks = rec.start_ticks
+            st.tid = rec.tid
+            st.thread_name = rec.thread_name
+            st.start_mono_ns = rec.start_mono_ns
+            st.samples = rec.samples
+            st.errors = rec.errors
+            st.python = rec.python
+            st.last_state = rec.last_state
+            for i, (fn, qn, file, line) in enumerate(rec.frames):
+                st.frames.add(id=i, function=fn, qualname=qn, file=file, line=line)
+            for ids, count, gil, running in rec.stacks:
+                st.stacks.add(frame_ids=ids, count=count, gil=gil, running=running)
         elif t is r.ModeChange:
             m = msg.mode
             m.mode = int(rec.mode)
@@ -109,6 +125,12 @@ def decode_records(payload: bytes) -> list[tuple[str, object]]:
         elif kind == "mode":
             m = msg.mode
             rec = r.ModeChange(msg.mono_ns, r.Mode(m.mode), m.command_id, m.until_mono_ns, m.reason)
+        elif kind == "stacks":
+            st = msg.stacks
+            rec = r.StackSummary(msg.mono_ns, st.pid, st.start_ticks, st.tid, st.thread_name, st.start_mono_ns,
+                                 st.samples, [(f.function, f.qualname, f.file, f.line) for f in st.frames],
+                                 [(tuple(c.frame_ids), c.count, c.gil, c.running) for c in st.stacks],
+                                 st.errors, st.python, st.last_state)
         else:
             raise ValueError(f"record with unknown body {kind!r}")
         items.append((msg.source, rec))

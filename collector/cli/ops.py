@@ -128,6 +128,31 @@ def cmd_gaps(stub, args) -> int:
     return 0
 
 
+def cmd_stacks(stub, args) -> int:
+    since = time.time_ns() - int(parse_duration(args.since) * 1e9) if args.since else 0
+    reply = stub.ListStacks(cpb.ListRequest(node_id=args.node or "", pid=args.pid or 0, since_ns=since,
+                                            limit=args.limit), timeout=args.timeout)
+    rows = [{"node_id": s.node_id, "pid": s.pid, "start_ticks": s.start_ticks, "tid": s.tid,
+             "thread_name": s.thread_name, "python": s.python, "start_ns": s.start_ns, "end_ns": s.end_ns,
+             "samples": s.samples, "errors": s.errors, "last_state": s.last_state,
+             "stacks": json.loads(s.stacks_json or "[]")} for s in reply.stacks]
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    if not rows:
+        print("no stack summaries (is the pystacks source up? see `steplens nodes`)")
+        return 0
+    for r in rows:
+        print(f"{r['node_id']} pid {r['pid']} thread {r['tid']} \"{r['thread_name']}\" (python {r['python']}, "
+              f"{r['samples']} samples, last {r['last_state']}, {_ago(r['end_ns'])})")
+        for s in r["stacks"][:args.top]:
+            pct = 100.0 * s["count"] / max(r["samples"], 1)
+            inner = s["frames"][0] if s["frames"] else ["-", "-", "", -1]
+            where = " <- ".join(f[1] for f in s["frames"][:6])
+            print(f"  {pct:5.1f}%  gil {s['gil']:>4}  {where}  ({inner[2]}:{inner[3]})")
+    return 0
+
+
 def cmd_deep(stub, args) -> int:
     enable = args.action == "start"
     req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
@@ -168,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp = listing("procs", cmd_procs, "workload processes with job and rank")
     sp.add_argument("--all", action="store_true", help="include exited processes")
     listing("gaps", cmd_gaps, "records lost on agents (spool or queue overflow)")
+    sp = listing("stacks", cmd_stacks, "Python stack summaries of workload processes (pystacks source)")
+    sp.add_argument("--pid", type=int, help="only this process")
+    sp.add_argument("--since", help="only summaries from the last DURATION (e.g. 5m)")
+    sp.add_argument("--limit", type=int, default=50, help="rows at most (default 50)")
+    sp.add_argument("--top", type=int, default=5, help="stacks shown per thread (default 5)")
     sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
     sp.add_argument("action", choices=["start", "stop"])
     sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")

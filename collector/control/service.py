@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import uuid
 
 import grpc
@@ -87,6 +88,18 @@ class ControlService(cgrpc.ControlServicer):
         await self._auth(context)
         rows = await asyncio.to_thread(self.reader.gaps, request.node_id)
         return cpb.GapList(gaps=[cpb.GapRow(**r) for r in rows])
+
+    async def ListStacks(self, request, context):
+        await self._auth(context)
+        rows = await asyncio.to_thread(self.reader.stacks, request.node_id, request.pid, request.since_ns,
+                                       request.limit or 200)
+        out = cpb.StackList()
+        for r in rows:
+            out.stacks.add(node_id=r["node_id"], pid=r["pid"], start_ticks=r["start_ticks"], tid=r["tid"],
+                           thread_name=r["thread_name"] or "", python=r["python"] or "", start_ns=r["start_ns"],
+                           end_ns=r["end_ns"], samples=r["samples"], errors=r["errors"],
+                           last_state=r["last_state"] or "", stacks_json=json.dumps(r["stacks"], ensure_ascii=False))
+        return out
 
     async def SetDeepMode(self, request, context):
         await self._auth(context)

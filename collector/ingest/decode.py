@@ -36,6 +36,7 @@ class DecodedBatch:
     events: list = field(default_factory=list)     # (mono_ns, source, kind, entity, message, value)
     gaps: list = field(default_factory=list)       # (mono_ns, source, Gap msg)
     modes: list = field(default_factory=list)      # (mono_ns, ModeChange msg)
+    stacks: list = field(default_factory=list)     # (mono_ns, StackSummary msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -93,9 +94,25 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
             out.gaps.append((mono, rec.source, rec.gap))
         elif kind == "mode":
             out.modes.append((mono, rec.mode))
+        elif kind == "stacks":
+            st = rec.stacks
+            n_frames = len(st.frames)
+            if not st.samples or st.start_mono_ns > mono or any(
+                    i >= n_frames for c in st.stacks for i in c.frame_ids):
+                rej["stack summary with bad frame ids or times"] += 1
+                continue
+            out.stacks.append((mono, st))
         else:
             rej["record with no known body"] += 1
     return out
+
+
+def stacks_json(st) -> str:
+    """A StackSummary's stacks as JSON: [{"count", "gil", "running", "frames": [[fn, qualname, file, line]...]}]."""
+    frames = [(f.function, f.qualname, f.file, f.line) for f in st.frames]
+    return json.dumps([{"count": c.count, "gil": c.gil, "running": c.running,
+                        "frames": [frames[i] for i in c.frame_ids]} for c in st.stacks],
+                      ensure_ascii=False, separators=(",", ":"))
 
 
 def process_row(proc) -> dict:

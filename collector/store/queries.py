@@ -111,3 +111,23 @@ class Reader:
                     for r in db.query(f"SELECT * FROM gaps {where} ORDER BY ts_ns", args)]
         finally:
             db.conn.close()
+
+    def stacks(self, node_id: str = "", pid: int = 0, since_ns: int = 0, limit: int = 200) -> list[dict]:
+        """Stack summaries, newest first: one row per thread and interval."""
+        db = self._db()
+        try:
+            cond, args = ["end_ns >= ?"], [since_ns]
+            if node_id:
+                cond.append("agent_id = ?")
+                args.append(node_id)
+            if pid:
+                cond.append("pid = ?")
+                args.append(pid)
+            rows = list(db.query(f"SELECT * FROM stack_summaries WHERE {' AND '.join(cond)}"
+                                 f" ORDER BY end_ns DESC, pid, tid LIMIT ?", args + [limit]))
+        finally:
+            db.conn.close()
+        return [{"node_id": r["agent_id"], "pid": r["pid"], "start_ticks": r["start_ticks"], "tid": r["tid"],
+                 "thread_name": r["thread_name"], "python": r["python"], "start_ns": r["start_ns"],
+                 "end_ns": r["end_ns"], "samples": r["samples"], "errors": r["errors"],
+                 "last_state": r["last_state"], "stacks": json.loads(r["stacks_json"])} for r in rows]

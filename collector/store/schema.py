@@ -77,6 +77,16 @@ CREATE INDEX rejections_agent_ts ON rejections (agent_id, ts_ns);
 """),
 ]
 
+MIGRATIONS.append((2, """
+CREATE TABLE stack_summaries (
+  agent_id TEXT NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, pid INTEGER NOT NULL,
+  start_ticks INTEGER NOT NULL, tid INTEGER NOT NULL, thread_name TEXT, python TEXT, samples INTEGER NOT NULL,
+  errors INTEGER NOT NULL, last_state TEXT, stacks_json TEXT NOT NULL
+);
+CREATE INDEX stack_summaries_proc ON stack_summaries (agent_id, pid, start_ticks, end_ns);
+CREATE INDEX stack_summaries_end ON stack_summaries (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

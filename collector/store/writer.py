@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from steplens.collector.ingest.clock import ClockEstimate
-from steplens.collector.ingest.decode import BatchRejected, decode_batch, process_row
+from steplens.collector.ingest.decode import BatchRejected, decode_batch, process_row, stacks_json
 from steplens.collector.store import schema
 
 log = logging.getLogger("steplens.collector.writer")
@@ -260,6 +260,12 @@ class StoreWriter:
             until = job.clock.to_cluster(m.until_mono_ns) if m.until_mono_ns else 0
             conn.execute("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value) VALUES (?,?,?,?,?,?,?)",
                          (agent, ts, "agent", "mode", mode, f"{mode} ({m.reason}) command {m.command_id}", until))
+        if dec.stacks:
+            conn.executemany(
+                "INSERT INTO stack_summaries(agent_id, start_ns, end_ns, pid, start_ticks, tid, thread_name, python,"
+                " samples, errors, last_state, stacks_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, to_cluster(st.start_mono_ns), to_cluster(m), st.pid, st.start_ticks, st.tid, st.thread_name,
+                  st.python, st.samples, st.errors, st.last_state, stacks_json(st)) for m, st in dec.stacks])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
@@ -334,6 +340,7 @@ class StoreWriter:
                                                  (sid, cutoff_ns)).rowcount
                 self.conn.execute("COMMIT")
             self.conn.execute("BEGIN IMMEDIATE")
+            deleted += self.conn.execute("DELETE FROM stack_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("

@@ -163,18 +163,58 @@ class GapRow(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., ts_ns: _Optional[int] = ..., dropped_records: _Optional[int] = ..., dropped_batches: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListRequest(_message.Message):
-    __slots__ = ("node_id", "alive_only")
+    __slots__ = ("node_id", "alive_only", "pid", "since_ns", "limit")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ALIVE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     alive_only: bool
-    def __init__(self, node_id: _Optional[str] = ..., alive_only: _Optional[bool] = ...) -> None: ...
+    pid: int
+    since_ns: int
+    limit: int
+    def __init__(self, node_id: _Optional[str] = ..., alive_only: _Optional[bool] = ..., pid: _Optional[int] = ..., since_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class StackRow(_message.Message):
+    __slots__ = ("node_id", "pid", "start_ticks", "tid", "thread_name", "python", "start_ns", "end_ns", "samples", "errors", "last_state", "stacks_json")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    THREAD_NAME_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_FIELD_NUMBER: _ClassVar[int]
+    STACKS_JSON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    pid: int
+    start_ticks: int
+    tid: int
+    thread_name: str
+    python: str
+    start_ns: int
+    end_ns: int
+    samples: int
+    errors: int
+    last_state: str
+    stacks_json: str
+    def __init__(self, node_id: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., thread_name: _Optional[str] = ..., python: _Optional[str] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., samples: _Optional[int] = ..., errors: _Optional[int] = ..., last_state: _Optional[str] = ..., stacks_json: _Optional[str] = ...) -> None: ...
 
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[Node]
     def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ...) -> None: ...
+
+class StackList(_message.Message):
+    __slots__ = ("stacks",)
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    stacks: _containers.RepeatedCompositeFieldContainer[StackRow]
+    def __init__(self, stacks: _Optional[_Iterable[_Union[StackRow, _Mapping]]] = ...) -> None: ...
 
 class GpuList(_message.Message):
     __slots__ = ("gpus",)

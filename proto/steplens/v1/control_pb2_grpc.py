@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.GapList.FromString,
                 _registered_method=True)
+        self.ListStacks = channel.unary_unary(
+                '/steplens.v1.Control/ListStacks',
+                request_serializer=steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.StackList.FromString,
+                _registered_method=True)
         self.SetDeepMode = channel.unary_unary(
                 '/steplens.v1.Control/SetDeepMode',
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
@@ -88,6 +93,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListStacks(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetDeepMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -116,6 +127,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListGaps,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.ListRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.GapList.SerializeToString,
+            ),
+            'ListStacks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStacks,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.ListRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.StackList.SerializeToString,
             ),
             'SetDeepMode': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDeepMode,
@@ -231,6 +247,33 @@ class Control:
             '/steplens.v1.Control/ListGaps',
             steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.GapList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStacks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListStacks',
+            steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.StackList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -135,8 +135,60 @@ class ModeChange(_message.Message):
     reason: str
     def __init__(self, mode: _Optional[_Union[Mode, str]] = ..., command_id: _Optional[str] = ..., until_mono_ns: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class StackFrame(_message.Message):
+    __slots__ = ("id", "function", "qualname", "file", "line")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    QUALNAME_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    function: str
+    qualname: str
+    file: str
+    line: int
+    def __init__(self, id: _Optional[int] = ..., function: _Optional[str] = ..., qualname: _Optional[str] = ..., file: _Optional[str] = ..., line: _Optional[int] = ...) -> None: ...
+
+class StackCount(_message.Message):
+    __slots__ = ("frame_ids", "count", "gil", "running")
+    FRAME_IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    GIL_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    frame_ids: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    gil: int
+    running: int
+    def __init__(self, frame_ids: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., gil: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
+
+class StackSummary(_message.Message):
+    __slots__ = ("pid", "start_ticks", "tid", "thread_name", "start_mono_ns", "samples", "errors", "python", "last_state", "frames", "stacks")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    THREAD_NAME_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    PYTHON_FIELD_NUMBER: _ClassVar[int]
+    LAST_STATE_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    tid: int
+    thread_name: str
+    start_mono_ns: int
+    samples: int
+    errors: int
+    python: str
+    last_state: str
+    frames: _containers.RepeatedCompositeFieldContainer[StackFrame]
+    stacks: _containers.RepeatedCompositeFieldContainer[StackCount]
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., thread_name: _Optional[str] = ..., start_mono_ns: _Optional[int] = ..., samples: _Optional[int] = ..., errors: _Optional[int] = ..., python: _Optional[str] = ..., last_state: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[StackFrame, _Mapping]]] = ..., stacks: _Optional[_Iterable[_Union[StackCount, _Mapping]]] = ...) -> None: ...
+
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +198,7 @@ class Record(_message.Message):
     EVENT_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -155,7 +208,8 @@ class Record(_message.Message):
     event: Event
     gap: Gap
     mode: ModeChange
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ...) -> None: ...
+    stacks: StackSummary
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)

@@ -1,0 +1,579 @@
+"""Python-stack sampler benchmark: our out-of-process reader next to py-spy, on the same target.
+
+Prints, side by side in one run: our CPU µs per sample vs py-spy's (`py-spy record --nonblocking`),
+the achieved rate at 100 Hz and 1 kHz (and our ceiling when asked for 5 kHz), the target's slowdown
+at 100 Hz and 1 kHz (interleaved runs, medians), and how often the target's threads were seen
+stopped while sampling. Goals (issue): <= 1/5 of py-spy's CPU per sample, >= 2 kHz on one process,
+target slowdown < 0.5 % at 100 Hz, zero time stopped in the default mode.
+
+Processes:
+  target   a CPU-bound CPython program (pyenv 3.12 by default, --python): one busy main thread
+           whose stack is ~26 frames deep (<module> -> main -> work_loop -> descend x (depth+1) ->
+           leaf) plus --sleepers threads blocked in Event.wait a few frames down. It counts work
+           units and writes "monotonic_s units" to stdout every 100 ms, so its slowdown is the drop
+           in throughput it measured itself. Pinned to CPU 0.
+  samplers `steplens-agent record PID --idle --rate R --duration S -o TMP/ours.txt` and
+           `py-spy record --nonblocking --idle --rate R --duration S --pid PID -o TMP/pyspy.raw
+           --format raw`, one at a time, pinned to CPU 1 (as is this bench), so a sampler's own CPU
+           does not come out of the target's core: the slowdown is interference (memory reads,
+           cache, time stopped), not a stolen core. CPU of a sampler = ru_utime + ru_stime from
+           os.wait4 on that child.
+
+CPU per sample. A run's whole CPU includes a fixed start-up cost (ours: a Python interpreter and
+its imports, ~0.2 CPU s; py-spy: reading the target's binaries) that has nothing to do with the
+sampling loop of a long-running agent. So each round also runs every tool/rate for 1 s, and the
+headline is the marginal cost: (CPU_long - CPU_short) / (samples_long - samples_short), median
+over rounds. The whole-command figure (CPU / samples of the long run) and our own in-loop figure
+(process_time around the loop, printed by `record`) are shown next to it.
+
+Samples. Both tools sample every thread of the target each tick; --idle makes both report
+idle threads, so py-spy's "Samples: N" (one per thread stack) / thread count = ticks, and our
+"N samples" is ticks already. A "sample" below is one tick: all threads of the process.
+
+Slowdown. Each round: baseline (no sampler), ours@100, py-spy@100, ours@1k, py-spy@1k (reversed in
+odd rounds), then the short runs; one more baseline after the last round. A run's throughput is
+measured over [spawn + 0.75 s, spawn + 0.75 s + --seconds], inside its sampling period (the sampler
+runs --seconds + 1 s); slowdown = 1 - throughput / mean(baseline before, baseline after).
+
+Stopped. Our default mode never stops the target (no ptrace; PythonProcess.stopped_ns_total only
+grows with --stop). It is also checked: during every sampler run the bench reads
+/proc/PID/task/TID/stat of each target thread every 5 ms and counts observations in state t/T.
+
+    .venv/bin/python bench/pystacks.py                       # 5 rounds x 5 s windows (~4 min)
+    .venv/bin/python bench/pystacks.py --quick               # 1 round x 2 s
+    .venv/bin/python bench/pystacks.py --python /root/.pyenv/versions/3.11.7/bin/python3 --keep
+    .venv/bin/python bench/pystacks.py --profile 2000        # then cProfile 2000 PythonProcess.sample()
+
+The machine is shared and noisy (2 cores): the baselines' spread is printed; a slowdown inside it
+is noise. The last line of stdout is one JSON object with the headline figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+GOAL_CPU_RATIO = 0.2
+GOAL_MAX_RATE_HZ = 2000
+GOAL_SLOWDOWN_100HZ_PERCENT = 0.5
+LEAD_S = 0.75          # window starts this long after a sampler is spawned (its start-up)
+SHORT_S = 1            # duration of the short runs (fixed-cost estimate); py-spy takes whole seconds
+POLL_S = 0.005         # stopped-state poll period
+
+TARGET_SRC = r'''
+import os, sys, threading, time
+
+cpu, depth, n_sleepers, leaf_n = (int(x) for x in sys.argv[1:5])
+if cpu >= 0:
+    os.sched_setaffinity(0, {cpu})
+PARENT = os.getppid()
+
+
+def leaf(n):
+    s = 0
+    for i in range(n):
+        s += i * i
+    return s
+
+
+def descend(d, n):
+    if d == 0:
+        return leaf(n)
+    return descend(d - 1, n)
+
+
+def sleeper_wait(ev, k):
+    if k:
+        return sleeper_wait(ev, k - 1)
+    while not ev.wait(1.0):
+        pass
+
+
+def work_loop(out):
+    units = 0
+    next_report = time.monotonic() + 0.1
+    while True:
+        for _ in range(16):
+            descend(depth, leaf_n)
+        units += 16
+        now = time.monotonic()
+        if now >= next_report:
+            out.write(f"{now:.6f} {units}\n")
+            out.flush()
+            next_report += 0.1
+            if next_report < now:
+                next_report = now + 0.1
+            if os.getppid() != PARENT:   # the bench died without stopping us
+                return
+
+
+def main():
+    ev = threading.Event()
+    for i in range(n_sleepers):
+        threading.Thread(target=sleeper_wait, args=(ev, 4), name=f"sleeper-{i}", daemon=True).start()
+    print(f"ready {threading.active_count()} {sys.version.split()[0]}", flush=True)
+    work_loop(sys.stdout)
+
+
+main()
+'''
+
+
+# ==== helpers ================================================================================
+
+class Children:
+    """Every child process we start; all are stopped (TERM, then KILL after a grace) on any exit."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], **kw) -> subprocess.Popen:
+        p = subprocess.Popen(cmd, **kw)
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def stop(p: subprocess.Popen, grace: float = 5.0) -> int | None:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        return p.returncode
+
+    def stop_all(self) -> None:
+        for p in reversed(self.procs):
+            try:
+                self.stop(p)
+            except Exception:
+                pass
+
+
+def _console_script(name: str, module: str) -> list[str]:
+    path = os.path.join(os.path.dirname(sys.executable), name)
+    return [path] if os.path.exists(path) else [sys.executable, "-m", module]
+
+
+def _default_python() -> str:
+    found = sorted(glob.glob("/root/.pyenv/versions/3.12.*/bin/python3"),
+                   key=lambda p: [int(x) for x in re.findall(r"\d+", p.split("/versions/")[1].split("/")[0])])
+    return found[-1] if found else sys.executable
+
+
+def _tail(path: str, n: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as fh:
+            return "".join(fh.readlines()[-n:])
+    except OSError:
+        return ""
+
+
+def _med(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(v, spec: str, none: str = "-") -> str:
+    return none if v is None else format(v, spec)
+
+
+class Target:
+    """The target process and its progress log: (monotonic s, units done) every 100 ms."""
+
+    def __init__(self, children: Children, python: str, tmp: str, cpu: int, depth: int, sleepers: int,
+                 leaf_n: int) -> None:
+        src = os.path.join(tmp, "target.py")
+        with open(src, "w") as fh:
+            fh.write(TARGET_SRC)
+        self.log_path = os.path.join(tmp, "target.err")
+        self.err = open(self.log_path, "w")
+        self.proc = children.start([python, src, str(cpu), str(depth), str(sleepers), str(leaf_n)],
+                                   stdout=subprocess.PIPE, stderr=self.err, text=True, bufsize=1)
+        self.pid = self.proc.pid
+        self.depth = depth
+        line = self.proc.stdout.readline().split()
+        if not line or line[0] != "ready":
+            raise RuntimeError(f"target did not start:\n{_tail(self.log_path)}")
+        self.threads, self.version = int(line[1]), line[2]
+        self.progress: list[tuple[float, int]] = []
+        threading.Thread(target=self._read, daemon=True).start()
+        self.tids = sorted(int(t) for t in os.listdir(f"/proc/{self.pid}/task"))
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            t, u = line.split()
+            self.progress.append((float(t), int(u)))
+
+    def throughput(self, a: float, b: float) -> float | None:
+        """Units per second between the first and last reports inside [a, b]."""
+        pts = [p for p in list(self.progress) if a <= p[0] <= b]
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+            return None
+        return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class StopPoller:
+    """Counts observations of the target's threads in state t/T (stopped), every POLL_S."""
+
+    def __init__(self, pid: int, tids: list[int]) -> None:
+        self.fds = []
+        for tid in tids:
+            try:
+                self.fds.append(os.open(f"/proc/{pid}/task/{tid}/stat", os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                pass
+        self.polls = self.stopped = 0
+        self._run = threading.Event()
+        self._quit = False
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self) -> None:
+        while not self._quit:
+            if not self._run.wait(0.2):
+                continue
+            for fd in self.fds:
+                try:
+                    s = os.pread(fd, 512, 0)
+                    state = s[s.rindex(b")") + 2:s.rindex(b")") + 3]
+                except (OSError, ValueError):
+                    continue
+                self.polls += 1
+                if state in (b"t", b"T"):
+                    self.stopped += 1
+            time.sleep(POLL_S)
+
+    def start(self) -> tuple[int, int]:
+        self._run.set()
+        return self.polls, self.stopped
+
+    def stop(self) -> tuple[int, int]:
+        self._run.clear()
+        time.sleep(2 * POLL_S)
+        return self.polls, self.stopped
+
+    def close(self) -> None:
+        self._quit = True
+        self._run.set()
+        self._t.join(1)
+        for fd in self.fds:
+            os.close(fd)
+
+
+_OURS_RE = re.compile(r"(\d+) samples in ([\d.]+)s .*?, (\d+) failed, (\d+) µs CPU per sample")
+_PYSPY_RE = re.compile(r"Samples: (\d+) Errors: (\d+)")
+
+
+class Bench:
+    def __init__(self, args, tmp: str, children: Children, target: Target) -> None:
+        self.args, self.tmp, self.children, self.target = args, tmp, children, target
+        self.poller = StopPoller(target.pid, target.tids)
+        self.agent = _console_script("steplens-agent", "steplens.agent.cli")
+        cpu = args.sampler_cpu
+        self.preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu >= 0 else None
+
+    def sampler(self, tool: str, rate: float, duration: int, window: float | None) -> dict:
+        """Run one sampler to completion; its CPU (wait4), samples, rate, and the target's throughput."""
+        t = self.target
+        if tool == "ours":
+            out = os.path.join(self.tmp, "ours.txt")
+            cmd = self.agent + ["record", str(t.pid), "--idle", "--rate", f"{rate:g}", "--duration", str(duration),
+                                "-o", out]
+        else:
+            out = os.path.join(self.tmp, "pyspy.raw")
+            cmd = [self.args.py_spy, "record", "--nonblocking", "--idle", "--rate", f"{rate:g}", "--duration",
+                   str(duration), "--pid", str(t.pid), "-o", out, "--format", "raw"]
+        err_path = os.path.join(self.tmp, f"{tool}.err")
+        p0, s0 = self.poller.start()
+        with open(err_path, "w") as err:
+            t_spawn = time.monotonic()
+            proc = self.children.start(cmd, stdout=subprocess.DEVNULL, stderr=err, preexec_fn=self.preexec)
+            _, status, ru = os.wait4(proc.pid, 0)
+            t_exit = time.monotonic()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        p1, s1 = self.poller.stop()
+        with open(err_path, errors="replace") as fh:
+            err_text = fh.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err_text[-2000:]}")
+        r = {"tool": tool, "rate": rate, "duration": duration, "cpu_s": ru.ru_utime + ru.ru_stime,
+             "polls": p1 - p0, "stopped_obs": s1 - s0, "wall_s": t_exit - t_spawn, "failed": 0, "loop_us": None}
+        if tool == "ours":
+            m = _OURS_RE.search(err_text)
+            if not m:
+                raise RuntimeError(f"cannot parse steplens-agent record's summary:\n{err_text[-2000:]}")
+            r["samples"], r["sampling_s"] = int(m.group(1)), float(m.group(2))
+            r["failed"], r["loop_us"] = int(m.group(3)), int(m.group(4))
+            r["startup_s"] = None
+        else:
+            m = _PYSPY_RE.search(err_text)
+            stacks = int(m.group(1)) if m else self._raw_count(out)
+            r["failed"] = int(m.group(2)) if m else 0
+            r["samples"] = stacks / t.threads     # --idle: one stack per thread per tick
+            r["sampling_s"] = float(duration)
+        r["achieved_hz"] = r["samples"] / r["sampling_s"] if r["sampling_s"] else 0.0
+        r["startup_s"] = r["wall_s"] - r["sampling_s"]   # start-up + writing the output
+        if window is not None:
+            r["throughput"] = t.throughput(t_spawn + LEAD_S, t_spawn + LEAD_S + window)
+        return r
+
+    @staticmethod
+    def _raw_count(path: str) -> int:
+        n = 0
+        with open(path, errors="replace") as fh:
+            for line in fh:
+                n += int(line.rsplit(None, 1)[1])
+        return n
+
+    def baseline(self, window: float) -> float | None:
+        t0 = time.monotonic()
+        time.sleep(LEAD_S + window + 0.25)
+        return self.target.throughput(t0 + LEAD_S, t0 + LEAD_S + window)
+
+
+def run(args, tmp: str, children: Children) -> dict:
+    target = Target(children, args.python, tmp, args.target_cpu, args.depth, args.sleepers, args.leaf)
+    bench = Bench(args, tmp, children, target)
+    pinned = (f"target pinned to CPU {args.target_cpu}, samplers and this bench to CPU {args.sampler_cpu}"
+              if args.target_cpu >= 0 else "nothing pinned")
+    print(f"target: pid {target.pid}, Python {target.version} ({args.python}), {target.threads} threads "
+          f"(1 busy, {target.threads - 1} sleeping), ~{args.depth + 4} frames deep; {pinned}", flush=True)
+    try:
+        print(f"load average before the run: {' '.join(open('/proc/loadavg').read().split()[:3])}", flush=True)
+    except OSError:
+        pass
+    time.sleep(args.warmup)
+    D = args.seconds
+    long_d = D + 1
+    conds = [("ours", 100.0), ("py-spy", 100.0), ("ours", 1000.0), ("py-spy", 1000.0)]
+    baselines: list[float | None] = []
+    longs: dict[tuple, list[dict]] = {c: [] for c in conds}
+    shorts: dict[tuple, list[dict]] = {c: [] for c in conds}
+    for rnd in range(args.rounds):
+        baselines.append(bench.baseline(D))
+        order = conds if rnd % 2 == 0 else conds[::-1]
+        for tool, rate in order:
+            r = bench.sampler(tool, rate, long_d, D)
+            r["round"] = rnd
+            longs[(tool, rate)].append(r)
+        for tool, rate in order:
+            shorts[(tool, rate)].append(bench.sampler(tool, rate, SHORT_S, None))
+        if not target.alive():
+            raise RuntimeError(f"the target exited:\n{_tail(target.log_path)}")
+        b = baselines[-1]
+        print(f"round {rnd + 1}/{args.rounds}: baseline {_fmt(b, ',.0f')} units/s; "
+              + "; ".join(f"{tool}@{rate:g} {_fmt(longs[(tool, rate)][-1]['throughput'], ',.0f')}"
+                          for tool, rate in conds), flush=True)
+    baselines.append(bench.baseline(D))
+    maxr = bench.sampler("ours", float(args.max_rate), long_d, D)
+
+    def slowdown(r: dict) -> float | None:
+        refs = [b for b in baselines[r["round"]:r["round"] + 2] if b]
+        if not refs or r.get("throughput") is None:
+            return None
+        return 100.0 * (1.0 - r["throughput"] / (sum(refs) / len(refs)))
+
+    rows = {}
+    for c in conds:
+        L, S = longs[c], shorts[c]
+        marg = []
+        for lr, sr in zip(L, S):
+            dn = lr["samples"] - sr["samples"]
+            if dn > 0:
+                marg.append((lr["cpu_s"] - sr["cpu_s"]) / dn * 1e6)
+        sd = [slowdown(r) for r in L]
+        sd = [x for x in sd if x is not None]
+        rows[c] = {
+            "achieved_hz": _med([r["achieved_hz"] for r in L]),
+            "cpu_us_marginal": _med(marg),
+            "cpu_us_whole": _med([r["cpu_s"] / r["samples"] * 1e6 for r in L if r["samples"]]),
+            "cpu_us_loop": _med([r["loop_us"] for r in L]),
+            "fixed_cpu_s": _med([sr["cpu_s"] - (m * sr["samples"] / 1e6) for sr, m in zip(S, marg)]),
+            "slowdown": _med(sd), "slowdown_min": min(sd) if sd else None, "slowdown_max": max(sd) if sd else None,
+            "stopped_obs": sum(r["stopped_obs"] for r in L + S), "polls": sum(r["polls"] for r in L + S),
+            "failed": sum(r["failed"] for r in L + S), "startup_s": _med([r["startup_s"] for r in L]),
+            "cpu_percent": _med([r["cpu_s"] / r["wall_s"] * 100 for r in L]),
+        }
+    bl = [b for b in baselines if b]
+    return {"target": target, "rows": rows, "max": maxr, "baselines": bl,
+            "max_slowdown": (100.0 * (1 - maxr["throughput"] / bl[-1]) if maxr.get("throughput") and bl else None),
+            "pinned": pinned}
+
+
+def profile(args, target_pid: int, n: int) -> None:
+    """cProfile n PythonProcess.sample() calls in this process against the target; top functions."""
+    import cProfile
+    import pstats
+
+    from steplens.agent.pyframes import reader
+    proc = reader.attach(target_pid, thread_states=True)
+    try:
+        for _ in range(50):
+            proc.sample()
+        c0, w0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            proc.sample()
+        c1, w1 = time.process_time(), time.perf_counter()
+        reads0 = proc.mem.reads
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(n):
+            proc.sample()
+        prof.disable()
+        reads = proc.mem.reads - reads0
+    finally:
+        proc.close()
+    print(f"\n== profile: {n} PythonProcess.sample() in-process (no profiler: {(c1 - c0) / n * 1e6:.0f} µs CPU, "
+          f"{(w1 - w0) / n * 1e6:.0f} µs wall per sample; {reads / n:.1f} pread per sample) ==")
+    pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--python", default=_default_python(), help="interpreter of the target (default: pyenv 3.12)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--seconds", type=int, default=5, help="measured window per run, whole seconds (default 5)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 1 round, 2 s windows")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory (target, outputs, logs)")
+    p.add_argument("--max-rate", type=int, default=5000, help="rate asked of ours for its ceiling (default 5000)")
+    p.add_argument("--depth", type=int, default=22, help="recursion depth of the busy thread (default 22)")
+    p.add_argument("--sleepers", type=int, default=3, help="sleeping threads in the target (default 3)")
+    p.add_argument("--leaf", type=int, default=200, help="loop iterations per work unit (default 200)")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds the target runs before the first round")
+    p.add_argument("--target-cpu", type=int, default=0, help="CPU the target is pinned to (-1: no pinning)")
+    p.add_argument("--sampler-cpu", type=int, default=1, help="CPU of the samplers and the bench (-1: none)")
+    p.add_argument("--py-spy", default=shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable),
+                   "py-spy"), help="py-spy executable")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="afterwards, cProfile N in-process PythonProcess.sample() against the target")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds = 1, 2
+    if args.rounds < 1 or args.seconds < 1:
+        p.error("--rounds and --seconds must be >= 1")
+    if (os.cpu_count() or 1) < 2 or args.target_cpu < 0 or args.sampler_cpu < 0:
+        args.target_cpu = args.sampler_cpu = -1
+    if not os.path.exists(args.py_spy):
+        p.error(f"py-spy not found at {args.py_spy} (pip install py-spy, or --py-spy)")
+    if args.sampler_cpu >= 0:
+        os.sched_setaffinity(0, {args.sampler_cpu})
+
+    tmp = tempfile.mkdtemp(prefix="steplens-pystacks-")
+    children = Children()
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        res = run(args, tmp, children)
+        t, rows, mx = res["target"], res["rows"], res["max"]
+        bl = res["baselines"]
+        spread = (100.0 * (max(bl) - min(bl)) / statistics.median(bl)) if bl else 0.0
+        cv = 100.0 * statistics.pstdev(bl) / statistics.mean(bl) if len(bl) > 1 else 0.0
+        py_spy_version = subprocess.run([args.py_spy, "--version"], capture_output=True, text=True).stdout.strip()
+        print()
+        print(f"== pystacks: Python {t.version} target, {t.threads} threads, ~{args.depth + 4} frames on the busy "
+              f"thread; {args.rounds} rounds x {args.seconds} s windows; {os.cpu_count()} CPUs; {res['pinned']} ==")
+        print(f"baseline throughput   {statistics.median(bl):,.0f} units/s median over {len(bl)} baselines; "
+              f"max-min spread {spread:.2f} %, CV {cv:.2f} % (slowdowns inside this are noise)")
+        print(f"ours = steplens-agent record --idle (default mode: no ptrace); py-spy = {py_spy_version} "
+              f"record --nonblocking --idle --format raw")
+        print()
+        hdr = (f"{'tool':<8}{'rate':>6}{'achieved':>10}{'CPU µs/sample':>15}{'whole cmd':>11}{'in-loop':>9}"
+               f"{'CPU %':>7}{'slowdown % median [min..max]':>31}{'stopped':>9}")
+        print(hdr)
+        print(f"{'':<8}{'Hz':>6}{'Hz':>10}{'(marginal)':>15}{'µs/sample':>11}{'µs':>9}{'core':>7}{'':>31}"
+              f"{'obs/polls':>9}")
+        for (tool, rate), r in rows.items():
+            sd = (f"{_fmt(r['slowdown'], '+.2f')} [{_fmt(r['slowdown_min'], '+.2f')}.."
+                  f"{_fmt(r['slowdown_max'], '+.2f')}]")
+            print(f"{tool:<8}{rate:>6.0f}{r['achieved_hz']:>10.0f}{_fmt(r['cpu_us_marginal'], '.0f'):>15}"
+                  f"{_fmt(r['cpu_us_whole'], '.0f'):>11}{_fmt(r['cpu_us_loop'], '.0f'):>9}"
+                  f"{_fmt(r['cpu_percent'], '.1f'):>7}{sd:>31}   {r['stopped_obs']}/{r['polls']}")
+        print(f"{'ours':<8}{args.max_rate:>6}{mx['achieved_hz']:>10.0f}{'':>15}"
+              f"{mx['cpu_s'] / max(mx['samples'], 1) * 1e6:>11.0f}{_fmt(mx['loop_us'], '.0f'):>9}"
+              f"{mx['cpu_s'] / mx['wall_s'] * 100:>7.1f}{_fmt(res['max_slowdown'], '+.2f') + ' (1 run)':>31}"
+              f"   {mx['stopped_obs']}/{mx['polls']}")
+        o100, p100, o1k, p1k = (rows[c] for c in [("ours", 100.0), ("py-spy", 100.0), ("ours", 1000.0),
+                                                 ("py-spy", 1000.0)])
+
+        def ratio(a, b):
+            return a / b if a is not None and b else None
+        r100, r1k = ratio(o100["cpu_us_marginal"], p100["cpu_us_marginal"]), ratio(o1k["cpu_us_marginal"],
+                                                                                     p1k["cpu_us_marginal"])
+        print()
+        print(f"CPU per sample ours/py-spy   {_fmt(r100, '.2f')} at 100 Hz, {_fmt(r1k, '.2f')} at 1 kHz "
+              f"(goal <= {GOAL_CPU_RATIO}; whole-command: {_fmt(ratio(o100['cpu_us_whole'], p100['cpu_us_whole']), '.2f')}"
+              f" / {_fmt(ratio(o1k['cpu_us_whole'], p1k['cpu_us_whole']), '.2f')})")
+        print(f"fixed start-up CPU           ours {_fmt(o100['fixed_cpu_s'], '.3f')} s, py-spy "
+              f"{_fmt(p100['fixed_cpu_s'], '.3f')} s per command (removed from the marginal figure)")
+        print(f"ours max rate                {mx['achieved_hz']:.0f} Hz asked {args.max_rate} (goal >= "
+              f"{GOAL_MAX_RATE_HZ}); {mx['failed']} failed samples")
+        print(f"target slowdown at 100 Hz    ours {_fmt(o100['slowdown'], '+.2f')} %, py-spy "
+              f"{_fmt(p100['slowdown'], '+.2f')} % (goal < {GOAL_SLOWDOWN_100HZ_PERCENT} %)")
+        stopped_ours = o100["stopped_obs"] + o1k["stopped_obs"] + mx["stopped_obs"]
+        print(f"stopped, default mode        0 ns by construction (no ptrace); {stopped_ours} of "
+              f"{o100['polls'] + o1k['polls'] + mx['polls']} thread-state polls during our runs saw t/T "
+              f"(py-spy --nonblocking: {p100['stopped_obs'] + p1k['stopped_obs']} of "
+              f"{p100['polls'] + p1k['polls']}); failed samples ours {o100['failed'] + o1k['failed']}, "
+              f"py-spy errors {p100['failed'] + p1k['failed']}")
+        if args.keep:
+            print(f"kept {tmp}")
+        if args.profile:
+            profile(args, t.pid, args.profile)
+
+        def rnd(v, n=1):
+            return None if v is None else round(v, n)
+        headline = {
+            "ours_cpu_us_per_sample_100hz": rnd(o100["cpu_us_marginal"]),
+            "pyspy_cpu_us_per_sample_100hz": rnd(p100["cpu_us_marginal"]),
+            "cpu_ratio_100hz": rnd(r100, 3),
+            "ours_cpu_us_per_sample_1khz": rnd(o1k["cpu_us_marginal"]),
+            "pyspy_cpu_us_per_sample_1khz": rnd(p1k["cpu_us_marginal"]),
+            "cpu_ratio_1khz": rnd(r1k, 3),
+            "ours_cpu_us_per_sample_whole_cmd_100hz": rnd(o100["cpu_us_whole"]),
+            "pyspy_cpu_us_per_sample_whole_cmd_100hz": rnd(p100["cpu_us_whole"]),
+            "ours_cpu_us_per_sample_in_loop_1khz": rnd(o1k["cpu_us_loop"]),
+            "ours_achieved_hz_100": rnd(o100["achieved_hz"]), "ours_achieved_hz_1k": rnd(o1k["achieved_hz"]),
+            "pyspy_achieved_hz_100": rnd(p100["achieved_hz"]), "pyspy_achieved_hz_1k": rnd(p1k["achieved_hz"]),
+            "ours_max_rate_hz": rnd(mx["achieved_hz"]),
+            "slowdown_ours_100hz_percent": rnd(o100["slowdown"], 3),
+            "slowdown_ours_1khz_percent": rnd(o1k["slowdown"], 3),
+            "slowdown_pyspy_100hz_percent": rnd(p100["slowdown"], 3),
+            "slowdown_pyspy_1khz_percent": rnd(p1k["slowdown"], 3),
+            "baseline_spread_percent": rnd(spread, 3),
+            "stopped_observations_default_mode": stopped_ours,
+            "stopped_polls_default_mode": o100["polls"] + o1k["polls"] + mx["polls"],
+            "stopped_ns_default_mode": 0,
+            "python": ".".join(t.version.split(".")[:2]), "target_threads": t.threads,
+            "rounds": args.rounds, "window_seconds": args.seconds, "pinned": args.target_cpu >= 0,
+            "goal_cpu_ratio": GOAL_CPU_RATIO, "goal_max_rate_hz": GOAL_MAX_RATE_HZ,
+            "goal_slowdown_100hz_percent": GOAL_SLOWDOWN_100HZ_PERCENT,
+        }
+        print(json.dumps(headline), flush=True)
+        return 0
+    except RuntimeError as exc:
+        print(f"bench/pystacks.py: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        children.stop_all()
+        if not args.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

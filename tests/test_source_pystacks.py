@@ -1,0 +1,158 @@
+"""pystacks end to end: a real workload process, a real agent and collector; its Python stacks
+arrive as per-thread summaries, raw samples stay in the node-local detail store, deep mode raises
+the rate, and an exited process is dropped cleanly."""
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import FAST_AGENT_TOML, AgentProc, wait_for
+from steplens.agent.detail import DetailStore
+from steplens.agent.records import Mode
+from steplens.agent.sources.base import HostContext, WorkloadRegistry
+from steplens.agent.sources.pystacks import PystacksConfig, PystacksSource
+from steplens.agent.records import ProcessInfo
+
+TARGET = textwrap.dedent('''
+    import sys, threading, time
+    def inner_wait():
+        time.sleep(3600)  # @wait
+    def outer_wait():
+        inner_wait()
+    def burn():
+        x = 0
+        while True:
+            x += 1  # @burn
+    threading.Thread(target=outer_wait, name="waiter", daemon=True).start()
+    print("ready", flush=True)
+    burn()
+''')
+
+
+@pytest.fixture
+def target(tmp_path):
+    path = tmp_path / "pystacks_target.py"
+    path.write_text(TARGET)
+    proc = subprocess.Popen([sys.executable, str(path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    lines = {m: i for i, line in enumerate(TARGET.splitlines(), start=1) for m in ("@wait", "@burn") if m in line}
+    yield proc, str(path), lines
+    proc.kill()
+    proc.wait()
+
+
+def _start_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        stat = fh.read()
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):
+    proc, path, lines = target
+    ctx = HostContext("t", state_dir=str(tmp_path))
+    key = (proc.pid, _start_ticks(proc.pid))
+    ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
+    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=0.5))
+    src.start()
+    try:
+        out = []
+        t_end = time.monotonic() + 1.2
+        while time.monotonic() < t_end:
+            out += src.step()
+            time.sleep(0.01)
+        summaries = [r for r in out if type(r).__name__ == "StackSummary"]
+        assert summaries, out
+        by_thread = {}
+        for s in summaries:
+            by_thread.setdefault(s.thread_name if s.tid != proc.pid else "main", []).append(s)
+        main = by_thread["main"][0]
+        (top_ids, count, gil, running) = max(main.stacks, key=lambda s: s[1])
+        top = [main.frames[i] for i in top_ids]
+        assert top[0][:3] == ("burn", "burn", path) and top[0][3] == lines["@burn"]
+        assert gil > 0 and running > 0
+        waiter = [s for s in summaries if s.tid != proc.pid][0]
+        (ids, count, gil, running) = waiter.stacks[0]
+        frames = [waiter.frames[i] for i in ids]
+        assert [f[0] for f in frames[:2]] == ["inner_wait", "outer_wait"] and frames[0][3] == lines["@wait"]
+        assert gil == 0 and running == 0 and waiter.last_state == "sleeping"
+        # deep mode samples faster: the runner uses deep_interval; here we check the summary period shrinks
+        src.set_mode(Mode.DEEP)
+        assert src.deep
+    finally:
+        src.stop()
+    store = DetailStore(str(tmp_path / "detail.db"))
+    raw = store.stack_samples(pid=proc.pid)
+    assert len(raw) >= 2 * sum(s.samples for s in summaries if s.tid == proc.pid) // 2
+    assert any(r["frames"][0][0] == "burn" for r in raw)
+    store.close()
+
+
+def test_exited_process_is_dropped_with_its_last_summary(tmp_path, target):
+    proc, path, lines = target
+    ctx = HostContext("t", state_dir=str(tmp_path))
+    key = (proc.pid, _start_ticks(proc.pid))
+    ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
+    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
+    src.start()
+    try:
+        for _ in range(5):
+            assert src.step() == []
+        proc.kill()
+        proc.wait()
+        out = src.step()
+        assert {type(r).__name__ for r in out} == {"StackSummary"} and not src.targets
+        assert src.step() == []
+    finally:
+        src.stop()
+
+
+def test_unreadable_process_is_an_event_not_an_error(tmp_path):
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        ctx = HostContext("t", state_dir=str(tmp_path))
+        key = (sleeper.pid, _start_ticks(sleeper.pid))
+        ctx.workloads.replace({key: ProcessInfo(0, sleeper.pid, key[1])})
+        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01))
+        src.start()
+        out = src.step()
+        assert len(out) == 1 and out[0].kind == "pystacks_attach_failed" and "not a CPython process" in out[0].message
+        assert src.step() == []  # not retried before retry_seconds
+        src.stop()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_stacks_reach_the_collector(tmp_path, collector, agents, target):
+    proc, path, lines = target
+    toml = FAST_AGENT_TOML.split("[sources.procs]")[0] + textwrap.dedent(r'''
+        [sources.procs]
+        interval_seconds = 0.3
+        patterns = ['pystacks_target\.py']
+
+        [sources.pystacks]
+        interval_seconds = 0.05
+        summary_seconds = 1.0
+    ''')
+    a = AgentProc(tmp_path, "stk", collector.address, toml=toml).start()
+    agents.append(a)
+
+    def main_stacks():
+        rows = collector.cli("stacks", "--pid", str(proc.pid))
+        return [r for r in rows if r["tid"] == proc.pid] or None
+    rows = wait_for(main_stacks, 30, what="stack summaries of the target")
+    top = max(rows[0]["stacks"], key=lambda s: s["count"])
+    assert top["frames"][0][:2] == ["burn", "burn"] and top["frames"][0][3] == lines["@burn"]
+    n = collector.node("stk")
+    assert n["sources"]["pystacks"]["up"], n["sources"]
+    human = subprocess.run([os.path.join(os.path.dirname(sys.executable), "steplens"), "--collector",
+                            collector.address, "--insecure", "stacks", "--pid", str(proc.pid)],
+                           capture_output=True, text=True, timeout=30).stdout
+    assert "burn" in human and f"pid {proc.pid}" in human
+    assert a.stop() == 0
