@@ -33,7 +33,15 @@ idle threads, so py-spy's "Samples: N" (one per thread stack) / thread count = t
 Slowdown. Each round: baseline (no sampler), ours@100, py-spy@100, ours@1k, py-spy@1k (reversed in
 odd rounds), then the short runs; one more baseline after the last round. A run's throughput is
 measured over [spawn + 0.75 s, spawn + 0.75 s + --seconds], inside its sampling period (the sampler
-runs --seconds + 1 s); slowdown = 1 - throughput / mean(baseline before, baseline after).
+runs --seconds + 1 s); slowdown = 1 - throughput / mean(baseline before, baseline after), twice:
+  wall  units per second: what the job loses, stops included, but also any CPU time that other
+        processes take from the target's core (on a busy shared machine this dominates; the busy
+        thread's share of its core is printed per run);
+  cpu   units per CPU second of the busy thread (its thread_time): immune to other processes taking
+        its core, still sensitive to cache/memory interference from the sampler; blind to stops,
+        which the stopped-state check below covers.
+Our `record` skips ticks it is late for ("never burst"); py-spy catches up late ticks in a burst,
+so its achieved rate reads as the asked one even when it fell behind.
 
 Stopped. Our default mode never stops the target (no ptrace; PythonProcess.stopped_ns_total only
 grows with --stop). It is also checked: during every sampler run the bench reads
@@ -109,7 +117,7 @@ def work_loop(out):
         units += 16
         now = time.monotonic()
         if now >= next_report:
-            out.write(f"{now:.6f} {units}\n")
+            out.write(f"{now:.6f} {units} {time.thread_time():.6f}\n")
             out.flush()
             next_report += 0.1
             if next_report < now:
@@ -214,15 +222,17 @@ class Target:
 
     def _read(self) -> None:
         for line in self.proc.stdout:
-            t, u = line.split()
-            self.progress.append((float(t), int(u)))
+            t, u, c = line.split()
+            self.progress.append((float(t), int(u), float(c)))
 
-    def throughput(self, a: float, b: float) -> float | None:
-        """Units per second between the first and last reports inside [a, b]."""
+    def throughput(self, a: float, b: float) -> dict | None:
+        """Between the first and last reports inside [a, b]: units per wall second, units per CPU second
+        of the busy thread, and that thread's share of its core (what other processes left it)."""
         pts = [p for p in list(self.progress) if a <= p[0] <= b]
-        if len(pts) < 2 or pts[-1][0] <= pts[0][0]:
+        if len(pts) < 2 or pts[-1][0] <= pts[0][0] or pts[-1][2] <= pts[0][2]:
             return None
-        return (pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0])
+        du, dt, dc = pts[-1][1] - pts[0][1], pts[-1][0] - pts[0][0], pts[-1][2] - pts[0][2]
+        return {"wall": du / dt, "cpu": du / dc, "share": dc / dt}
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -376,44 +386,55 @@ def run(args, tmp: str, children: Children) -> dict:
             shorts[(tool, rate)].append(bench.sampler(tool, rate, SHORT_S, None))
         if not target.alive():
             raise RuntimeError(f"the target exited:\n{_tail(target.log_path)}")
-        b = baselines[-1]
-        print(f"round {rnd + 1}/{args.rounds}: baseline {_fmt(b, ',.0f')} units/s; "
-              + "; ".join(f"{tool}@{rate:g} {_fmt(longs[(tool, rate)][-1]['throughput'], ',.0f')}"
+        b = baselines[-1] or {}
+
+        def tp(x):
+            return f"{x['wall']:,.0f} ({x['share'] * 100:.0f} %)" if x else "-"
+        print(f"round {rnd + 1}/{args.rounds}: units/s (busy thread's share of its core): baseline {tp(b)}; "
+              + "; ".join(f"{tool}@{rate:g} {tp(longs[(tool, rate)][-1]['throughput'])}"
                           for tool, rate in conds), flush=True)
     baselines.append(bench.baseline(D))
     maxr = bench.sampler("ours", float(args.max_rate), long_d, D)
+    maxr["round"] = args.rounds - 1
 
-    def slowdown(r: dict) -> float | None:
-        refs = [b for b in baselines[r["round"]:r["round"] + 2] if b]
-        if not refs or r.get("throughput") is None:
+    def slowdown(r: dict, key: str) -> float | None:
+        """key "wall": units per second; "cpu": units per CPU second of the busy thread (immune to
+        other processes taking the target's core, still sensitive to cache/memory interference)."""
+        refs = [x[key] for x in baselines[r["round"]:r["round"] + 2] if x]
+        if not refs or not r.get("throughput"):
             return None
-        return 100.0 * (1.0 - r["throughput"] / (sum(refs) / len(refs)))
+        return 100.0 * (1.0 - r["throughput"][key] / (sum(refs) / len(refs)))
 
     rows = {}
     for c in conds:
         L, S = longs[c], shorts[c]
-        marg = []
+        marg, fixed = [], []
         for lr, sr in zip(L, S):
             dn = lr["samples"] - sr["samples"]
             if dn > 0:
-                marg.append((lr["cpu_s"] - sr["cpu_s"]) / dn * 1e6)
-        sd = [slowdown(r) for r in L]
-        sd = [x for x in sd if x is not None]
-        rows[c] = {
+                m = (lr["cpu_s"] - sr["cpu_s"]) / dn
+                marg.append(m * 1e6)
+                fixed.append(sr["cpu_s"] - m * sr["samples"])
+        row = {
             "achieved_hz": _med([r["achieved_hz"] for r in L]),
             "cpu_us_marginal": _med(marg),
             "cpu_us_whole": _med([r["cpu_s"] / r["samples"] * 1e6 for r in L if r["samples"]]),
             "cpu_us_loop": _med([r["loop_us"] for r in L]),
-            "fixed_cpu_s": _med([sr["cpu_s"] - (m * sr["samples"] / 1e6) for sr, m in zip(S, marg)]),
-            "slowdown": _med(sd), "slowdown_min": min(sd) if sd else None, "slowdown_max": max(sd) if sd else None,
+            "fixed_cpu_s": _med(fixed),
             "stopped_obs": sum(r["stopped_obs"] for r in L + S), "polls": sum(r["polls"] for r in L + S),
             "failed": sum(r["failed"] for r in L + S), "startup_s": _med([r["startup_s"] for r in L]),
             "cpu_percent": _med([r["cpu_s"] / r["wall_s"] * 100 for r in L]),
+            "share": _med([r["throughput"]["share"] * 100 for r in L if r.get("throughput")]),
         }
+        for key in ("wall", "cpu"):
+            sd = [x for x in (slowdown(r, key) for r in L) if x is not None]
+            row[f"slowdown_{key}"] = _med(sd)
+            row[f"slowdown_{key}_min"] = min(sd) if sd else None
+            row[f"slowdown_{key}_max"] = max(sd) if sd else None
+        rows[c] = row
     bl = [b for b in baselines if b]
     return {"target": target, "rows": rows, "max": maxr, "baselines": bl,
-            "max_slowdown": (100.0 * (1 - maxr["throughput"] / bl[-1]) if maxr.get("throughput") and bl else None),
-            "pinned": pinned}
+            "max_slowdown": {k: slowdown(maxr, k) for k in ("wall", "cpu")}, "pinned": pinned}
 
 
 def profile(args, target_pid: int, n: int) -> None:
@@ -481,56 +502,69 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(args, tmp, children)
         t, rows, mx = res["target"], res["rows"], res["max"]
-        bl = res["baselines"]
-        spread = (100.0 * (max(bl) - min(bl)) / statistics.median(bl)) if bl else 0.0
-        cv = 100.0 * statistics.pstdev(bl) / statistics.mean(bl) if len(bl) > 1 else 0.0
+        bw = [b["wall"] for b in res["baselines"]]
+        bc = [b["cpu"] for b in res["baselines"]]
+        bs = [b["share"] * 100 for b in res["baselines"]]
+
+        def spread(v):
+            return 100.0 * (max(v) - min(v)) / statistics.median(v) if v else 0.0
         py_spy_version = subprocess.run([args.py_spy, "--version"], capture_output=True, text=True).stdout.strip()
         print()
         print(f"== pystacks: Python {t.version} target, {t.threads} threads, ~{args.depth + 4} frames on the busy "
               f"thread; {args.rounds} rounds x {args.seconds} s windows; {os.cpu_count()} CPUs; {res['pinned']} ==")
-        print(f"baseline throughput   {statistics.median(bl):,.0f} units/s median over {len(bl)} baselines; "
-              f"max-min spread {spread:.2f} %, CV {cv:.2f} % (slowdowns inside this are noise)")
         print(f"ours = steplens-agent record --idle (default mode: no ptrace); py-spy = {py_spy_version} "
               f"record --nonblocking --idle --format raw")
+        print(f"baselines ({len(bw)}): {statistics.median(bw):,.0f} units/s (max-min spread {spread(bw):.1f} %), "
+              f"{statistics.median(bc):,.0f} units per CPU s (spread {spread(bc):.1f} %); the busy thread got "
+              f"{min(bs):.0f}-{max(bs):.0f} % of its core (the rest went to other processes)")
+        print("slowdown: 'wall' = drop in units/s; 'cpu' = drop in units per CPU second of the busy thread "
+              "(cache/memory interference and stops only, not CPU taken by other processes)")
         print()
-        hdr = (f"{'tool':<8}{'rate':>6}{'achieved':>10}{'CPU µs/sample':>15}{'whole cmd':>11}{'in-loop':>9}"
-               f"{'CPU %':>7}{'slowdown % median [min..max]':>31}{'stopped':>9}")
-        print(hdr)
-        print(f"{'':<8}{'Hz':>6}{'Hz':>10}{'(marginal)':>15}{'µs/sample':>11}{'µs':>9}{'core':>7}{'':>31}"
-              f"{'obs/polls':>9}")
+        print(f"{'tool':<7}{'rate':>6}{'achieved':>9}{'CPU µs/sample':>14}{'whole':>7}{'in-':>6}{'CPU':>6}"
+              f"{'target':>7}{'slowdown % wall':>24}{'slowdown % cpu':>24}{'stopped':>12}")
+        print(f"{'':<7}{'Hz':>6}{'Hz':>9}{'(marginal)':>14}{'cmd':>7}{'loop':>6}{'%':>6}{'core %':>7}"
+              f"{'median [min..max]':>24}{'median [min..max]':>24}{'obs/polls':>12}")
+
+        def sd(r, key):
+            return (f"{_fmt(r[f'slowdown_{key}'], '+.2f')} [{_fmt(r[f'slowdown_{key}_min'], '+.2f')}.."
+                    f"{_fmt(r[f'slowdown_{key}_max'], '+.2f')}]")
         for (tool, rate), r in rows.items():
-            sd = (f"{_fmt(r['slowdown'], '+.2f')} [{_fmt(r['slowdown_min'], '+.2f')}.."
-                  f"{_fmt(r['slowdown_max'], '+.2f')}]")
-            print(f"{tool:<8}{rate:>6.0f}{r['achieved_hz']:>10.0f}{_fmt(r['cpu_us_marginal'], '.0f'):>15}"
-                  f"{_fmt(r['cpu_us_whole'], '.0f'):>11}{_fmt(r['cpu_us_loop'], '.0f'):>9}"
-                  f"{_fmt(r['cpu_percent'], '.1f'):>7}{sd:>31}   {r['stopped_obs']}/{r['polls']}")
-        print(f"{'ours':<8}{args.max_rate:>6}{mx['achieved_hz']:>10.0f}{'':>15}"
-              f"{mx['cpu_s'] / max(mx['samples'], 1) * 1e6:>11.0f}{_fmt(mx['loop_us'], '.0f'):>9}"
-              f"{mx['cpu_s'] / mx['wall_s'] * 100:>7.1f}{_fmt(res['max_slowdown'], '+.2f') + ' (1 run)':>31}"
-              f"   {mx['stopped_obs']}/{mx['polls']}")
+            print(f"{tool:<7}{rate:>6.0f}{r['achieved_hz']:>9.0f}{_fmt(r['cpu_us_marginal'], '.0f'):>14}"
+                  f"{_fmt(r['cpu_us_whole'], '.0f'):>7}{_fmt(r['cpu_us_loop'], '.0f'):>6}"
+                  f"{_fmt(r['cpu_percent'], '.1f'):>6}{_fmt(r['share'], '.0f'):>7}{sd(r, 'wall'):>24}"
+                  f"{sd(r, 'cpu'):>24}{str(r['stopped_obs']) + '/' + str(r['polls']):>12}")
+        ms = res["max_slowdown"]
+        share = mx["throughput"]["share"] * 100 if mx.get("throughput") else None
+        print(f"{'ours':<7}{args.max_rate:>6}{mx['achieved_hz']:>9.0f}{'':>14}"
+              f"{mx['cpu_s'] / max(mx['samples'], 1) * 1e6:>7.0f}{_fmt(mx['loop_us'], '.0f'):>6}"
+              f"{mx['cpu_s'] / mx['wall_s'] * 100:>6.1f}{_fmt(share, '.0f'):>7}"
+              f"{_fmt(ms['wall'], '+.2f') + ' (1 run)':>24}{_fmt(ms['cpu'], '+.2f') + ' (1 run)':>24}"
+              f"{str(mx['stopped_obs']) + '/' + str(mx['polls']):>12}")
         o100, p100, o1k, p1k = (rows[c] for c in [("ours", 100.0), ("py-spy", 100.0), ("ours", 1000.0),
                                                  ("py-spy", 1000.0)])
 
         def ratio(a, b):
             return a / b if a is not None and b else None
-        r100, r1k = ratio(o100["cpu_us_marginal"], p100["cpu_us_marginal"]), ratio(o1k["cpu_us_marginal"],
-                                                                                     p1k["cpu_us_marginal"])
+        r100 = ratio(o100["cpu_us_marginal"], p100["cpu_us_marginal"])
+        r1k = ratio(o1k["cpu_us_marginal"], p1k["cpu_us_marginal"])
         print()
-        print(f"CPU per sample ours/py-spy   {_fmt(r100, '.2f')} at 100 Hz, {_fmt(r1k, '.2f')} at 1 kHz "
-              f"(goal <= {GOAL_CPU_RATIO}; whole-command: {_fmt(ratio(o100['cpu_us_whole'], p100['cpu_us_whole']), '.2f')}"
-              f" / {_fmt(ratio(o1k['cpu_us_whole'], p1k['cpu_us_whole']), '.2f')})")
-        print(f"fixed start-up CPU           ours {_fmt(o100['fixed_cpu_s'], '.3f')} s, py-spy "
-              f"{_fmt(p100['fixed_cpu_s'], '.3f')} s per command (removed from the marginal figure)")
-        print(f"ours max rate                {mx['achieved_hz']:.0f} Hz asked {args.max_rate} (goal >= "
+        print(f"CPU per sample ours/py-spy   {_fmt(r100, '.2f')} at 100 Hz, {_fmt(r1k, '.2f')} at 1 kHz (goal <= "
+              f"{GOAL_CPU_RATIO}); whole command {_fmt(ratio(o100['cpu_us_whole'], p100['cpu_us_whole']), '.2f')}"
+              f" / {_fmt(ratio(o1k['cpu_us_whole'], p1k['cpu_us_whole']), '.2f')}")
+        print(f"fixed CPU per command        ours {_fmt(o100['fixed_cpu_s'], '.3f')} s, py-spy "
+              f"{_fmt(p100['fixed_cpu_s'], '.3f')} s (start-up, attach, output; not in the marginal figure)")
+        print(f"ours max rate                {mx['achieved_hz']:.0f} Hz, asked {args.max_rate} (goal >= "
               f"{GOAL_MAX_RATE_HZ}); {mx['failed']} failed samples")
-        print(f"target slowdown at 100 Hz    ours {_fmt(o100['slowdown'], '+.2f')} %, py-spy "
-              f"{_fmt(p100['slowdown'], '+.2f')} % (goal < {GOAL_SLOWDOWN_100HZ_PERCENT} %)")
+        print(f"target slowdown at 100 Hz    ours {_fmt(o100['slowdown_wall'], '+.2f')} % wall, "
+              f"{_fmt(o100['slowdown_cpu'], '+.2f')} % cpu; py-spy {_fmt(p100['slowdown_wall'], '+.2f')} % wall, "
+              f"{_fmt(p100['slowdown_cpu'], '+.2f')} % cpu (goal < {GOAL_SLOWDOWN_100HZ_PERCENT} %; baseline spread "
+              f"{spread(bw):.1f} % wall, {spread(bc):.1f} % cpu)")
         stopped_ours = o100["stopped_obs"] + o1k["stopped_obs"] + mx["stopped_obs"]
-        print(f"stopped, default mode        0 ns by construction (no ptrace); {stopped_ours} of "
-              f"{o100['polls'] + o1k['polls'] + mx['polls']} thread-state polls during our runs saw t/T "
-              f"(py-spy --nonblocking: {p100['stopped_obs'] + p1k['stopped_obs']} of "
-              f"{p100['polls'] + p1k['polls']}); failed samples ours {o100['failed'] + o1k['failed']}, "
-              f"py-spy errors {p100['failed'] + p1k['failed']}")
+        polls_ours = o100["polls"] + o1k["polls"] + mx["polls"]
+        print(f"stopped, default mode        0 ns by construction (no ptrace); {stopped_ours} of {polls_ours} "
+              f"thread-state polls during our runs saw t/T (py-spy --nonblocking: "
+              f"{p100['stopped_obs'] + p1k['stopped_obs']} of {p100['polls'] + p1k['polls']}); failed samples: "
+              f"ours {o100['failed'] + o1k['failed']}, py-spy errors {p100['failed'] + p1k['failed']}")
         if args.keep:
             print(f"kept {tmp}")
         if args.profile:
@@ -551,13 +585,17 @@ def main(argv: list[str] | None = None) -> int:
             "ours_achieved_hz_100": rnd(o100["achieved_hz"]), "ours_achieved_hz_1k": rnd(o1k["achieved_hz"]),
             "pyspy_achieved_hz_100": rnd(p100["achieved_hz"]), "pyspy_achieved_hz_1k": rnd(p1k["achieved_hz"]),
             "ours_max_rate_hz": rnd(mx["achieved_hz"]),
-            "slowdown_ours_100hz_percent": rnd(o100["slowdown"], 3),
-            "slowdown_ours_1khz_percent": rnd(o1k["slowdown"], 3),
-            "slowdown_pyspy_100hz_percent": rnd(p100["slowdown"], 3),
-            "slowdown_pyspy_1khz_percent": rnd(p1k["slowdown"], 3),
-            "baseline_spread_percent": rnd(spread, 3),
-            "stopped_observations_default_mode": stopped_ours,
-            "stopped_polls_default_mode": o100["polls"] + o1k["polls"] + mx["polls"],
+            "slowdown_ours_100hz_percent": rnd(o100["slowdown_wall"], 3),
+            "slowdown_ours_1khz_percent": rnd(o1k["slowdown_wall"], 3),
+            "slowdown_pyspy_100hz_percent": rnd(p100["slowdown_wall"], 3),
+            "slowdown_pyspy_1khz_percent": rnd(p1k["slowdown_wall"], 3),
+            "slowdown_cpu_ours_100hz_percent": rnd(o100["slowdown_cpu"], 3),
+            "slowdown_cpu_ours_1khz_percent": rnd(o1k["slowdown_cpu"], 3),
+            "slowdown_cpu_pyspy_100hz_percent": rnd(p100["slowdown_cpu"], 3),
+            "slowdown_cpu_pyspy_1khz_percent": rnd(p1k["slowdown_cpu"], 3),
+            "baseline_spread_wall_percent": rnd(spread(bw), 2), "baseline_spread_cpu_percent": rnd(spread(bc), 2),
+            "target_core_share_min_percent": rnd(min(bs), 1),
+            "stopped_observations_default_mode": stopped_ours, "stopped_polls_default_mode": polls_ours,
             "stopped_ns_default_mode": 0,
             "python": ".".join(t.version.split(".")[:2]), "target_threads": t.threads,
             "rounds": args.rounds, "window_seconds": args.seconds, "pinned": args.target_cpu >= 0,

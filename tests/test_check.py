@@ -42,7 +42,8 @@ def test_check_needs_no_collector_or_tls_settings(tmp_path):
     cfg = tmp_path / "agent.toml"
     cfg.write_text('[agent]\ncollector = "10.9.9.9:7707"\n')  # would need TLS to run; check never connects
     report = _check("--config", str(cfg))
-    assert set(report["sources"]) == {"host", "procs", "gpu"}
+    from steplens.agent.sources import SOURCE_PATHS
+    assert set(report["sources"]) == set(SOURCE_PATHS)
 
 
 def test_check_reports_disabled_sources():

@@ -60,7 +60,8 @@ def test_metrics_port_in_use_fails_fast(tmp_path):
 
 def test_example_configs_load(tmp_path):
     cfg = config.load(f"{REPO}/systemd/agent.toml.example", {"agent": {"insecure": True}})
-    assert cfg.agent.collector == "127.0.0.1:7707" and set(cfg.sources) == {"host", "procs", "gpu"}
+    from steplens.agent.sources import SOURCE_PATHS
+    assert cfg.agent.collector == "127.0.0.1:7707" and set(cfg.sources) == set(SOURCE_PATHS)
     # the collector example needs its certificate files: it must fail on exactly that, not on a key
     out = subprocess.run([COLLECTOR, "serve", "--config", f"{REPO}/systemd/collector.toml.example"],
                          capture_output=True, text=True, timeout=30)

@@ -32,7 +32,8 @@ DEPTH = 500
 THREADING_TAIL = [("run", "Thread.run", "self._target("), ("_bootstrap_inner", "Thread._bootstrap_inner", "self.run()"),
                   ("_bootstrap", "Thread._bootstrap", "self._bootstrap_inner()")]
 
-privileged = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ptrace and /proc/PID/mem of any process)")
+privileged = pytest.mark.privileged
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (ptrace and /proc/PID/mem of any process)")
 
 
 def interpreter(version: str) -> str:
@@ -182,6 +183,7 @@ def check_thread(role: str, frames: list[dict], version: tuple[int, int]) -> Non
 
 
 @privileged
+@needs_root
 @pytest.mark.parametrize("stop", [False, True], ids=["running", "stop"])
 @pytest.mark.parametrize("version", VERSIONS)
 def test_stack_json_matches_known_chains(spawn, version, stop):
@@ -224,6 +226,7 @@ def pyspy_dump(pid: int) -> list[dict]:
 
 
 @privileged
+@needs_root
 @pytest.mark.skipif(PYSPY is None, reason="py-spy is not installed")
 @pytest.mark.parametrize("version", VERSIONS)
 def test_same_stacks_as_py_spy_on_a_stopped_target(spawn, version):

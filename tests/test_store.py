@@ -46,12 +46,13 @@ def test_newer_store_is_refused(tmp_path):
 def test_migration_failure_rolls_back(tmp_path, monkeypatch):
     path = str(tmp_path / "s.db")
     schema.connect(path).conn.close()
+    before = schema.LATEST_VERSION
     monkeypatch.setattr(schema, "MIGRATIONS", schema.MIGRATIONS + [(99, "CREATE TABLE t99 (x); SELECT nonsense(")])
     monkeypatch.setattr(schema, "LATEST_VERSION", 99)
     with pytest.raises(schema.StoreError):
         schema.connect(path)
     conn = sqlite3.connect(path)
-    assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == before
     assert not conn.execute("SELECT name FROM sqlite_master WHERE name='t99'").fetchall()
 
 

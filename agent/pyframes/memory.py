@@ -30,14 +30,33 @@ class ReadError(PyFramesError):
     """An address could not be read (unmapped, or the process changed under us)."""
 
 
+class ProcessChanged(PyFramesError):
+    """The process exec'd another program since attach: attach again."""
+
+
+def process_state(pid: int, proc_root: str = "/proc") -> str:
+    """The one-letter scheduler state from /proc/PID/stat, or "" when the process is gone."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), "rb") as fh:
+            stat = fh.read()
+        return chr(stat[stat.rindex(b")") + 2])
+    except (OSError, ValueError, IndexError):
+        return ""
+
+
 class Memory:
     def __init__(self, pid: int, proc_root: str = "/proc") -> None:
         self.pid = pid
+        self.proc_root = proc_root
         path = os.path.join(proc_root, str(pid), "mem")
         try:
+            self.exe = os.readlink(os.path.join(proc_root, str(pid), "exe"))
+        except OSError:
+            self.exe = ""
+        try:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise ProcessGone(f"process {pid} does not exist") from None
+        except (FileNotFoundError, ProcessLookupError):
+            raise ProcessGone(f"process {pid} does not exist or has exited") from None
         except PermissionError as exc:
             who = "uid 0" if os.geteuid() == 0 else f"uid {os.geteuid()}"
             raise NoPermission(f"permission denied reading the memory of process {pid} (as {who}: {exc.strerror}); "
@@ -50,16 +69,50 @@ class Memory:
         try:
             data = os.pread(self.fd, size, addr)
         except OSError as exc:
-            if exc.errno == errno.ESRCH or not os.path.exists(f"/proc/{self.pid}"):
+            if exc.errno == errno.ESRCH:
                 raise ProcessGone(f"process {self.pid} exited") from None
+            self._check_alive()
             raise ReadError(f"cannot read {size} bytes at {addr:#x} in process {self.pid}: {exc.strerror}") from None
         except OverflowError:
             raise ReadError(f"address {addr:#x} out of range") from None
         if len(data) != size:
-            if not data and not os.path.exists(f"/proc/{self.pid}"):
-                raise ProcessGone(f"process {self.pid} exited")
+            if not data:
+                # a process with no memory any more: exited (zombie), or exec'd another program
+                self._check_alive()
             raise ReadError(f"short read at {addr:#x}: {len(data)} of {size} bytes")
         return data
+
+    def _check_alive(self) -> None:
+        state = process_state(self.pid, self.proc_root)
+        if state in ("", "Z", "X"):
+            raise ProcessGone(f"process {self.pid} exited")
+        try:
+            exe = os.readlink(os.path.join(self.proc_root, str(self.pid), "exe"))
+        except OSError:
+            return
+        if exe != self.exe:
+            raise ProcessChanged(f"process {self.pid} exec'd {exe} (was {self.exe}); attach again")
+        probe = None
+        try:
+            fd = os.open(os.path.join(self.proc_root, str(self.pid), "mem"), os.O_RDONLY | os.O_CLOEXEC)
+            os.close(fd)
+            probe = True
+        except OSError:
+            probe = False
+        if probe and self._mm_changed():
+            raise ProcessChanged(f"process {self.pid} exec'd (same executable {exe}); attach again")
+
+    def _mm_changed(self) -> bool:
+        """The fd we hold belongs to the old address space when a read of the stack comes back empty."""
+        try:
+            with open(os.path.join(self.proc_root, str(self.pid), "maps")) as fh:
+                for line in fh:
+                    if line.rstrip().endswith("[stack]"):
+                        lo = int(line.split("-", 1)[0], 16)
+                        return not os.pread(self.fd, 1, lo)
+        except (OSError, ValueError):
+            return False
+        return False
 
     def u64(self, addr: int) -> int:
         return _U64.unpack(self.read(addr, 8))[0]

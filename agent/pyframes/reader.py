@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from steplens.agent.pyframes import elf, layouts
 from steplens.agent.pyframes.linetable import DECODERS
-from steplens.agent.pyframes.memory import Memory, ProcessGone, PyFramesError, ReadError
+from steplens.agent.pyframes.memory import Memory, ProcessChanged, ProcessGone, PyFramesError, ReadError, process_state
 from steplens.agent.pyframes.model import Frame, Sample, ThreadStack
 
 _U64 = struct.Struct("<Q")
@@ -103,11 +103,53 @@ class PythonProcess:
         self._blocks: dict[int, bytes] = {}
         self._tasks: dict[int, list] = {}   # tid -> [stat fd, name, name read at]
         self._main_pthread_id = 0
+        self._tid_fallback = -1
         self._gil_ptr: dict[int, int] = {}
+        self._state_override: dict[int, tuple[str, str]] | None = None
+        # a target in another PID namespace stores its own tids; map them to ours (NSpid)
+        self.ns_pid = self._ns_pid()
+        self._ns_tids: dict[int, int] = {}
+        self._ns_refreshed = 0.0
         self.samples = 0
         self.torn = 0
         self.stopped_ns_total = 0
         self._python_tids: list[int] = []
+
+    # -- PID namespaces -----------------------------------------------------------------------
+    def _ns_pid(self) -> int:
+        try:
+            with open(os.path.join(self.proc_root, str(self.pid), "status")) as fh:
+                for line in fh:
+                    if line.startswith("NSpid:"):
+                        ids = line.split()[1:]
+                        return int(ids[-1]) if len(ids) > 1 else 0
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def _host_tid(self, tid: int, now: float) -> int:
+        if not self.ns_pid or not tid:
+            return tid
+        host = self._ns_tids.get(tid)
+        if host is None and now - self._ns_refreshed > 0.5:
+            self._ns_refreshed = now
+            task_dir = os.path.join(self.proc_root, str(self.pid), "task")
+            mapping = {}
+            try:
+                for t in os.listdir(task_dir):
+                    try:
+                        with open(os.path.join(task_dir, t, "status")) as fh:
+                            for line in fh:
+                                if line.startswith("NSpid:"):
+                                    mapping[int(line.split()[-1])] = int(t)
+                                    break
+                    except OSError:
+                        continue
+            except OSError:
+                pass
+            self._ns_tids = mapping
+            host = mapping.get(tid)
+        return host or 0
 
     # -- attach ----------------------------------------------------------------------------
     def _attach(self) -> None:
@@ -330,26 +372,57 @@ class PythonProcess:
         return out
 
     # -- threads ---------------------------------------------------------------------------
-    def _native_tid(self, raw: bytes, main_thread_id: int) -> int:
+    def _native_tid(self, raw: bytes) -> int:
+        """The thread's tid as the target sees it (3.11+ store it; 3.9/3.10 via glibc's struct pthread)."""
         lay = self.layout
         if lay.tstate_native_thread_id is not None:
             return _U64.unpack_from(raw, lay.tstate_native_thread_id)[0] & 0xFFFFFFFF
-        # 3.9/3.10 keep only pthread_t: the address of glibc's struct pthread, whose `tid` field
-        # is found once by looking for the PID in the main thread's struct.
-        pthread = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
-        if self._tid_off is None:
-            blob = self.mem.read(main_thread_id, 2048)
-            offs = [o for o in range(0, 2048, 4) if _U32.unpack_from(blob, o)[0] == self.pid]
-            self._tid_off = offs[0] if offs else -1
-        if self._tid_off < 0:
+        if self._tid_off is None or self._tid_off < 0:
             return 0
+        pthread = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
         try:
             return _U32.unpack(self.mem.read(pthread + self._tid_off, 4))[0]
         except ReadError:
             return 0
 
+    def _calibrate_tid_offset(self, pthreads: list[int], main_pthread: int) -> None:
+        """3.9/3.10 keep only pthread_t (the address of glibc's struct pthread). Find the offset of its
+        `tid` field: where the main thread's struct holds the PID (as the target sees it) and every
+        other thread's struct holds one of the process's thread ids."""
+        own = self.ns_pid or self.pid
+        try:
+            blob = self.mem.read(main_pthread, 2048)
+        except ReadError:
+            self._tid_off = -1
+            return
+        candidates = [o for o in range(0, 2048, 4) if _U32.unpack_from(blob, o)[0] == own]
+        if self.ns_pid:
+            self._host_tid(-1, float("inf"))  # refresh the namespace map
+            valid = set(self._ns_tids)
+        else:
+            try:
+                valid = {int(t) for t in os.listdir(os.path.join(self.proc_root, str(self.pid), "task"))}
+            except OSError:
+                valid = set()
+        others = [p for p in pthreads if p != main_pthread]
+        for off in candidates:
+            try:
+                values = [_U32.unpack(self.mem.read(p + off, 4))[0] for p in others]
+                # every thread's value must be one of the process's tids, and no two alike (a field that
+                # happens to hold 1 everywhere would otherwise pass in a PID namespace, where the PID is 1)
+                if all(v in valid and v != own for v in values) and len(set(values)) == len(values):
+                    # with one thread nothing disambiguates: decide again when there are more
+                    self._tid_off = off if others else None
+                    self._tid_fallback = off
+                    return
+            except ReadError:
+                continue
+        self._tid_off = -1
+
     def _task(self, tid: int, now: float) -> tuple[str, str]:
         """Scheduler state (one pread on a kept-open /proc/PID/task/TID/stat) and thread name (cached)."""
+        if self._state_override is not None and tid in self._state_override:
+            return self._state_override[tid]
         entry = self._tasks.get(tid)
         try:
             if entry is None:
@@ -406,8 +479,15 @@ class PythonProcess:
         if stop_threads:
             from steplens.agent.pyframes.seize import StoppedThreads
             tids = self._python_tids or [t.tid for t in self.sample(retries).threads]
+            now = time.monotonic()
+            # the scheduler state as it was before we stopped them (inside, every thread is "stopped")
+            before = {tid: self._task(tid, now) for tid in tids} if self.thread_states else {}
             with StoppedThreads(tids) as stopped:
-                sample = self.sample(retries)
+                self._state_override = before
+                try:
+                    sample = self.sample(retries)
+                finally:
+                    self._state_override = None
             self.stopped_ns_total += stopped.stopped_ns
             self._python_tids = [t.tid for t in sample.threads]
             return sample
@@ -418,7 +498,7 @@ class PythonProcess:
             except (TornRead, ReadError) as exc:
                 self.torn += 1
                 last = exc
-        if not os.path.exists(os.path.join(self.proc_root, str(self.pid))):
+        if process_state(self.pid, self.proc_root) in ("", "Z", "X"):
             raise ProcessGone(f"process {self.pid} exited")
         raise TornRead(f"no consistent sample of process {self.pid} after {retries + 1} tries: {last}")
 
@@ -440,6 +520,7 @@ class PythonProcess:
             holder = self._gil_holder(interp)
             tstate = self.mem.u64(interp + lay.interp_tstate_head)
             seen = set()
+            found = []
             while tstate:
                 if tstate in seen or len(seen) > MAX_THREADS:
                     raise TornRead("thread list loops")
@@ -447,7 +528,6 @@ class PythonProcess:
                 raw = self.mem.read(tstate, lay.tstate_read_size)
                 if _U64.unpack_from(raw, lay.tstate_interp)[0] != interp:
                     raise TornRead("thread state does not point back to its interpreter")
-                thread_id = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
                 if lay.tstate_cframe is not None:
                     cframe = _U64.unpack_from(raw, lay.tstate_cframe)[0]
                     frame = self.mem.u64(cframe + lay.cframe_current_frame) if cframe else 0
@@ -455,13 +535,24 @@ class PythonProcess:
                     frame = _U64.unpack_from(raw, lay.tstate_frame)[0]
                 frames = (self._frames_interp(frame, now) if lay.frame_kind == "interp"
                           else self._frames_object(frame, now))
-                if lay.tstate_native_thread_id is None and not self._main_pthread_id:
-                    self._main_pthread_id = self._main_pthread(interp) or thread_id
-                tid = self._native_tid(raw, self._main_pthread_id)
+                found.append((tstate, raw, frames))
+                tstate = _U64.unpack_from(raw, lay.tstate_next)[0]
+            if lay.tstate_native_thread_id is None and found and (self._tid_off is None):
+                pthreads = [_U64.unpack_from(raw, lay.tstate_thread_id)[0] for _, raw, _ in found]
+                # threads are prepended: the main thread is the last in the list
+                self._calibrate_tid_offset(pthreads, pthreads[-1])
+                if self._tid_off is None:
+                    self._tid_off = self._tid_fallback  # single thread for now: use it, re-check later
+                    self._recheck_tid = True
+            elif getattr(self, "_recheck_tid", False) and len(found) > 1:
+                self._recheck_tid = False
+                self._tid_off = None
+            for tstate, raw, frames in found:
+                thread_id = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
+                tid = self._host_tid(self._native_tid(raw), now)
                 live_tids.add(tid)
                 state, name = self._task(tid, now) if (self.thread_states and tid) else ("unknown", "")
                 threads.append(ThreadStack(tid, thread_id, name, tstate == holder, state, frames))
-                tstate = _U64.unpack_from(raw, lay.tstate_next)[0]
             interp = self.mem.u64(interp + lay.interp_next)
         for gone in [t for t in self._tasks if t not in live_tids]:
             self._forget_task(gone)

@@ -122,6 +122,11 @@ class PystacksSource(Source):
         for key, tgt in list(self.targets.items()):
             try:
                 sample = tgt.proc.sample(stop_threads=self.config.stop_threads)
+            except memory.ProcessChanged:
+                changed = self.targets.pop(key)  # exec'd: summarize, then attach anew next step
+                out += self._summaries(changed, self.ctx.mono_ns())
+                changed.proc.close()
+                continue
             except memory.ProcessGone:
                 gone = self.targets.pop(key)
                 out += self._summaries(gone, self.ctx.mono_ns())
