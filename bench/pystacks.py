@@ -330,7 +330,6 @@ class Bench:
                 raise RuntimeError(f"cannot parse steplens-agent record's summary:\n{err_text[-2000:]}")
             r["samples"], r["sampling_s"] = int(m.group(1)), float(m.group(2))
             r["failed"], r["loop_us"] = int(m.group(3)), int(m.group(4))
-            r["startup_s"] = None
         else:
             m = _PYSPY_RE.search(err_text)
             stacks = int(m.group(1)) if m else self._raw_count(out)

@@ -86,6 +86,15 @@ class Memory:
         state = process_state(self.pid, self.proc_root)
         if state in ("", "Z", "X"):
             raise ProcessGone(f"process {self.pid} exited")
+        # an exiting process releases its memory before it turns zombie: its maps are empty by then
+        try:
+            with open(os.path.join(self.proc_root, str(self.pid), "maps"), "rb") as fh:
+                if not fh.read(1):
+                    raise ProcessGone(f"process {self.pid} is exiting")
+        except (FileNotFoundError, ProcessLookupError):
+            raise ProcessGone(f"process {self.pid} exited") from None
+        except OSError:
+            pass
         try:
             exe = os.readlink(os.path.join(self.proc_root, str(self.pid), "exe"))
         except OSError:
