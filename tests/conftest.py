@@ -163,5 +163,9 @@ def agents():
     yield started
     for a in started:
         if a.proc and a.proc.poll() is None:
+            try:
+                os.kill(a.agent_pid(), signal.SIGKILL)  # the agent itself, also below `unshare --fork`
+            except (ProcessLookupError, Exception):
+                pass
             a.proc.kill()
             a.proc.wait(5)

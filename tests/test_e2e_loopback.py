@@ -29,7 +29,7 @@ def test_four_agents_clock_offsets_and_telemetry(tmp_path, collector, agents, ca
     negative = -min(300, int(uptime) - 60)  # CLOCK_MONOTONIC cannot go below zero in the namespace
     offsets_s = {"n0": 0, "n1": 0, "n2": 1000, "n3": negative}
     for node, off in offsets_s.items():
-        prefix = ["unshare", "--time", "--fork", "--monotonic", str(off), "--"] if off else []
+        prefix = ["unshare", "--time", "--fork", "--kill-child", "--monotonic", str(off), "--"] if off else []
         agents.append(AgentProc(tmp_path, node, collector.address, prefix=prefix).start())
     wait_for(lambda: len([n for n in collector.cli("nodes") if n["connected"]]) == 4, 30, what="4 connected agents")
     # let clock probes accumulate (one per second after a burst)

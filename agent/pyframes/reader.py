@@ -87,8 +87,11 @@ def layouts_permission(pid: int):
 
 class PythonProcess:
     def __init__(self, pid: int, proc_root: str = "/proc", revalidate_seconds: float = 2.0,
-                 thread_states: bool = True) -> None:
+                 thread_states: bool = True, state_refresh_seconds: float = 0.005) -> None:
         self.pid = pid
+        # a thread's scheduler state is re-read at most this often: at 1 kHz five samples share one
+        # read of /proc/PID/task/TID/stat (the costliest syscall of a sample); at 100 Hz each is fresh
+        self.state_refresh_seconds = state_refresh_seconds
         self.proc_root = proc_root
         self.revalidate_seconds = revalidate_seconds
         self.thread_states = thread_states
@@ -101,7 +104,13 @@ class PythonProcess:
         self._code: dict[int, CodeInfo] = {}
         self._tid_off: int | None = None
         self._blocks: dict[int, bytes] = {}
-        self._tasks: dict[int, list] = {}   # tid -> [stat fd, name, name read at]
+        self._touched: list[int] = []
+        self._frame_memo: dict[tuple[int, bytes], tuple] = {}  # (frame addr, frame bytes) -> (Frame, prev)
+        self._memo_cleared = time.monotonic()
+        self._walk_cache: dict[int, tuple] = {}   # tstate -> (frame, [(block, bytes)], frames)
+        self._threads_last: dict[int, tuple] = {}  # tstate -> (tid, run ns, frames, state, name)
+        self._schedstat: dict[int, int] = {}       # tid -> open fd of /proc/PID/task/TID/schedstat
+        self._tasks: dict[int, list] = {}   # tid -> [stat fd, name, name read at, state, state read at]
         self._main_pthread_id = 0
         self._tid_fallback = -1
         self._gil_ptr: dict[int, int] = {}
@@ -245,21 +254,39 @@ class PythonProcess:
         raise NotPython(f"no _PyRuntime symbol in {path} and the data-segment scan found none")
 
     # -- reading helpers --------------------------------------------------------------------
-    def _read_block(self, addr: int, size: int) -> bytes:
-        """Read through a per-sample cache of 4 KiB blocks (frames of 3.11+ share pages)."""
+    def _block(self, blk: int) -> bytes:
+        data = self._blocks.get(blk)
+        if data is None:
+            data = self.mem.read(blk, BLOCK)
+            self._blocks[blk] = data
+        return data
+
+    def _view(self, addr: int, size: int) -> tuple[bytes, int]:
+        """(buffer, offset) holding [addr, addr + size), read through a per-sample cache of 4 KiB
+        blocks (the frames of a thread share a few pages). Blocks touched are noted for the walk."""
         start = addr & ~(BLOCK - 1)
-        end = addr + size
-        out = []
-        blk = start
-        while blk < end:
-            data = self._blocks.get(blk)
-            if data is None:
-                data = self.mem.read(blk, BLOCK)
-                self._blocks[blk] = data
-            out.append(data)
-            blk += BLOCK
-        joined = out[0] if len(out) == 1 else b"".join(out)
-        return joined[addr - start:addr - start + size]
+        self._touched.append(start)
+        if addr + size <= start + BLOCK:
+            return self._block(start), addr - start
+        self._touched.append(start + BLOCK)
+        return self._block(start) + self._block(start + BLOCK), addr - start
+
+    def _walk(self, key: int, frame: int, now: float) -> list[Frame]:
+        """The frames of one thread. When every block its last walk touched reads back byte-identical
+        (an idle thread), the stack cannot have changed and the last result is reused."""
+        prev = self._walk_cache.get(key)
+        if prev is not None and prev[0] == frame:
+            try:
+                if all(self._block(b) == data for b, data in prev[1]):
+                    return prev[2]
+            except ReadError:
+                pass
+        self._touched = []
+        frames = (self._frames_interp(frame, now) if self.layout.frame_kind == "interp"
+                  else self._frames_object(frame, now))
+        blocks = dict.fromkeys(self._touched)
+        self._walk_cache[key] = (frame, [(b, self._blocks[b]) for b in blocks], frames)
+        return frames
 
     def _string(self, addr: int) -> str:
         lay = self.layout
@@ -338,13 +365,13 @@ class PythonProcess:
             if frame in seen or len(out) >= MAX_DEPTH:
                 raise TornRead("frame chain loops or is too deep")
             seen.add(frame)
-            raw = self.mem.read(frame, lay.frame_read_size)
-            code = _U64.unpack_from(raw, lay.frame_code)[0]
-            lasti = _I32.unpack_from(raw, lay.frame_lasti)[0]
+            raw, o = self._view(frame, lay.frame_read_size)
+            code = _U64.unpack_from(raw, o + lay.frame_code)[0]
+            lasti = _I32.unpack_from(raw, o + lay.frame_lasti)[0]
             byte_off = lasti if self.version == (3, 9) else lasti * 2
             info = self._code_info(code, now, byte_off // 2)
             out.append(self._frame(info, max(byte_off, 0)))
-            frame = _U64.unpack_from(raw, lay.frame_back)[0]
+            frame = _U64.unpack_from(raw, o + lay.frame_back)[0]
         return out
 
     def _frames_interp(self, frame: int, now: float) -> list[Frame]:
@@ -352,22 +379,33 @@ class PythonProcess:
         out = []
         seen = set()
         mask = ~lay.code_tag_mask
+        memo = self._frame_memo
         while frame:
             if frame in seen or len(out) >= MAX_DEPTH:
                 raise TornRead("frame chain loops or is too deep")
             seen.add(frame)
-            raw = self._read_block(frame, lay.frame_read_size)
-            prev = _U64.unpack_from(raw, lay.frame_back)[0]
-            owner = raw[lay.frame_owner]
-            if owner >= 3:  # a C-stack shim frame (3.12+), not Python code
+            raw, o = self._view(frame, lay.frame_read_size)
+            # a frame whose bytes are unchanged since it was last decoded decodes the same way
+            fkey = (frame, raw[o:o + lay.frame_read_size])
+            hit = memo.get(fkey)
+            if hit is not None:
+                if hit[0] is not None:
+                    out.append(hit[0])
+                frame = hit[1]
+                continue
+            prev = _U64.unpack_from(raw, o + lay.frame_back)[0]
+            if raw[o + lay.frame_owner] >= 3:  # a C-stack shim frame (3.12+), not Python code
+                memo[fkey] = (None, prev)
                 frame = prev
                 continue
-            code = _U64.unpack_from(raw, lay.frame_code)[0] & mask
-            instr = _U64.unpack_from(raw, lay.frame_instr)[0]
+            code = _U64.unpack_from(raw, o + lay.frame_code)[0] & mask
+            instr = _U64.unpack_from(raw, o + lay.frame_instr)[0]
             units = (instr - code - lay.code_code_adaptive) // 2
             info = self._code_info(code, now, units)
             units = min(max(units, 0), max(info.n_units - 1, 0))
-            out.append(self._frame(info, units * 2))
+            decoded = self._frame(info, units * 2)
+            memo[fkey] = (decoded, prev)
+            out.append(decoded)
             frame = prev
         return out
 
@@ -430,7 +468,9 @@ class PythonProcess:
                 fd = os.open(base + "/stat", os.O_RDONLY | os.O_CLOEXEC)
                 with open(base + "/comm", "rb") as fh:
                     name = fh.read().strip().decode(errors="replace")
-                entry = self._tasks[tid] = [fd, name, now]
+                entry = self._tasks[tid] = [fd, name, now, "", -1.0]
+            elif now - entry[4] < self.state_refresh_seconds:
+                return entry[3], entry[1]
             stat = os.pread(entry[0], 512, 0)
             if not stat:
                 raise OSError("thread gone")
@@ -438,13 +478,39 @@ class PythonProcess:
                 entry[2] = now
                 with open(os.path.join(self.proc_root, str(self.pid), "task", str(tid), "comm"), "rb") as fh:
                     entry[1] = fh.read().strip().decode(errors="replace")
-            return _STATES.get(chr(stat[stat.rindex(b")") + 2]), "unknown"), entry[1]
+            entry[3] = _STATES.get(chr(stat[stat.rindex(b")") + 2]), "unknown")
+            entry[4] = now
+            return entry[3], entry[1]
         except (OSError, ValueError):
             if entry is not None:
                 self._forget_task(tid)
             return "unknown", ""
 
+    def _run_ns(self, tid: int) -> int:
+        """Cumulative on-CPU ns of a thread (schedstat), -1 when unavailable."""
+        fd = self._schedstat.get(tid)
+        try:
+            if fd is None:
+                fd = self._schedstat[tid] = os.open(os.path.join(self.proc_root, str(self.pid), "task", str(tid),
+                                                                 "schedstat"), os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(fd, 64, 0)
+            return int(data[:data.index(b" ")])
+        except (OSError, ValueError):
+            fd = self._schedstat.pop(tid, None)
+            if fd is not None:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            return -1
+
     def _forget_task(self, tid: int) -> None:
+        fd = self._schedstat.pop(tid, None)
+        if fd is not None:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         entry = self._tasks.pop(tid, None)
         if entry is not None:
             try:
@@ -506,12 +572,17 @@ class PythonProcess:
         lay = self.layout
         now = time.monotonic()
         self._blocks = {}
+        if now - self._memo_cleared > self.revalidate_seconds or len(self._frame_memo) > 50_000:
+            # decoded frames trust their code objects; re-derive them now and then (address reuse)
+            self._frame_memo = {}
+            self._memo_cleared = now
         mono = time.monotonic_ns()
         interp = self.mem.u64(self.runtime + lay.runtime_interpreters_head)
         if not interp:
             raise TornRead("no interpreter (starting up or finalizing)")
         threads = []
         live_tids: set[int] = set()
+        all_tstates: set[int] = set()
         seen_interps = set()
         while interp:
             if interp in seen_interps or len(seen_interps) > 64:
@@ -525,20 +596,18 @@ class PythonProcess:
                 if tstate in seen or len(seen) > MAX_THREADS:
                     raise TornRead("thread list loops")
                 seen.add(tstate)
-                raw = self.mem.read(tstate, lay.tstate_read_size)
+                # thread states often share a page; their blocks are not part of any walk's idle check
+                mark = len(self._touched)
+                buf, o = self._view(tstate, lay.tstate_read_size)
+                del self._touched[mark:]
+                raw = buf[o:o + lay.tstate_read_size]
                 if _U64.unpack_from(raw, lay.tstate_interp)[0] != interp:
                     raise TornRead("thread state does not point back to its interpreter")
-                if lay.tstate_cframe is not None:
-                    cframe = _U64.unpack_from(raw, lay.tstate_cframe)[0]
-                    frame = self.mem.u64(cframe + lay.cframe_current_frame) if cframe else 0
-                else:
-                    frame = _U64.unpack_from(raw, lay.tstate_frame)[0]
-                frames = (self._frames_interp(frame, now) if lay.frame_kind == "interp"
-                          else self._frames_object(frame, now))
-                found.append((tstate, raw, frames))
+                found.append((tstate, raw))
                 tstate = _U64.unpack_from(raw, lay.tstate_next)[0]
+            all_tstates.update(seen)
             if lay.tstate_native_thread_id is None and found and (self._tid_off is None):
-                pthreads = [_U64.unpack_from(raw, lay.tstate_thread_id)[0] for _, raw, _ in found]
+                pthreads = [_U64.unpack_from(raw, lay.tstate_thread_id)[0] for _, raw in found]
                 # threads are prepended: the main thread is the last in the list
                 self._calibrate_tid_offset(pthreads, pthreads[-1])
                 if self._tid_off is None:
@@ -547,15 +616,34 @@ class PythonProcess:
             elif getattr(self, "_recheck_tid", False) and len(found) > 1:
                 self._recheck_tid = False
                 self._tid_off = None
-            for tstate, raw, frames in found:
+            for tstate, raw in found:
                 thread_id = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
                 tid = self._host_tid(self._native_tid(raw), now)
                 live_tids.add(tid)
-                state, name = self._task(tid, now) if (self.thread_states and tid) else ("unknown", "")
+                # a thread that has not been on a CPU since the last sample (its schedstat run time is
+                # unchanged) cannot have changed its stack or its state: reuse both, one 1 µs read
+                ran_ns = self._run_ns(tid) if tid else -1
+                last = self._threads_last.get(tstate)
+                if last is not None and ran_ns >= 0 and last[0] == tid and last[1] == ran_ns \
+                        and self._state_override is None:
+                    frames, state, name = last[2], last[3], last[4]
+                else:
+                    if lay.tstate_cframe is not None:
+                        cframe = _U64.unpack_from(raw, lay.tstate_cframe)[0]
+                        frame = self.mem.u64(cframe + lay.cframe_current_frame) if cframe else 0
+                    else:
+                        frame = _U64.unpack_from(raw, lay.tstate_frame)[0]
+                    frames = self._walk(tstate, frame, now)
+                    state, name = self._task(tid, now) if (self.thread_states and tid) else ("unknown", "")
+                    self._threads_last[tstate] = (tid, ran_ns, frames, state, name)
                 threads.append(ThreadStack(tid, thread_id, name, tstate == holder, state, frames))
             interp = self.mem.u64(interp + lay.interp_next)
-        for gone in [t for t in self._tasks if t not in live_tids]:
+        for gone in [t for t in (self._tasks.keys() | self._schedstat.keys()) if t not in live_tids]:
             self._forget_task(gone)
+        if len(self._walk_cache) > len(all_tstates) + 64:
+            self._walk_cache = {k: v for k, v in self._walk_cache.items() if k in all_tstates}
+        if len(self._threads_last) > len(all_tstates) + 64:
+            self._threads_last = {k: v for k, v in self._threads_last.items() if k in all_tstates}
         self.samples += 1
         return Sample(mono, self.pid, threads)
 
@@ -572,7 +660,7 @@ class PythonProcess:
         return self.mem.u64(last + lay.tstate_thread_id)
 
     def close(self) -> None:
-        for tid in list(self._tasks):
+        for tid in list(self._tasks.keys() | self._schedstat.keys()):
             self._forget_task(tid)
         self.mem.close()
 
