@@ -173,7 +173,7 @@ class PythonProcess:
         except OSError as exc:
             raise ProcessGone(f"process {self.pid}: {exc.strerror}") from None
         candidates = [p for p in (lib, exe) if p]
-        wanted = ("_PyRuntime", "PyCode_Type", "Py_Version")
+        wanted = ("_PyRuntime", "PyCode_Type", "Py_Version", "PyUnicode_Type", "PyBytes_Type")
         found = None
         for path in candidates:
             host_path = os.path.join(self.proc_root, str(self.pid), "root", path.lstrip("/")).replace(" (deleted)", "")
@@ -197,6 +197,8 @@ class PythonProcess:
         else:
             self.runtime = self._scan_runtime(maps, path)
         self.code_type = bias + info.symbols["PyCode_Type"] if "PyCode_Type" in info.symbols else 0
+        self.str_type = bias + info.symbols["PyUnicode_Type"] if "PyUnicode_Type" in info.symbols else 0
+        self.bytes_type = bias + info.symbols["PyBytes_Type"] if "PyBytes_Type" in info.symbols else 0
         if self.version >= (3, 13):
             size = layouts.debug_offsets_size(self.version)
             d = layouts.parse_debug_offsets(self.mem.read(self.runtime, size), self.version)
@@ -291,6 +293,8 @@ class PythonProcess:
     def _string(self, addr: int) -> str:
         lay = self.layout
         head = self.mem.read(addr, lay.unicode_compact_size)
+        if self.str_type and _U64.unpack_from(head, lay.pyobject_ob_type)[0] != self.str_type:
+            raise TornRead(f"object at {addr:#x} is not a str")
         length = _U64.unpack_from(head, lay.unicode_length)[0]
         state = _U32.unpack_from(head, lay.unicode_state)[0]
         kind = (state >> 2) & 7
@@ -305,7 +309,10 @@ class PythonProcess:
 
     def _bytes(self, addr: int, limit: int = 1 << 20) -> bytes:
         lay = self.layout
-        size = _U64.unpack(self.mem.read(addr + lay.varobject_ob_size, 8))[0]
+        head = self.mem.read(addr, lay.bytes_ob_sval)
+        if self.bytes_type and _U64.unpack_from(head, lay.pyobject_ob_type)[0] != self.bytes_type:
+            raise TornRead(f"object at {addr:#x} is not bytes")
+        size = _U64.unpack_from(head, lay.varobject_ob_size)[0]
         if size > limit:
             raise TornRead(f"implausible bytes size {size}")
         return self.mem.read(addr + lay.bytes_ob_sval, size) if size else b""
@@ -319,9 +326,13 @@ class PythonProcess:
                 return info
         lay = self.layout
         raw = self.mem.read(addr, lay.code_read_size)
-        if self.code_type and _U64.unpack_from(raw, lay.pyobject_ob_type)[0] != self.code_type:
+        refcnt = _U64.unpack_from(raw, 0)[0]
+        # a freed object keeps its type pointer (the allocator links free blocks through the first
+        # word, the refcount), so a live code object also needs a refcount that is not an address
+        if (self.code_type and _U64.unpack_from(raw, lay.pyobject_ob_type)[0] != self.code_type) \
+                or refcnt == 0 or refcnt > 0xFFFFFFFF:
             self._code.pop(addr, None)
-            raise TornRead(f"object at {addr:#x} is not a code object")
+            raise TornRead(f"object at {addr:#x} is not a live code object")
         fn_p = _U64.unpack_from(raw, lay.code_filename)[0]
         name_p = _U64.unpack_from(raw, lay.code_name)[0]
         qual_p = _U64.unpack_from(raw, lay.code_qualname)[0] if lay.code_qualname is not None else 0
@@ -403,9 +414,10 @@ class PythonProcess:
             units = (instr - code - lay.code_code_adaptive) // 2
             info = self._code_info(code, now, units)
             units = min(max(units, 0), max(info.n_units - 1, 0))
-            decoded = self._frame(info, units * 2)
+            decoded = None if info.filename == "<shim>" else self._frame(info, units * 2)  # 3.12 trampoline
             memo[fkey] = (decoded, prev)
-            out.append(decoded)
+            if decoded is not None:
+                out.append(decoded)
             frame = prev
         return out
 
