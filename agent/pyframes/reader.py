@@ -173,7 +173,7 @@ class PythonProcess:
         except OSError as exc:
             raise ProcessGone(f"process {self.pid}: {exc.strerror}") from None
         candidates = [p for p in (lib, exe) if p]
-        wanted = ("_PyRuntime", "PyCode_Type", "Py_Version", "PyUnicode_Type", "PyBytes_Type")
+        wanted = ("_PyRuntime", "PyCode_Type", "Py_Version", "PyUnicode_Type", "PyBytes_Type", "_Py_InitCleanup")
         found = None
         for path in candidates:
             host_path = os.path.join(self.proc_root, str(self.pid), "root", path.lstrip("/")).replace(" (deleted)", "")
@@ -199,6 +199,9 @@ class PythonProcess:
         self.code_type = bias + info.symbols["PyCode_Type"] if "PyCode_Type" in info.symbols else 0
         self.str_type = bias + info.symbols["PyUnicode_Type"] if "PyUnicode_Type" in info.symbols else 0
         self.bytes_type = bias + info.symbols["PyBytes_Type"] if "PyBytes_Type" in info.symbols else 0
+        # 3.13+: the static code object the interpreter runs after a specialized __init__ call; it is
+        # interpreter machinery, not Python code (local symbol; matched by its shape when stripped)
+        self.init_cleanup = bias + info.symbols["_Py_InitCleanup"] if "_Py_InitCleanup" in info.symbols else 0
         if self.version >= (3, 13):
             size = layouts.debug_offsets_size(self.version)
             d = layouts.parse_debug_offsets(self.mem.read(self.runtime, size), self.version)
@@ -414,7 +417,10 @@ class PythonProcess:
             units = (instr - code - lay.code_code_adaptive) // 2
             info = self._code_info(code, now, units)
             units = min(max(units, 0), max(info.n_units - 1, 0))
-            decoded = None if info.filename == "<shim>" else self._frame(info, units * 2)  # 3.12 trampoline
+            internal = (info.filename == "<shim>"  # 3.12's trampoline frames
+                        or code == self.init_cleanup
+                        or (info.filename == "__init__" == info.name and not info.linetable))
+            decoded = None if internal else self._frame(info, units * 2)
             memo[fkey] = (decoded, prev)
             if decoded is not None:
                 out.append(decoded)
