@@ -394,7 +394,7 @@ def run_agent(args, tmp: str, children: Children, store: Store, port: int) -> di
     log_path = os.path.join(tmp, "agent.log")
     cmd = _console_script("steplens-agent", "steplens.agent.cli") + [
         "run", "--collector", f"127.0.0.1:{port}", "--insecure", "--node-id", "bench-agent",
-        "--state-dir", os.path.join(tmp, "agent"), "--metrics-listen", "", "--disable", "gpu"]
+        "--state-dir", os.path.join(tmp, "agent"), "--metrics-listen", "", "--disable", "gpu", "--disable", "pystacks"]
     with open(log_path, "w") as log_fh:
         agent = children.start(cmd, stdout=log_fh, stderr=subprocess.STDOUT)
     ps = psutil.Process(agent.pid)
