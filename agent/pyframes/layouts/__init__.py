@@ -123,6 +123,18 @@ def parse_debug_offsets(blob: bytes, version: tuple[int, int]) -> dict[str, int]
     return out
 
 
+def field_position(version: tuple[int, int], name: str) -> int:
+    """Byte position of "section.field" inside _Py_DebugOffsets for this minor's field list."""
+    mod = importlib.import_module(f"steplens.agent.pyframes.layouts.py{version[0]}{version[1]}")
+    pos = 8
+    for entry in mod.FIELDS:
+        for field_name in ([entry[0]] if len(entry) == 1 else [f"{entry[0]}.{f}" for f in entry[1]]):
+            if field_name == name:
+                return pos
+            pos += 8
+    raise KeyError(name)
+
+
 def debug_offsets_size(version: tuple[int, int]) -> int:
     mod = importlib.import_module(f"steplens.agent.pyframes.layouts.py{version[0]}{version[1]}")
     return 8 + 8 * sum(1 if len(e) == 1 else len(e[1]) for e in mod.FIELDS)
