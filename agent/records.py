@@ -114,4 +114,47 @@ class StackSummary:
     last_state: str = ""
 
 
-Record = Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary
+@dataclass(slots=True)
+class ConnStats:
+    """One TCP connection's traffic on this host over [start_mono_ns, mono_ns] (deltas, not totals).
+
+    Addresses as seen on this host: src/sport local, dst/dport remote. Wire bytes are skb lengths
+    at the device (what interface counters count); payload bytes are what the sockets sent/received.
+    """
+
+    mono_ns: int
+    start_mono_ns: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    tx_bytes: int = 0
+    rx_bytes: int = 0
+    tx_packets: int = 0
+    rx_packets: int = 0
+    tx_payload_bytes: int = 0
+    rx_payload_bytes: int = 0
+    retransmits: int = 0
+    srtt_us: int = 0
+    pid: int = 0
+    comm: str = ""
+
+
+@dataclass(slots=True)
+class Flow:
+    """A flow as LLMPrism uses them: one burst of one connection's traffic in one direction,
+    separated from the next by at least the configured idle gap (times are this host's monotonic)."""
+
+    mono_ns: int          # burst end (last packet)
+    start_mono_ns: int    # burst start (first packet)
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    bytes: int
+    packets: int
+    pid: int = 0
+
+
+Record = (Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary | ConnStats
+          | Flow)

@@ -1,0 +1,181 @@
+"""Shared plumbing for the agent's eBPF sources (bcc): where bcc lives, whether eBPF can run here
+and exactly why not, struct offsets from the running kernel's BTF, and rendering of the BPF C
+templates (`*.bpf.c` beside each source) by a pure function.
+
+bcc is Debian's `python3-bpfcc` (pure Python + ctypes over libbcc), installed under
+/usr/lib/python3/dist-packages; it is imported from there without putting the rest of that
+directory on sys.path. The PyPI package named `bcc` is unrelated.
+
+Kernel headers on a build host may be older than the running kernel (here: 6.1 headers, 6.18
+kernel): programs read kernel struct fields at offsets taken from BTF at run time, never from the
+headers, so a field that moved between versions is still read right.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+BCC_DIRS = ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3/dist-packages")
+BTF_PATH = "/sys/kernel/btf/vmlinux"
+
+
+class EbpfUnavailable(RuntimeError):
+    pass
+
+
+@functools.lru_cache(maxsize=1)
+def load_bcc():
+    """The bcc module, or EbpfUnavailable with the reason."""
+    if "bcc" in sys.modules and hasattr(sys.modules["bcc"], "BPF"):
+        return sys.modules["bcc"]
+    for base in BCC_DIRS:
+        init = os.path.join(base, "bcc", "__init__.py")
+        if os.path.exists(init):
+            spec = importlib.util.spec_from_file_location("bcc", init, submodule_search_locations=[os.path.dirname(init)])
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["bcc"] = module
+            try:
+                spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules["bcc"]
+                raise EbpfUnavailable(f"bcc found at {init} but failed to load: {exc}") from None
+            return module
+    raise EbpfUnavailable("bcc is not installed (Debian: apt-get install python3-bpfcc; `make install` does it)")
+
+
+def unavailable_reason(proc_root: str = "/proc") -> str:
+    """"" when eBPF sources can run here, else the first thing that is missing, said exactly."""
+    if os.geteuid() != 0:
+        caps = _effective_caps(proc_root)
+        if not (caps >> 39 & 1 and caps >> 38 & 1) and not caps >> 21 & 1:  # CAP_BPF+CAP_PERFMON or CAP_SYS_ADMIN
+            return "not root and no CAP_BPF+CAP_PERFMON (or CAP_SYS_ADMIN): eBPF programs cannot be loaded"
+    if not os.path.exists(BTF_PATH):
+        return f"no kernel BTF ({BTF_PATH} missing): struct offsets cannot be read (needs CONFIG_DEBUG_INFO_BTF)"
+    build = f"/lib/modules/{platform.release()}/build"
+    if not os.path.exists(os.path.join(build, "include")):
+        return (f"no kernel headers at {build} (install linux-headers-{platform.release()}, or run `make install` "
+                "which links the closest available headers)")
+    if not (os.path.exists("/sys/kernel/tracing/events") or os.path.exists("/sys/kernel/debug/tracing/events")):
+        return "tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)"
+    try:
+        load_bcc()
+    except EbpfUnavailable as exc:
+        return str(exc)
+    return ""
+
+
+def _effective_caps(proc_root: str) -> int:
+    try:
+        with open(os.path.join(proc_root, "self", "status")) as fh:
+            for line in fh:
+                if line.startswith("CapEff:"):
+                    return int(line.split()[1], 16)
+    except OSError:
+        pass
+    return 0
+
+
+@functools.lru_cache(maxsize=1)
+def _btf_dump() -> list[str]:
+    tool = shutil.which("bpftool") or "/usr/sbin/bpftool"
+    try:
+        out = subprocess.run([tool, "btf", "dump", "file", BTF_PATH, "format", "raw"], capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise EbpfUnavailable(f"cannot read BTF with bpftool ({exc}); apt-get install bpftool") from None
+    return out.splitlines()
+
+
+_TYPE_RE = re.compile(r"^\[(\d+)\] (\w+) '([^']*)'(.*)$")
+_MEMBER_RE = re.compile(r"^\s+'([^']*)' type_id=(\d+) bits_offset=(\d+)")
+
+
+@functools.lru_cache(maxsize=1)
+def _btf_types() -> tuple[dict, dict]:
+    types: dict[int, tuple[str, str, list]] = {}
+    by_name: dict[tuple[str, str], int] = {}
+    current = None
+    for line in _btf_dump():
+        m = _TYPE_RE.match(line)
+        if m:
+            tid, kind, name = int(m.group(1)), m.group(2), m.group(3)
+            current = (kind, name, [])
+            types[tid] = current
+            if kind in ("STRUCT", "UNION") and name and (kind, name) not in by_name:
+                by_name[(kind, name)] = tid
+            continue
+        mm = _MEMBER_RE.match(line)
+        if mm and current is not None:
+            current[2].append((mm.group(1), int(mm.group(2)), int(mm.group(3))))
+    return types, by_name
+
+
+def btf_offset(struct: str, path: str) -> int:
+    """Byte offset of `path` ("a.b" through named or anonymous members) inside `struct S`."""
+    types, by_name = _btf_types()
+    tid = by_name.get(("STRUCT", struct)) or by_name.get(("UNION", struct))
+    if tid is None:
+        raise EbpfUnavailable(f"struct {struct} not found in kernel BTF")
+
+    def find(type_id: int, name: str) -> tuple[int, int] | None:
+        kind, _, members = types[type_id]
+        for mname, mtype, bits in members:
+            if mname == name:
+                return bits // 8, mtype
+            if mname in ("", "(anon)"):  # anonymous struct/union: look inside
+                inner = find(_resolve(mtype), name)
+                if inner is not None:
+                    return bits // 8 + inner[0], inner[1]
+        return None
+
+    offset = 0
+    for part in path.split("."):
+        hit = find(_resolve(tid), part)
+        if hit is None:
+            raise EbpfUnavailable(f"{struct}.{path}: no member {part!r} in kernel BTF")
+        offset += hit[0]
+        tid = hit[1]
+    return offset
+
+
+def _resolve(type_id: int) -> int:
+    """Follow typedefs and qualifiers to the struct/union they name."""
+    types, _ = _btf_types()
+    refs = _btf_refs()
+    for _ in range(32):
+        kind = types.get(type_id, ("", "", []))[0]
+        if kind not in ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG") or type_id not in refs:
+            return type_id
+        type_id = refs[type_id]
+    return type_id
+
+
+@functools.lru_cache(maxsize=1)
+def _btf_refs() -> dict[int, int]:
+    refs = {}
+    for line in _btf_dump():
+        m = _TYPE_RE.match(line)
+        if m and m.group(2) in ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG"):
+            t = re.search(r"type_id=(\d+)", m.group(4))
+            if t:
+                refs[int(m.group(1))] = int(t.group(1))
+    return refs
+
+
+def render(template: str, **values) -> str:
+    """Replace every {{NAME}} in the BPF C template; a missing or unused value is an error."""
+    names = set(re.findall(r"\{\{(\w+)\}\}", template))
+    missing = names - set(values)
+    if missing:
+        raise KeyError(f"BPF template needs values for {', '.join(sorted(missing))}")
+    unused = set(values) - names
+    if unused:
+        raise KeyError(f"BPF template has no placeholder for {', '.join(sorted(unused))}")
+    return re.sub(r"\{\{(\w+)\}\}", lambda m: str(values[m.group(1)]), template)
