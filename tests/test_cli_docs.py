@@ -12,7 +12,7 @@ COMMANDS = [
     (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
-    (STEPLENS, ["deep"]),
+    (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["deep"]),
 ]
 
 

@@ -10,7 +10,7 @@ from steplens.v1 import records_pb2 as pb
 
 
 _KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange,
-                    r.StackSummary})
+                    r.StackSummary, r.ConnStats, r.Flow})
 
 
 def encode_records(items: list[tuple[str, object]]) -> bytes:
@@ -88,6 +88,18 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
                 st.frames.add(id=i, function=fn, qualname=qn, file=file, line=line)
             for ids, count, gil, running in rec.stacks:
                 st.stacks.add(frame_ids=ids, count=count, gil=gil, running=running)
+        elif t is r.ConnStats:
+            c = msg.conn
+            c.start_mono_ns = rec.start_mono_ns
+            c.src, c.sport, c.dst, c.dport = rec.src, rec.sport, rec.dst, rec.dport
+            c.tx_bytes, c.rx_bytes, c.tx_packets, c.rx_packets = rec.tx_bytes, rec.rx_bytes, rec.tx_packets, rec.rx_packets
+            c.tx_payload_bytes, c.rx_payload_bytes = rec.tx_payload_bytes, rec.rx_payload_bytes
+            c.retransmits, c.srtt_us, c.pid, c.comm = rec.retransmits, rec.srtt_us, rec.pid, rec.comm
+        elif t is r.Flow:
+            f = msg.flow
+            f.start_mono_ns = rec.start_mono_ns
+            f.src, f.sport, f.dst, f.dport = rec.src, rec.sport, rec.dst, rec.dport
+            f.bytes, f.packets, f.pid = rec.bytes, rec.packets, rec.pid
         elif t is r.ModeChange:
             m = msg.mode
             m.mode = int(rec.mode)
@@ -125,6 +137,14 @@ def decode_records(payload: bytes) -> list[tuple[str, object]]:
         elif kind == "mode":
             m = msg.mode
             rec = r.ModeChange(msg.mono_ns, r.Mode(m.mode), m.command_id, m.until_mono_ns, m.reason)
+        elif kind == "conn":
+            c = msg.conn
+            rec = r.ConnStats(msg.mono_ns, c.start_mono_ns, c.src, c.sport, c.dst, c.dport, c.tx_bytes, c.rx_bytes,
+                              c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
+                              c.srtt_us, c.pid, c.comm)
+        elif kind == "flow":
+            f = msg.flow
+            rec = r.Flow(msg.mono_ns, f.start_mono_ns, f.src, f.sport, f.dst, f.dport, f.bytes, f.packets, f.pid)
         elif kind == "stacks":
             st = msg.stacks
             rec = r.StackSummary(msg.mono_ns, st.pid, st.start_ticks, st.tid, st.thread_name, st.start_mono_ns,

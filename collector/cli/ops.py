@@ -153,6 +153,118 @@ def cmd_stacks(stub, args) -> int:
     return 0
 
 
+def cmd_flows(stub, args) -> int:
+    since = time.time_ns() - int(parse_duration(args.since) * 1e9) if args.since else 0
+    reply = stub.ListFlows(cpb.FlowQuery(since_ns=since, by=args.by, node_id=args.node or "", limit=args.limit),
+                           timeout=args.timeout)
+    rows = []
+    for f in reply.flows:
+        row = {"src": f.src, "dst": f.dst, "bytes": f.bytes, "flows": f.flows, "packets": f.packets,
+               "first_ns": f.start_ns, "last_ns": f.end_ns, "origin": f.origin}
+        if args.by == "connection":
+            row.update(sport=f.sport, dport=f.dport)
+        rows.append(row)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no flows (is the netflows source up on the agents? see `steplens nodes`)")
+        return 0
+    head = ["SRC", "DST"] if args.by == "pair" else ["SRC", "SPORT", "DST", "DPORT"]
+    out = []
+    for r in rows:
+        keys = [r["src"], r["dst"]] if args.by == "pair" else [r["src"], r["sport"], r["dst"], r["dport"]]
+        out.append(keys + [f"{r['bytes'] / 1e6:.2f}MB", r["flows"], _ago(r["first_ns"]), _ago(r["last_ns"]),
+                           r["origin"]])
+    print(_table(out, head + ["BYTES", "FLOWS", "FIRST", "LAST", "ORIGIN"]))
+    return 0
+
+
+FLOW_FIELDS = ("start", "src", "dst", "switches", "bytes", "duration")
+
+
+def _parse_start(value) -> int:
+    """ns since the epoch from an integer (ns), a number of seconds, or an RFC 3339 timestamp."""
+    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+        v = int(value)
+        return v if v > 10**15 else v * 10**9
+    try:
+        return int(float(value) * 1e9)
+    except (TypeError, ValueError):
+        pass
+    import datetime
+    ts = datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    if ts.tzinfo is None:
+        raise ValueError("timestamp without a time zone")
+    return int(ts.timestamp() * 1e9)
+
+
+def read_flow_file(path: str, fmt: str) -> list[cpb.FlowRow]:
+    """Parse and validate every row first; raise ValueError listing bad rows (nothing is sent then)."""
+    import csv
+    import ipaddress
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    if fmt == "auto":
+        fmt = "json" if text.lstrip()[:1] in ("[", "{") else "csv"
+    if fmt == "csv":
+        reader = csv.DictReader(text.splitlines())
+        missing = set(FLOW_FIELDS) - set(reader.fieldnames or [])
+        if missing:
+            raise ValueError(f"{path}: CSV header lacks {', '.join(sorted(missing))} (needs {', '.join(FLOW_FIELDS)})")
+        items = [(i + 2, row) for i, row in enumerate(reader)]
+    else:
+        stripped = text.lstrip()
+        if stripped.startswith("["):
+            items = [(i + 1, row) for i, row in enumerate(json.loads(text))]
+        else:
+            items = [(i + 1, json.loads(line)) for i, line in enumerate(text.splitlines()) if line.strip()]
+    rows, problems = [], []
+    for line, row in items:
+        try:
+            if not isinstance(row, dict):
+                raise ValueError("not an object")
+            absent = [k for k in FLOW_FIELDS if row.get(k) in (None, "")]
+            if absent:
+                raise ValueError(f"missing {', '.join(absent)}")
+            start = _parse_start(row["start"])
+            duration = float(row["duration"])
+            nbytes = int(row["bytes"])
+            if duration < 0 or nbytes < 0:
+                raise ValueError("negative duration or bytes")
+            src, dst = str(ipaddress.ip_address(row["src"])), str(ipaddress.ip_address(row["dst"]))
+            switches = row["switches"]
+            if isinstance(switches, str):
+                switches = [x for x in switches.split(";") if x]
+            if not isinstance(switches, list) or not all(isinstance(x, str) and x for x in switches):
+                raise ValueError("switches must be a list of ids (';'-separated in CSV)")
+            sport, dport = int(row.get("sport") or 0), int(row.get("dport") or 0)
+            if not (0 <= sport <= 65535 and 0 <= dport <= 65535):
+                raise ValueError("port out of range")
+            rows.append(cpb.FlowRow(start_ns=start, end_ns=start + int(duration * 1e9), src=src, dst=dst,
+                                    sport=sport, dport=dport, bytes=nbytes, packets=int(row.get("packets") or 0),
+                                    switches=switches))
+        except (ValueError, TypeError, KeyError) as exc:
+            problems.append(f"{path}:{line}: {exc}")
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise ValueError("bad flow rows, nothing imported:\n  " + "\n  ".join(problems[:10]) + more)
+    return rows
+
+
+def cmd_import(stub, args) -> int:
+    rows = read_flow_file(args.file, args.format)
+    origin = args.origin or os.path.basename(args.file)
+    imported = 0
+    for i in range(0, len(rows), 20000):
+        reply = stub.ImportFlows(cpb.ImportFlowsRequest(origin=origin, flows=rows[i:i + 20000]),
+                                 timeout=args.timeout + 30)
+        imported += reply.imported
+    out = {"file": args.file, "origin": f"import:{origin}", "imported": imported}
+    print(json.dumps(out) if args.json else f"imported {imported} flows from {args.file} as import:{origin}")
+    return 0
+
+
 def cmd_deep(stub, args) -> int:
     enable = args.action == "start"
     req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
@@ -198,6 +310,19 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--since", help="only summaries from the last DURATION (e.g. 5m)")
     sp.add_argument("--limit", type=int, default=50, help="rows at most (default 50)")
     sp.add_argument("--top", type=int, default=5, help="stacks shown per thread (default 5)")
+    sp = listing("flows", cmd_flows, "network flows per (src, dst) pair, from agents (eBPF) and imports")
+    sp.add_argument("--since", default="", help="only flows ending in the last DURATION (e.g. 60s)")
+    sp.add_argument("--by", choices=["pair", "connection"], default="pair", help="connection adds the ports")
+    sp.add_argument("--limit", type=int, default=1000)
+    sp = sub.add_parser("import", help="import data exported elsewhere")
+    isub = sp.add_subparsers(dest="what", required=True)
+    ip = isub.add_parser("flows", help="flows exported by switches (ERSPAN/sFlow/IPFIX converted to CSV or JSON): "
+                                       "fields start, src, dst, switches, bytes, duration [, sport, dport, packets]")
+    ip.add_argument("file")
+    ip.add_argument("--format", choices=["auto", "csv", "json"], default="auto")
+    ip.add_argument("--origin", help="name recorded with the flows (default: the file name)")
+    ip.add_argument("--json", action="store_true")
+    ip.set_defaults(func=cmd_import)
     sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
     sp.add_argument("action", choices=["start", "stop"])
     sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")
@@ -220,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     except conn.SecurityError as exc:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except grpc.RpcError as exc:

@@ -101,6 +101,45 @@ class ControlService(cgrpc.ControlServicer):
                            last_state=r["last_state"] or "", stacks_json=json.dumps(r["stacks"], ensure_ascii=False))
         return out
 
+    async def ListFlows(self, request, context):
+        await self._auth(context)
+        try:
+            rows = await asyncio.to_thread(self.reader.flows, request.since_ns, request.by or "pair",
+                                           request.node_id, request.limit or 1000)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        out = cpb.FlowList()
+        for r in rows:
+            out.flows.add(src=r["src"], dst=r["dst"], sport=r.get("sport") or 0, dport=r.get("dport") or 0,
+                          bytes=r["bytes"] or 0, packets=r["packets"] or 0, flows=r["flows"],
+                          start_ns=r["first_ns"] or 0, end_ns=r["last_ns"] or 0, origin=",".join(r["origins"]))
+        return out
+
+    async def ImportFlows(self, request, context):
+        await self._auth(context)
+        from steplens.collector.store.writer import ImportJob
+        rows, problems = [], []
+        for i, f in enumerate(request.flows):
+            if not f.src or not f.dst or f.end_ns < f.start_ns or not f.start_ns or f.sport > 65535 or f.dport > 65535:
+                problems.append(f"row {i}: needs src, dst, start_ns <= end_ns and ports <= 65535")
+                continue
+            rows.append((f.start_ns, f.end_ns, f.src, f.sport, f.dst, f.dport, f.bytes, f.packets,
+                         json.dumps(list(f.switches))))
+        if problems:  # all or nothing: a file with a bad row imports nothing
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems[:5]))
+        if not request.origin or len(request.origin) > 200:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin must be 1-200 characters")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        job = ImportJob(request.origin, rows, lambda outcome, n, note: loop.call_soon_threadsafe(
+            lambda: fut.done() or fut.set_result((outcome, n, note))))
+        while not self.ingest.writer.submit(job):
+            await asyncio.sleep(0.01)
+        outcome, n, note = await fut
+        if outcome != "stored":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, note)
+        return cpb.ImportFlowsReply(imported=n)
+
     async def SetDeepMode(self, request, context):
         await self._auth(context)
         if request.enable and not (0 < request.duration_ns <= 3600 * 10**9):

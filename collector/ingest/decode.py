@@ -37,6 +37,8 @@ class DecodedBatch:
     gaps: list = field(default_factory=list)       # (mono_ns, source, Gap msg)
     modes: list = field(default_factory=list)      # (mono_ns, ModeChange msg)
     stacks: list = field(default_factory=list)     # (mono_ns, StackSummary msg)
+    conns: list = field(default_factory=list)      # (mono_ns, ConnStats msg)
+    flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -94,6 +96,12 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
             out.gaps.append((mono, rec.source, rec.gap))
         elif kind == "mode":
             out.modes.append((mono, rec.mode))
+        elif kind in ("conn", "flow"):
+            body = rec.conn if kind == "conn" else rec.flow
+            if body.start_mono_ns > mono or not body.src or not body.dst or body.sport > 65535 or body.dport > 65535:
+                rej[f"{kind} record with bad addresses, ports or times"] += 1
+                continue
+            (out.conns if kind == "conn" else out.flows).append((mono, body))
         elif kind == "stacks":
             st = rec.stacks
             n_frames = len(st.frames)

@@ -131,3 +131,23 @@ class Reader:
                  "thread_name": r["thread_name"], "python": r["python"], "start_ns": r["start_ns"],
                  "end_ns": r["end_ns"], "samples": r["samples"], "errors": r["errors"],
                  "last_state": r["last_state"], "stacks": json.loads(r["stacks_json"])} for r in rows]
+
+    def flows(self, since_ns: int = 0, by: str = "pair", node_id: str = "", limit: int = 1000) -> list[dict]:
+        """Flows aggregated per (src, dst) address pair, or per connection (with ports)."""
+        if by not in ("pair", "connection"):
+            raise ValueError("by is 'pair' or 'connection'")
+        keys = "src, dst" if by == "pair" else "src, sport, dst, dport"
+        db = self._db()
+        try:
+            cond, args = ["end_ns >= ?"], [since_ns]
+            if node_id:
+                cond.append("agent_id = ?")
+                args.append(node_id)
+            rows = list(db.query(
+                f"SELECT {keys}, SUM(bytes) AS bytes, SUM(packets) AS packets, COUNT(*) AS flows,"
+                f" MIN(start_ns) AS first_ns, MAX(end_ns) AS last_ns, GROUP_CONCAT(DISTINCT origin) AS origins"
+                f" FROM flows WHERE {' AND '.join(cond)} GROUP BY {keys} ORDER BY bytes DESC LIMIT ?",
+                args + [limit]))
+        finally:
+            db.conn.close()
+        return [{**r, "origins": (r["origins"] or "").split(",")} for r in rows]

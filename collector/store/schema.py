@@ -87,6 +87,23 @@ CREATE INDEX stack_summaries_proc ON stack_summaries (agent_id, pid, start_ticks
 CREATE INDEX stack_summaries_end ON stack_summaries (end_ns);
 """))
 
+MIGRATIONS.append((3, """
+CREATE TABLE flows (
+  agent_id TEXT NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, src TEXT NOT NULL,
+  sport INTEGER NOT NULL, dst TEXT NOT NULL, dport INTEGER NOT NULL, bytes INTEGER NOT NULL,
+  packets INTEGER NOT NULL, pid INTEGER NOT NULL, origin TEXT NOT NULL, switches TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX flows_end ON flows (end_ns);
+CREATE INDEX flows_pair ON flows (src, dst, end_ns);
+CREATE TABLE conn_stats (
+  agent_id TEXT NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, src TEXT NOT NULL,
+  sport INTEGER NOT NULL, dst TEXT NOT NULL, dport INTEGER NOT NULL, tx_bytes INTEGER, rx_bytes INTEGER,
+  tx_packets INTEGER, rx_packets INTEGER, tx_payload_bytes INTEGER, rx_payload_bytes INTEGER,
+  retransmits INTEGER, srtt_us INTEGER, pid INTEGER, comm TEXT
+);
+CREATE INDEX conn_stats_end ON conn_stats (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

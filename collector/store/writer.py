@@ -45,6 +45,16 @@ class BatchJob:
 
 
 @dataclass
+class ImportJob:
+    """Flows exported by switches, validated by the caller; written in one transaction.
+    rows: (start_ns, end_ns, src, sport, dst, dport, bytes, packets, switches_json)."""
+
+    origin: str
+    rows: list
+    done: Callable[[str, int, str], None]
+
+
+@dataclass
 class AgentUpdate:
     agent_id: str
     fields: dict
@@ -153,9 +163,16 @@ class StoreWriter:
         try:
             conn.execute("BEGIN IMMEDIATE")
             updates: dict[str, dict] = {}
+            imports = []
             for item in group:
                 if isinstance(item, AgentUpdate):
                     updates.setdefault(item.agent_id, {}).update(item.fields)
+                elif isinstance(item, ImportJob):
+                    conn.executemany(
+                        "INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets, pid,"
+                        " origin, switches) VALUES ('',?,?,?,?,?,?,?,?,0,?,?)",
+                        [(*row[:8], f"import:{item.origin}", row[8]) for row in item.rows])
+                    imports.append(item)
                 else:
                     outcomes.append((item, *self._write_batch(item)))
             for agent_id, fields in updates.items():
@@ -174,9 +191,11 @@ class StoreWriter:
             self._series.clear()
             self._last_seq.clear()
             for item in group:
-                if isinstance(item, BatchJob):
+                if isinstance(item, (BatchJob, ImportJob)):
                     item.done("failed", 0, self.last_error)
             return
+        for imp in imports:
+            imp.done("stored", len(imp.rows), "")
         for job, outcome, rejected, note in outcomes:
             if outcome == "stored":
                 self.batches_written += 1
@@ -266,6 +285,20 @@ class StoreWriter:
                 " samples, errors, last_state, stacks_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 [(agent, to_cluster(st.start_mono_ns), to_cluster(m), st.pid, st.start_ticks, st.tid, st.thread_name,
                   st.python, st.samples, st.errors, st.last_state, stacks_json(st)) for m, st in dec.stacks])
+        if dec.flows:
+            conn.executemany(
+                "INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets, pid, origin)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,'ebpf')",
+                [(agent, to_cluster(f.start_mono_ns), to_cluster(m), f.src, f.sport, f.dst, f.dport, f.bytes,
+                  f.packets, f.pid) for m, f in dec.flows])
+        if dec.conns:
+            conn.executemany(
+                "INSERT INTO conn_stats(agent_id, start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes,"
+                " tx_packets, rx_packets, tx_payload_bytes, rx_payload_bytes, retransmits, srtt_us, pid, comm)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.src, c.sport, c.dst, c.dport, c.tx_bytes,
+                  c.rx_bytes, c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
+                  c.srtt_us, c.pid, c.comm) for m, c in dec.conns])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
@@ -341,6 +374,8 @@ class StoreWriter:
                 self.conn.execute("COMMIT")
             self.conn.execute("BEGIN IMMEDIATE")
             deleted += self.conn.execute("DELETE FROM stack_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM flows WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM conn_stats WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("

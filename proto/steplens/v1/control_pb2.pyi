@@ -204,6 +204,68 @@ class StackRow(_message.Message):
     stacks_json: str
     def __init__(self, node_id: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., thread_name: _Optional[str] = ..., python: _Optional[str] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., samples: _Optional[int] = ..., errors: _Optional[int] = ..., last_state: _Optional[str] = ..., stacks_json: _Optional[str] = ...) -> None: ...
 
+class FlowRow(_message.Message):
+    __slots__ = ("node_id", "start_ns", "end_ns", "src", "sport", "dst", "dport", "bytes", "packets", "pid", "origin", "switches", "flows")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SPORT_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DPORT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    FLOWS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    start_ns: int
+    end_ns: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    bytes: int
+    packets: int
+    pid: int
+    origin: str
+    switches: _containers.RepeatedScalarFieldContainer[str]
+    flows: int
+    def __init__(self, node_id: _Optional[str] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., bytes: _Optional[int] = ..., packets: _Optional[int] = ..., pid: _Optional[int] = ..., origin: _Optional[str] = ..., switches: _Optional[_Iterable[str]] = ..., flows: _Optional[int] = ...) -> None: ...
+
+class FlowQuery(_message.Message):
+    __slots__ = ("since_ns", "by", "node_id", "limit")
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    since_ns: int
+    by: str
+    node_id: str
+    limit: int
+    def __init__(self, since_ns: _Optional[int] = ..., by: _Optional[str] = ..., node_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class FlowList(_message.Message):
+    __slots__ = ("flows",)
+    FLOWS_FIELD_NUMBER: _ClassVar[int]
+    flows: _containers.RepeatedCompositeFieldContainer[FlowRow]
+    def __init__(self, flows: _Optional[_Iterable[_Union[FlowRow, _Mapping]]] = ...) -> None: ...
+
+class ImportFlowsRequest(_message.Message):
+    __slots__ = ("origin", "flows")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    FLOWS_FIELD_NUMBER: _ClassVar[int]
+    origin: str
+    flows: _containers.RepeatedCompositeFieldContainer[FlowRow]
+    def __init__(self, origin: _Optional[str] = ..., flows: _Optional[_Iterable[_Union[FlowRow, _Mapping]]] = ...) -> None: ...
+
+class ImportFlowsReply(_message.Message):
+    __slots__ = ("imported",)
+    IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    imported: int
+    def __init__(self, imported: _Optional[int] = ...) -> None: ...
+
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]

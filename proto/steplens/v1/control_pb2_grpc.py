@@ -59,6 +59,16 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.StackList.FromString,
                 _registered_method=True)
+        self.ListFlows = channel.unary_unary(
+                '/steplens.v1.Control/ListFlows',
+                request_serializer=steplens_dot_v1_dot_control__pb2.FlowQuery.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.FlowList.FromString,
+                _registered_method=True)
+        self.ImportFlows = channel.unary_unary(
+                '/steplens.v1.Control/ImportFlows',
+                request_serializer=steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.ImportFlowsReply.FromString,
+                _registered_method=True)
         self.SetDeepMode = channel.unary_unary(
                 '/steplens.v1.Control/SetDeepMode',
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
@@ -99,6 +109,18 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListFlows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportFlows(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetDeepMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -132,6 +154,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListStacks,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.ListRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.StackList.SerializeToString,
+            ),
+            'ListFlows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFlows,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.FlowQuery.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.FlowList.SerializeToString,
+            ),
+            'ImportFlows': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportFlows,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.ImportFlowsReply.SerializeToString,
             ),
             'SetDeepMode': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDeepMode,
@@ -274,6 +306,60 @@ class Control:
             '/steplens.v1.Control/ListStacks',
             steplens_dot_v1_dot_control__pb2.ListRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.StackList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFlows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListFlows',
+            steplens_dot_v1_dot_control__pb2.FlowQuery.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.FlowList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportFlows(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ImportFlows',
+            steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.ImportFlowsReply.FromString,
             options,
             channel_credentials,
             insecure,

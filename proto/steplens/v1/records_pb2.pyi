@@ -187,8 +187,62 @@ class StackSummary(_message.Message):
     stacks: _containers.RepeatedCompositeFieldContainer[StackCount]
     def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., thread_name: _Optional[str] = ..., start_mono_ns: _Optional[int] = ..., samples: _Optional[int] = ..., errors: _Optional[int] = ..., python: _Optional[str] = ..., last_state: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[StackFrame, _Mapping]]] = ..., stacks: _Optional[_Iterable[_Union[StackCount, _Mapping]]] = ...) -> None: ...
 
+class ConnStats(_message.Message):
+    __slots__ = ("start_mono_ns", "src", "sport", "dst", "dport", "tx_bytes", "rx_bytes", "tx_packets", "rx_packets", "tx_payload_bytes", "rx_payload_bytes", "retransmits", "srtt_us", "pid", "comm")
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SPORT_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DPORT_FIELD_NUMBER: _ClassVar[int]
+    TX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TX_PACKETS_FIELD_NUMBER: _ClassVar[int]
+    RX_PACKETS_FIELD_NUMBER: _ClassVar[int]
+    TX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RX_PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETRANSMITS_FIELD_NUMBER: _ClassVar[int]
+    SRTT_US_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    COMM_FIELD_NUMBER: _ClassVar[int]
+    start_mono_ns: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+    tx_payload_bytes: int
+    rx_payload_bytes: int
+    retransmits: int
+    srtt_us: int
+    pid: int
+    comm: str
+    def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., tx_bytes: _Optional[int] = ..., rx_bytes: _Optional[int] = ..., tx_packets: _Optional[int] = ..., rx_packets: _Optional[int] = ..., tx_payload_bytes: _Optional[int] = ..., rx_payload_bytes: _Optional[int] = ..., retransmits: _Optional[int] = ..., srtt_us: _Optional[int] = ..., pid: _Optional[int] = ..., comm: _Optional[str] = ...) -> None: ...
+
+class Flow(_message.Message):
+    __slots__ = ("start_mono_ns", "src", "sport", "dst", "dport", "bytes", "packets", "pid")
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SPORT_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    DPORT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PACKETS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    start_mono_ns: int
+    src: str
+    sport: int
+    dst: str
+    dport: int
+    bytes: int
+    packets: int
+    pid: int
+    def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., bytes: _Optional[int] = ..., packets: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
+
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +253,8 @@ class Record(_message.Message):
     GAP_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    CONN_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -209,7 +265,9 @@ class Record(_message.Message):
     gap: Gap
     mode: ModeChange
     stacks: StackSummary
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ...) -> None: ...
+    conn: ConnStats
+    flow: Flow
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)
