@@ -7,9 +7,10 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SYSTEM_STAMP := $(VENV)/.system-packages
 # Debian packages the tests and the agent use: util-linux (unshare), iproute2 (netns), systemd (systemd-analyze)
-APT_PACKAGES := util-linux iproute2 systemd sqlite3
+APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool
+KREL := $(shell uname -r)
 
-.PHONY: install run test test-all bench eval proto clean install-system help
+.PHONY: install run test test-all bench eval proto clean install-system help ebpf-setup
 
 help:
 	@echo "make run      collector + local agent on loopback (SQLite in ./run); Ctrl-C stops both"
@@ -28,7 +29,31 @@ $(SYSTEM_STAMP):
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	  else echo "warning: missing system packages:$$missing (run as root with apt-get to install them)"; fi; \
 	fi
+	@$(MAKE) --no-print-directory ebpf-setup
 	@mkdir -p $(VENV) && touch $@
+
+# eBPF (bcc) needs kernel headers at /lib/modules/$(uname -r)/build and tracefs. Real hosts have
+# linux-headers-$(uname -r); where that package does not exist (this VM: 6.18 kernel, 6.1 headers)
+# the closest available headers are linked, with a warning: steplens reads struct offsets from BTF
+# at run time, so older headers are enough for bcc to compile.
+ebpf-setup:
+	@if [ "$$(id -u)" != 0 ]; then echo "warning: not root: skipping eBPF set-up (headers, tracefs)"; exit 0; fi; \
+	build=/lib/modules/$(KREL)/build; \
+	if [ ! -e $$build/include ]; then \
+	  ls /var/lib/apt/lists/*Packages >/dev/null 2>&1 || apt-get update -qq >/dev/null 2>&1 || true; \
+	  if DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-headers-$(KREL) >/dev/null 2>&1; then :; \
+	  else \
+	    dpkg -s linux-headers-cloud-amd64 >/dev/null 2>&1 || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq linux-headers-cloud-amd64 >/dev/null 2>&1 || true; \
+	    hdr=$$(ls -d /usr/src/linux-headers-*-cloud-amd64 2>/dev/null | sort -V | tail -n 1); \
+	    common=$$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1); \
+	    if [ -n "$$hdr" ]; then \
+	      mkdir -p /lib/modules/$(KREL); ln -sfn $$hdr $$build; [ -n "$$common" ] && ln -sfn $$common /lib/modules/$(KREL)/source; \
+	      echo "warning: no headers for kernel $(KREL); linked $$hdr (offsets come from BTF at run time)"; \
+	    else echo "warning: no kernel headers available: eBPF sources will be unavailable"; fi; \
+	  fi; \
+	fi; \
+	if [ ! -d /sys/kernel/tracing/events ]; then mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || \
+	  echo "warning: cannot mount tracefs: eBPF sources will be unavailable"; fi
 
 $(STAMP): pyproject.toml | $(SYSTEM_STAMP)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -1,0 +1,276 @@
+/* netflows: per-TCP-connection wire and payload counters and idle-gap bursts (flows).
+ *
+ * Rendered by netflows.render_program(): every {{NAME}} is a kernel struct offset read from the
+ * running kernel's BTF (OFF_*) or a config value. Kernel structs are never dereferenced through
+ * the (possibly older) headers: fields are read with bpf_probe_read_kernel at BTF offsets.
+ * All programs are attached explicitly as raw tracepoints and named steplens_nf_* (<= 15 chars,
+ * the kernel's program-name limit) so `bpftool prog show` can find them.
+ */
+#include <uapi/linux/ptrace.h>
+
+#define OFF_SKB_LEN {{OFF_SKB_LEN}}
+#define OFF_SKB_DATA {{OFF_SKB_DATA}}
+#define OFF_SKB_HEAD {{OFF_SKB_HEAD}}
+#define OFF_SKB_NETWORK_HEADER {{OFF_SKB_NETWORK_HEADER}}
+#define OFF_SKB_MAC_HEADER {{OFF_SKB_MAC_HEADER}}
+#define OFF_SKB_SK {{OFF_SKB_SK}}
+#define OFF_SKB_DEV {{OFF_SKB_DEV}}
+#define OFF_SKB_PROTOCOL {{OFF_SKB_PROTOCOL}}
+#define OFF_DEV_IFINDEX {{OFF_DEV_IFINDEX}}
+#define OFF_SKC_DADDR {{OFF_SKC_DADDR}}
+#define OFF_SKC_RCV_SADDR {{OFF_SKC_RCV_SADDR}}
+#define OFF_SKC_DPORT {{OFF_SKC_DPORT}}
+#define OFF_SKC_NUM {{OFF_SKC_NUM}}
+#define OFF_SKC_FAMILY {{OFF_SKC_FAMILY}}
+#define OFF_SK_PROTOCOL {{OFF_SK_PROTOCOL}}
+#define OFF_TCP_SRTT_US {{OFF_TCP_SRTT_US}}
+
+#define IDLE_GAP_NS {{IDLE_GAP_NS}}ULL
+#define MAX_CONNECTIONS {{MAX_CONNECTIONS}}
+#define RINGBUF_PAGES {{RINGBUF_PAGES}}
+#define FILTER_IFACES {{FILTER_IFACES}}
+#define INCLUDE_LOOPBACK {{INCLUDE_LOOPBACK}}
+
+#define DIR_TX 0
+#define DIR_RX 1
+#define CNT_RINGBUF_OVERFLOW 0
+#define CNT_MAP_FULL 1
+#define CNT_PACKETS 2
+#define CNT_SOCK_EVENTS 3
+#define N_COUNTERS 4
+
+struct conn_key {
+    u32 laddr;  /* network order */
+    u32 raddr;
+    u16 lport;  /* host order */
+    u16 rport;
+};
+
+struct conn_val {
+    u64 tx_bytes, rx_bytes, tx_packets, rx_packets;
+    u64 tx_payload, rx_payload, retransmits;
+    u64 first_ns, last_ns;
+    u32 srtt_us, pid;
+    u32 closed, _pad;
+    char comm[16];
+    /* open burst per direction (DIR_TX, DIR_RX) */
+    u64 b_start[2], b_last[2], b_bytes[2], b_packets[2];
+};
+
+struct flow_ev {
+    struct conn_key key;
+    u32 dir, pid;
+    u64 start_ns, end_ns, bytes, packets;
+};
+
+BPF_HASH(conns, struct conn_key, struct conn_val, MAX_CONNECTIONS);
+BPF_HASH(ifaces, u32, u8, 64);
+BPF_PERCPU_ARRAY(counters, u64, N_COUNTERS);
+BPF_RINGBUF_OUTPUT(flows, RINGBUF_PAGES);
+
+static __always_inline void count(u32 idx, u64 n) {
+    u64 *c = counters.lookup(&idx);
+    if (c) *c += n;  /* per-CPU: no atomics needed */
+}
+
+static __always_inline struct conn_val *get_conn(struct conn_key *k, u64 now) {
+    struct conn_val *v = conns.lookup(k);
+    if (v) return v;
+    struct conn_val zero = {};
+    zero.first_ns = now;
+    int err = conns.update(k, &zero);  /* BPF_ANY */
+    if (err) {
+        count(CNT_MAP_FULL, 1);
+        return 0;
+    }
+    return conns.lookup(k);
+}
+
+static __always_inline int loopback_addr(u32 a) {
+    return (a & 0xff) == 127;  /* 127.0.0.0/8, network order */
+}
+
+/* One packet of `len` wire bytes in direction dir: cumulative counters and the open burst. */
+static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
+    u64 now = bpf_ktime_get_ns();
+    struct conn_val *v = get_conn(k, now);
+    if (!v) return;
+    count(CNT_PACKETS, 1);
+    if (dir == DIR_TX) {
+        __sync_fetch_and_add(&v->tx_bytes, len);
+        __sync_fetch_and_add(&v->tx_packets, 1);
+    } else {
+        __sync_fetch_and_add(&v->rx_bytes, len);
+        __sync_fetch_and_add(&v->rx_packets, 1);
+    }
+    v->last_ns = now;
+    u32 d = dir & 1;
+    u64 last = v->b_last[d];
+    if (last != 0 && now > last && now - last > IDLE_GAP_NS) {
+        /* the burst ended at `last`: hand it to user space and start a new one with this packet */
+        struct flow_ev *ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
+        if (ev) {
+            ev->key = *k;
+            ev->dir = d;
+            ev->pid = v->pid;
+            ev->start_ns = v->b_start[d];
+            ev->end_ns = last;
+            ev->bytes = v->b_bytes[d];
+            ev->packets = v->b_packets[d];
+            flows.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);  /* user space polls; no wake-ups */
+        } else {
+            count(CNT_RINGBUF_OVERFLOW, 1);
+        }
+        v->b_start[d] = now;
+        v->b_bytes[d] = len;
+        v->b_packets[d] = 1;
+    } else {
+        if (last == 0 || v->b_bytes[d] == 0) v->b_start[d] = now;
+        __sync_fetch_and_add(&v->b_bytes[d], len);
+        __sync_fetch_and_add(&v->b_packets[d], 1);
+    }
+    v->b_last[d] = now;
+}
+
+/* IPv4/TCP 4-tuple of the packet, addresses in network order, ports in host order. */
+static __always_inline int parse(void *skb, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
+    u16 proto = 0;
+    bpf_probe_read_kernel(&proto, sizeof(proto), skb + OFF_SKB_PROTOCOL);
+    if (proto != htons(0x0800)) return -1;
+    unsigned char *head = 0;
+    u16 nh = 0;
+    bpf_probe_read_kernel(&head, sizeof(head), skb + OFF_SKB_HEAD);
+    bpf_probe_read_kernel(&nh, sizeof(nh), skb + OFF_SKB_NETWORK_HEADER);
+    if (!head || nh == 0xffff) return -1;
+    u8 iph[20];
+    if (bpf_probe_read_kernel(iph, sizeof(iph), head + nh)) return -1;
+    if ((iph[0] >> 4) != 4 || iph[9] != 6 /* IPPROTO_TCP */) return -1;
+    u32 ihl = (iph[0] & 0xf) * 4;
+    if (ihl < 20) return -1;
+    __builtin_memcpy(saddr, &iph[12], 4);
+    __builtin_memcpy(daddr, &iph[16], 4);
+    u16 ports[2];
+    if (bpf_probe_read_kernel(ports, sizeof(ports), head + nh + ihl)) return -1;
+    *sport = ntohs(ports[0]);
+    *dport = ntohs(ports[1]);
+    return 0;
+}
+
+static __always_inline int dev_wanted(void *dev) {
+    u32 ifindex = 0;
+    bpf_probe_read_kernel(&ifindex, sizeof(ifindex), dev + OFF_DEV_IFINDEX);
+    if (!INCLUDE_LOOPBACK && ifindex == 1) return 0;  /* lo is ifindex 1 in every namespace */
+    if (FILTER_IFACES && !ifaces.lookup(&ifindex)) return 0;
+    return 1;
+}
+
+/* net_dev_start_xmit(skb, dev): skb->data is at the MAC header, skb->len is what the device counts. */
+int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
+    void *skb = (void *)ctx->args[0];
+    void *dev = (void *)ctx->args[1];
+    void *sk = 0;
+    /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
+    bpf_probe_read_kernel(&sk, sizeof(sk), skb + OFF_SKB_SK);
+    if (!sk || !dev_wanted(dev)) return 0;
+    u32 saddr, daddr; u16 sport, dport;
+    if (parse(skb, &saddr, &daddr, &sport, &dport)) return 0;
+    u32 len = 0;
+    bpf_probe_read_kernel(&len, sizeof(len), skb + OFF_SKB_LEN);
+    struct conn_key k = {.laddr = saddr, .raddr = daddr, .lport = sport, .rport = dport};
+    account(&k, DIR_TX, len);
+    return 0;
+}
+
+/* netif_receive_skb(skb): MAC header already pulled; add it back so bytes match rx_bytes. */
+int steplens_nf_rx(struct bpf_raw_tracepoint_args *ctx) {
+    void *skb = (void *)ctx->args[0];
+    void *dev = 0;
+    bpf_probe_read_kernel(&dev, sizeof(dev), skb + OFF_SKB_DEV);
+    if (!dev || !dev_wanted(dev)) return 0;
+    u32 saddr, daddr; u16 sport, dport;
+    if (parse(skb, &saddr, &daddr, &sport, &dport)) return 0;
+    u32 len = 0;
+    unsigned char *head = 0, *data = 0;
+    u16 mh = 0;
+    bpf_probe_read_kernel(&len, sizeof(len), skb + OFF_SKB_LEN);
+    bpf_probe_read_kernel(&head, sizeof(head), skb + OFF_SKB_HEAD);
+    bpf_probe_read_kernel(&data, sizeof(data), skb + OFF_SKB_DATA);
+    bpf_probe_read_kernel(&mh, sizeof(mh), skb + OFF_SKB_MAC_HEADER);
+    u64 wire = len;
+    if (mh != 0xffff && data >= head + mh && data - (head + mh) <= 64) wire += data - (head + mh);
+    struct conn_key k = {.laddr = daddr, .raddr = saddr, .lport = dport, .rport = sport};
+    account(&k, DIR_RX, wire);
+    return 0;
+}
+
+static __always_inline int sock_key(void *sk, struct conn_key *k) {
+    u16 family = 0, proto = 0;
+    bpf_probe_read_kernel(&family, sizeof(family), sk + OFF_SKC_FAMILY);
+    if (family != 2 /* AF_INET */) return -1;
+    bpf_probe_read_kernel(&proto, sizeof(proto), sk + OFF_SK_PROTOCOL);
+    if (proto != 6) return -1;
+    u16 dport = 0;
+    bpf_probe_read_kernel(&k->laddr, sizeof(k->laddr), sk + OFF_SKC_RCV_SADDR);
+    bpf_probe_read_kernel(&k->raddr, sizeof(k->raddr), sk + OFF_SKC_DADDR);
+    bpf_probe_read_kernel(&k->lport, sizeof(k->lport), sk + OFF_SKC_NUM);
+    bpf_probe_read_kernel(&dport, sizeof(dport), sk + OFF_SKC_DPORT);
+    k->rport = ntohs(dport);
+    if (!INCLUDE_LOOPBACK && loopback_addr(k->raddr)) return -1;
+    return 0;
+}
+
+/* sock_send_length / sock_recv_length(sk, ret, flags): payload bytes and the owning process. */
+static __always_inline void payload(struct bpf_raw_tracepoint_args *ctx, u32 dir) {
+    void *sk = (void *)ctx->args[0];
+    int ret = (int)ctx->args[1];
+    int flags = (int)ctx->args[2];
+    if (ret <= 0 || (dir == DIR_RX && (flags & 2 /* MSG_PEEK */))) return;
+    struct conn_key k = {};
+    if (sock_key(sk, &k)) return;
+    u64 now = bpf_ktime_get_ns();
+    struct conn_val *v = get_conn(&k, now);
+    if (!v) return;
+    count(CNT_SOCK_EVENTS, 1);
+    if (dir == DIR_TX) __sync_fetch_and_add(&v->tx_payload, (u64)ret);
+    else __sync_fetch_and_add(&v->rx_payload, (u64)ret);
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (v->pid != pid) {
+        v->pid = pid;
+        bpf_get_current_comm(&v->comm, sizeof(v->comm));
+    }
+}
+
+int steplens_nf_snd(struct bpf_raw_tracepoint_args *ctx) { payload(ctx, DIR_TX); return 0; }
+int steplens_nf_rcv(struct bpf_raw_tracepoint_args *ctx) { payload(ctx, DIR_RX); return 0; }
+
+/* tcp_retransmit_skb(sk, skb, ...) */
+int steplens_nf_rtx(struct bpf_raw_tracepoint_args *ctx) {
+    struct conn_key k = {};
+    if (sock_key((void *)ctx->args[0], &k)) return 0;
+    struct conn_val *v = get_conn(&k, bpf_ktime_get_ns());
+    if (v) __sync_fetch_and_add(&v->retransmits, 1);
+    return 0;
+}
+
+/* tcp_probe(sk, skb): smoothed RTT, stored <<3 in the kernel */
+int steplens_nf_rtt(struct bpf_raw_tracepoint_args *ctx) {
+    void *sk = (void *)ctx->args[0];
+    struct conn_key k = {};
+    if (sock_key(sk, &k)) return 0;
+    struct conn_val *v = conns.lookup(&k);  /* RTT alone never creates a connection */
+    if (!v) return 0;
+    u32 srtt = 0;
+    bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
+    v->srtt_us = srtt >> 3;
+    return 0;
+}
+
+/* inet_sock_set_state(sk, oldstate, newstate): mark closed; user space deletes it once quiet. */
+int steplens_nf_st(struct bpf_raw_tracepoint_args *ctx) {
+    if ((int)ctx->args[2] != 7 /* TCP_CLOSE */) return 0;
+    struct conn_key k = {};
+    if (sock_key((void *)ctx->args[0], &k)) return 0;
+    struct conn_val *v = conns.lookup(&k);
+    if (v) v->closed = 1;
+    return 0;
+}
