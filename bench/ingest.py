@@ -124,6 +124,12 @@ class EmulatedAgent:
         return encode_records(items), len(items), mono
 
 
+def _other_sources() -> list[str]:
+    """Every registered source but host and procs: the issue measures the agent with those two only."""
+    from steplens.agent.sources import SOURCE_PATHS
+    return [name for name in SOURCE_PATHS if name not in ("host", "procs")]
+
+
 def run_emulator(args) -> int:
     """Child process: connect N agents, generate until 'stop' on stdin, drain, print per-agent counts."""
     import logging
@@ -394,7 +400,8 @@ def run_agent(args, tmp: str, children: Children, store: Store, port: int) -> di
     log_path = os.path.join(tmp, "agent.log")
     cmd = _console_script("steplens-agent", "steplens.agent.cli") + [
         "run", "--collector", f"127.0.0.1:{port}", "--insecure", "--node-id", "bench-agent",
-        "--state-dir", os.path.join(tmp, "agent"), "--metrics-listen", "", "--disable", "gpu", "--disable", "pystacks"]
+        "--state-dir", os.path.join(tmp, "agent"), "--metrics-listen", ""] + [
+        arg for name in _other_sources() for arg in ("--disable", name)]
     with open(log_path, "w") as log_fh:
         agent = children.start(cmd, stdout=log_fh, stderr=subprocess.STDOUT)
     ps = psutil.Process(agent.pid)

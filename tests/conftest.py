@@ -33,6 +33,13 @@ interval_seconds = 0.2
 
 [sources.procs]
 interval_seconds = 0.5
+
+# eBPF sources have their own tests; agents in other tests skip compiling them
+[sources.sched]
+enabled = false
+
+[sources.gpuprobes]
+enabled = false
 """
 
 

@@ -22,7 +22,10 @@ def test_agent_serves_metrics(tmp_path, collector, agents):
         return fams if up.get("host") == 1 and "steplens_host_cpu_utilization_percent" in fams else None
     fams = wait_for(scrape, 20, what="/metrics with host up")
     up = {s.labels["source"]: s.value for s in fams["steplens_agent_source_up"].samples}
-    assert up == {"host": 1.0, "procs": 1.0, "gpu": 0.0, "pystacks": 1.0}
+    assert {k: up[k] for k in ("host", "procs", "gpu", "pystacks")} == {"host": 1.0, "procs": 1.0, "gpu": 0.0,
+                                                                          "pystacks": 1.0}
+    from steplens.agent.sources import SOURCE_PATHS
+    assert set(up) == set(SOURCE_PATHS)
     produced = [s.value for s in fams["steplens_agent_records_produced"].samples if s.name.endswith("_total")]
     assert produced and produced[0] > 0
     assert a.stop() == 0

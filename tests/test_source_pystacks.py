@@ -131,7 +131,7 @@ def test_unreadable_process_is_an_event_not_an_error(tmp_path):
 
 def test_stacks_reach_the_collector(tmp_path, collector, agents, target):
     proc, path, lines = target
-    toml = FAST_AGENT_TOML.split("[sources.procs]")[0] + textwrap.dedent(r'''
+    toml = FAST_AGENT_TOML.replace("[sources.procs]\ninterval_seconds = 0.5\n", textwrap.dedent(r'''
         [sources.procs]
         interval_seconds = 0.3
         patterns = ['pystacks_target\.py']
@@ -139,7 +139,8 @@ def test_stacks_reach_the_collector(tmp_path, collector, agents, target):
         [sources.pystacks]
         interval_seconds = 0.05
         summary_seconds = 1.0
-    ''')
+    '''))
+    assert "pystacks_target" in toml
     a = AgentProc(tmp_path, "stk", collector.address, toml=toml).start()
     agents.append(a)
 

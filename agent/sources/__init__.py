@@ -16,6 +16,8 @@ SOURCE_PATHS: dict[str, str] = {
     "procs": "steplens.agent.sources.procs:ProcsSource",
     "gpu": "steplens.agent.sources.gpu:GpuSource",
     "pystacks": "steplens.agent.sources.pystacks:PystacksSource",
+    "sched": "steplens.agent.sources.sched:SchedSource",
+    "gpuprobes": "steplens.agent.sources.gpuprobes:GpuprobesSource",
 }
 
 

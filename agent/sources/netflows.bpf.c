@@ -1,6 +1,6 @@
 /* netflows: per-TCP-connection wire and payload counters and idle-gap bursts (flows).
  *
- * Rendered by netflows.render_program(): every {{NAME}} is a kernel struct offset read from the
+ * Rendered by netflows.render_program(): every double-braced placeholder is a kernel struct offset read from the
  * running kernel's BTF (OFF_*) or a config value. Kernel structs are never dereferenced through
  * the (possibly older) headers: fields are read with bpf_probe_read_kernel at BTF offsets.
  * All programs are attached explicitly as raw tracepoints and named steplens_nf_* (<= 15 chars,
@@ -30,6 +30,7 @@
 #define RINGBUF_PAGES {{RINGBUF_PAGES}}
 #define FILTER_IFACES {{FILTER_IFACES}}
 #define INCLUDE_LOOPBACK {{INCLUDE_LOOPBACK}}
+#define FLOW_RX {{FLOW_RX}}
 
 #define DIR_TX 0
 #define DIR_RX 1
@@ -108,7 +109,8 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
     u64 last = v->b_last[d];
     if (last != 0 && now > last && now - last > IDLE_GAP_NS) {
         /* the burst ended at `last`: hand it to user space and start a new one with this packet */
-        struct flow_ev *ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
+        struct flow_ev *ev = 0;
+        if (d == DIR_TX || FLOW_RX) ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
         if (ev) {
             ev->key = *k;
             ev->dir = d;
@@ -118,7 +120,7 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
             ev->bytes = v->b_bytes[d];
             ev->packets = v->b_packets[d];
             flows.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);  /* user space polls; no wake-ups */
-        } else {
+        } else if (d == DIR_TX || FLOW_RX) {
             count(CNT_RINGBUF_OVERFLOW, 1);
         }
         v->b_start[d] = now;

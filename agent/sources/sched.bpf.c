@@ -1,5 +1,5 @@
 // steplens `sched` source: per-thread on-CPU, off-CPU and run-queue time of workload threads.
-// Rendered by steplens.agent.sources.sched.render_program(); placeholders are {{NAME}}.
+// Rendered by steplens.agent.sources.sched.render_program(); placeholders are double-brace names.
 // Kernel struct fields are read at offsets taken from the running kernel's BTF, never from headers.
 #include <uapi/linux/ptrace.h>
 #include <uapi/linux/bpf.h>

@@ -28,11 +28,12 @@ brackets, best effort; an unresolved frame is its hex address), value = seconds 
 frame pointers to go deeper than a frame or two (CPython built without them, most distro libraries too).
 Leaving deep mode clears the stack maps.
 
-Cost (2-core VM, kernel 6.18; tests/test_source_sched.py::test_cost_of_programs): with the programs
-attached the per-event run time measured by the kernel's bpf_stats (run_time_ns/run_cnt) is reported by that
-test; at ~10k context switches/s system-wide that is a fraction of a percent of one core. Memory:
-the stack map is preallocated (stack_entries × 127 frames × 8 bytes ≈ 4 MiB at the default 4096) even in
-sentinel mode; the hashes allocate per entry (~100 bytes per thread). User space: one map walk per step
+Cost (2-core VM, kernel 6.18, busy machine; tests/test_source_sched.py::test_cost_of_programs with the kernel's
+bpf_stats): steplens_sw ~300 ns per context switch (every switch on the host runs it, watched or not),
+steplens_wk ~210-240 ns per wakeup; ~50k switches + 25-54k wakeups in ~6 s cost 21-41 ms of CPU, i.e.
+0.4-0.65% of one core at ~10k switches/s. Deep mode adds a user stack walk at each switch-out of a watched
+thread (not measured separately). Memory: the stack map is preallocated (stack_entries × 127 frames ×
+8 bytes ≈ 4 MiB at the default 4096) even in sentinel mode; the hashes allocate per entry (~100 bytes per thread). User space: one map walk per step
 (~µs per thread) plus, in deep mode, symbolization (bcc caches symbols per pid; the first step of a new
 process pays the ELF symbol load, tens of ms for a large process).
 
@@ -136,7 +137,7 @@ class SchedSource(Source):
         text = render_program(template, pid_off=btf_offset("task_struct", "pid"),
                               tgid_off=btf_offset("task_struct", "tgid"), state_off=_state_offset(),
                               prev_state_arg=prev_state_is_arg(platform.release()), config=self.config)
-        b = bcc.BPF(text=text)
+        b = bcc.BPF(text=text.encode())
         try:
             for tp, fn in PROGRAMS:
                 b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
@@ -163,10 +164,10 @@ class SchedSource(Source):
 
     def _apply_deep(self, on: bool) -> None:
         b = self._bpf
-        b["deep"][ct.c_int(0)] = ct.c_uint32(1 if on else 0)
+        b[b"deep"][ct.c_int(0)] = ct.c_uint32(1 if on else 0)
         if not on:
-            b["offstacks"].clear()
-            b["stacks"].clear()
+            b[b"offstacks"].clear()
+            b[b"stacks"].clear()
             self._prev_stacks = {}
 
     # -- step -------------------------------------------------------------------------------------
@@ -177,8 +178,8 @@ class SchedSource(Source):
         now = self.ctx.mono_ns()
         b = self._bpf
         current = {pid: start for pid, start in self.ctx.workloads.snapshot()}
-        watched = b["watched"]
-        stats = b["stats"]
+        watched = b[b"watched"]
+        stats = b[b"stats"]
         gone_tgids = set()
         for tgid, start in list(self._watched.items()):
             if current.get(tgid) != start:
@@ -221,7 +222,7 @@ class SchedSource(Source):
             except KeyError:
                 pass
 
-        overflow = int(b["overflow"].sum(0).value)
+        overflow = int(b[b"overflow"].sum(0).value)
         if overflow > self._overflow_reported:
             out.append(Event(now, "sched_map_overflow", "",
                              f"{overflow - self._overflow_reported} BPF map insert(s) failed since the last report "
@@ -242,7 +243,7 @@ class SchedSource(Source):
     def _offcpu_stacks(self, now: int, current: dict[int, int]) -> list:
         b = self._bpf
         totals: dict[tuple[int, int], int] = {}
-        for k, v in b["offstacks"].items():
+        for k, v in b[b"offstacks"].items():
             totals[(k.tid, k.stack_id)] = v.value
         per_thread: dict[int, list[tuple[int, int]]] = {}
         for (tid, sid), ns in totals.items():
@@ -250,9 +251,9 @@ class SchedSource(Source):
             if delta > 0:
                 per_thread.setdefault(tid, []).append((delta, sid))
         self._prev_stacks = totals
-        tgid_of = {k.value: s.tgid for k, s in b["stats"].items()}
+        tgid_of = {k.value: s.tgid for k, s in b[b"stats"].items()}
         out = []
-        stacks = b["stacks"]
+        stacks = b[b"stacks"]
         for tid, items in per_thread.items():
             tgid = tgid_of.get(tid)
             if tgid is None or tgid not in current:

@@ -1,0 +1,149 @@
+"""Cost of the netflows eBPF probes: loopback TCP throughput with and without them, packets the
+programs handled per second, and the agent's user-space CPU per Gbit/s of traffic.
+
+Runs (root): interleaved pairs (ABBA order) of ~3 s loopback transfers (a sender and a receiver process, 1 MiB
+sends), once without probes and once with a netflows source loaded in a separate agent process that
+calls step() every 1 s (include_loopback = true, so lo traffic is what it counts). Medians over the
+pairs; the last stdout line is one JSON object.
+
+    .venv/bin/python bench/ebpf.py                # 5 pairs of 3 s
+    .venv/bin/python bench/ebpf.py --pairs 3 --seconds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+RECEIVER = textwrap.dedent("""
+    import socket, sys
+    srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+    print(srv.getsockname()[1], flush=True)
+    c, _ = srv.accept(); n = 0; buf = bytearray(1 << 20)
+    while True:
+        k = c.recv_into(buf)
+        if not k: break
+        n += k
+    print(n, flush=True)
+""")
+
+SENDER = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+    msg = b"x" * (1 << 20); n = 0
+    t0 = time.monotonic(); end = t0 + float(sys.argv[2])
+    while time.monotonic() < end:
+        s.sendall(msg); n += len(msg)
+    s.shutdown(socket.SHUT_WR)
+    print(n, time.monotonic() - t0, flush=True)
+""")
+
+AGENT = textwrap.dedent("""
+    import json, resource, sys, time
+    from steplens.agent.sources.base import HostContext
+    from steplens.agent.sources.netflows import NetflowsConfig, NetflowsSource
+    s = NetflowsSource(HostContext(node_id="bench"), NetflowsConfig(include_loopback=True))
+    s.start()
+    s.step()
+    r0 = resource.getrusage(resource.RUSAGE_SELF); p0 = s.packets_total; t0 = time.monotonic()
+    print("ready", flush=True)
+    records = 0
+    try:
+        while True:
+            line = sys.stdin.readline()
+            if not line or line.strip() == "stop":
+                break
+            time.sleep(1.0)  # the `step` command: one step after 1 s, like the runner at interval 1 s
+            records += len(s.step())
+            print("stepped", flush=True)
+    finally:
+        records += len(s.step())
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+        print(json.dumps({"cpu_s": cpu, "packets": s.packets_total - p0, "seconds": time.monotonic() - t0,
+                          "records": records}), flush=True)
+        s.stop()
+""")
+
+
+def transfer(seconds: float) -> tuple[float, int, float]:
+    """(Gbit/s, bytes, seconds) of one loopback transfer between two fresh processes."""
+    rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    port = rx.stdout.readline().strip()
+    tx = subprocess.run([sys.executable, "-c", SENDER, port, str(seconds)], capture_output=True, text=True, check=True)
+    sent, dur = tx.stdout.split()
+    got = int(rx.communicate(timeout=30)[0].strip())
+    assert got == int(sent), (got, sent)
+    return got * 8 / float(dur) / 1e9, got, float(dur)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        print("needs root (eBPF)", file=sys.stderr)
+        return 2
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    without, with_, with_bytes, with_secs = [], [], 0, 0.0
+    cpu_s = packets = 0.0
+    agent_secs = 0.0
+    for i in range(args.pairs):
+        if i % 2 == 0:  # ABBA order, so a drift in machine load does not favour one side
+            without.append(transfer(args.seconds)[0])
+        agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True, cwd=REPO, env=env)
+        try:
+            assert agent.stdout.readline().strip() == "ready"
+            steps = max(1, int(args.seconds))
+            agent.stdin.write("step\n" * steps); agent.stdin.flush()  # steps at 1 s during the transfer
+            g, nbytes, dur = transfer(args.seconds)
+            with_.append(g)
+            with_bytes += nbytes
+            with_secs += dur
+        finally:
+            agent.stdin.write("stop\n"); agent.stdin.flush()
+            out = agent.communicate(timeout=60)[0].strip().splitlines()
+        if i % 2 == 1:
+            without.append(transfer(args.seconds)[0])
+        stats = json.loads(out[-1])
+        cpu_s += stats["cpu_s"]
+        packets += stats["packets"]
+        agent_secs += stats["seconds"]
+        print(f"pair {i + 1}: without {without[-1]:6.2f} Gbit/s   with {with_[-1]:6.2f} Gbit/s   "
+              f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
+              flush=True)
+    med_without, med_with = statistics.median(without), statistics.median(with_)
+    slowdown = 100.0 * (med_without - med_with) / med_without
+    gbit = with_bytes * 8 / 1e9
+    result = {
+        "throughput_gbit_s_without": round(med_without, 3),
+        "throughput_gbit_s_with": round(med_with, 3),
+        "slowdown_percent": round(slowdown, 2),
+        "events_per_s": round(packets / with_secs, 1),
+        "agent_cpu_s_per_gbit": round(cpu_s / gbit, 6),
+        "agent_cpu_percent": round(100.0 * cpu_s / agent_secs, 3),
+        "pairs": args.pairs,
+        "seconds_per_run": args.seconds,
+        "goal_slowdown_percent": 2,
+    }
+    print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
+    print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2)")
+    print(f"packets handled            {result['events_per_s']:,.0f} /s while loaded")
+    print(f"agent CPU                  {result['agent_cpu_s_per_gbit'] * 1000:.3f} ms per Gbit transferred "
+          f"({result['agent_cpu_percent']:.3f} % of one core)")
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""netflows source: template rendering (no root), and with root real eBPF on real TCP traffic between
+two network namespaces the test builds itself (veth pair, 10.250.0.0/24), checked against exact byte
+counts and the veth interface counters; programs gone after stop() and after SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from steplens.agent.records import ConnStats, Flow
+from steplens.agent.sources.base import ConfigError, HostContext, build_config
+from steplens.agent.sources.netflows import OFFSETS, NetflowsConfig, NetflowsSource, render_program
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NS_A, NS_B = "slA", "slB"
+IF_A, IF_B = "slA0", "slB0"
+ADDR_A, ADDR_B = "10.250.0.1", "10.250.0.2"
+
+
+def _ebpf_reason() -> str:
+    if os.geteuid() != 0:
+        return "needs root"
+    from steplens.agent.ebpf import unavailable_reason
+
+    return unavailable_reason()
+
+
+
+
+# -- no root ---------------------------------------------------------------------------------------
+
+def test_render_program_fills_every_placeholder():
+    offsets = {name: 1000 + i for i, name in enumerate(OFFSETS)}
+    cfg = NetflowsConfig(idle_gap_seconds=0.003, max_connections=777, ringbuf_pages=32, interfaces=["eth0"])
+    text = render_program(offsets, cfg)
+    assert "{{" not in text and "}}" not in text
+    for name, value in offsets.items():
+        assert re.search(rf"#define {name} {value}\b", text), name
+    assert "#define IDLE_GAP_NS 3000000ULL" in text
+    assert "#define MAX_CONNECTIONS 777" in text
+    assert "#define RINGBUF_PAGES 32" in text
+    assert "#define FILTER_IFACES 1" in text
+    assert "#define INCLUDE_LOOPBACK 0" in text
+    # every program is named for bpftool, and none is left to bcc's auto-attach
+    assert "RAW_TRACEPOINT_PROBE" not in text and "TRACEPOINT_PROBE(" not in text
+    for fn in re.findall(r"^int (\w+)\(", text, re.M):
+        assert fn.startswith("steplens_nf_") and len(fn) <= 15, fn
+
+
+def test_config_defaults_and_validation():
+    cfg = build_config(NetflowsConfig, {}, "sources.netflows")
+    assert cfg.idle_gap_seconds == 0.005 and cfg.interfaces == [] and not cfg.include_loopback
+    for bad in ({"ringbuf_pages": 3}, {"max_connections": 1}, {"idle_gap_seconds": 0.0},
+                {"interfaces": ["a/b"]}, {"conn_idle_timeout_seconds": 0.001}):
+        with pytest.raises(ConfigError):
+            build_config(NetflowsConfig, bad, "sources.netflows")
+
+
+# -- root: real eBPF, real traffic ----------------------------------------------------------------
+
+SERVER = textwrap.dedent("""
+    import socket, sys
+    srv = socket.socket(); srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    srv.bind((sys.argv[1], int(sys.argv[2]))); srv.listen(1)
+    print("ready", flush=True)
+    c, _ = srv.accept(); n = 0
+    while True:
+        d = c.recv(1 << 20)
+        if not d: break
+        n += len(d)
+    print(n, flush=True)
+""")
+
+CLIENT = textwrap.dedent("""
+    import socket, sys, time
+    addr, port, size, count, interval = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+    s = socket.create_connection((addr, port))
+    print(s.getsockname()[1], flush=True)
+    msg = b"x" * size
+    t = time.monotonic()
+    for _ in range(count):
+        s.sendall(msg)
+        t += interval
+        time.sleep(max(0.0, t - time.monotonic()))
+    s.close()
+""")
+
+
+def _sh(*cmd: str) -> str:
+    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def _ns_counter(ns: str, ifname: str, what: str) -> int:
+    return int(_sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{ifname}/statistics/{what}"))
+
+
+@pytest.fixture
+def netns_pair():
+    existing = _sh("ip", "netns", "list")
+    for ns in (NS_A, NS_B):
+        if re.search(rf"^{ns}\b", existing, re.M):
+            pytest.fail(f"network namespace {ns} already exists: not ours, not touching it")
+    created = []
+    try:
+        for ns in (NS_A, NS_B):
+            _sh("ip", "netns", "add", ns)
+            created.append(ns)
+            _sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
+                "net.ipv6.conf.default.disable_ipv6=1")
+        _sh("ip", "link", "add", IF_A, "netns", NS_A, "type", "veth", "peer", "name", IF_B, "netns", NS_B)
+        for ns, ifname, addr in ((NS_A, IF_A, ADDR_A), (NS_B, IF_B, ADDR_B)):
+            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            _sh("ip", "-n", ns, "link", "set", ifname, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        yield
+    finally:
+        for ns in created:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _steplens_progs() -> list[str]:
+    out = _sh(shutil.which("bpftool") or "/usr/sbin/bpftool", "prog", "show", "-j")
+    return [p.get("name", "") for p in json.loads(out or "[]") if p.get("name", "").startswith("steplens_nf")]
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_connections_and_flows_between_namespaces(netns_pair, tmp_path):
+    (tmp_path / "server.py").write_text(SERVER)
+    (tmp_path / "client.py").write_text(CLIENT)
+    # (port, message bytes, count, interval s): DP-like few large bursts, PP-like many small ones
+    plan = {"dp1": (5101, 4 << 20, 8, 0.2), "dp2": (5102, 4 << 20, 8, 0.2),
+            "pp1": (5201, 64 << 10, 80, 0.02), "pp2": (5202, 64 << 10, 80, 0.02)}
+    src = NetflowsSource(HostContext(node_id="test"), NetflowsConfig())
+    src.start()
+    procs = []
+    try:
+        records: list = []
+        src.step()
+        servers = {}
+        for name, (port, *_rest) in plan.items():
+            p = subprocess.Popen(["ip", "netns", "exec", NS_B, sys.executable, str(tmp_path / "server.py"), ADDR_B,
+                                  str(port)], stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "ready"
+            servers[name] = p
+        before = {(ns, ifn, w): _ns_counter(ns, ifn, w) for ns, ifn in ((NS_A, IF_A), (NS_B, IF_B))
+                  for w in ("tx_bytes", "rx_bytes")}
+        clients = {}
+        for name, (port, size, count, interval) in plan.items():
+            p = subprocess.Popen(["ip", "netns", "exec", NS_A, sys.executable, str(tmp_path / "client.py"), ADDR_B,
+                                  str(port), str(size), str(count), str(interval)], stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            clients[name] = p
+        deadline = time.monotonic() + 20
+        while any(p.poll() is None for p in clients.values()) and time.monotonic() < deadline:
+            time.sleep(0.25)
+            records += src.step()
+        received = {name: int(p.communicate(timeout=10)[0].split()[-1]) for name, p in servers.items()}
+        ports = {name: int(p.communicate(timeout=10)[0].split()[0]) for name, p in clients.items()}
+        time.sleep(0.1)
+        after = {k: _ns_counter(*k) for k in before}
+        records += src.step()
+        time.sleep(0.01)
+        records += src.step()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        src.stop()
+        src.stop()  # idempotent
+    # the kernel frees detached programs asynchronously (RCU): allow a moment
+    deadline = time.monotonic() + 5
+    while _steplens_progs() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _steplens_progs() == [], "programs left after stop()"
+
+    conns = [r for r in records if isinstance(r, ConnStats)]
+    flows = [r for r in records if isinstance(r, Flow)]
+    for name, (port, size, count, interval) in plan.items():
+        sent = size * count
+        assert received[name] == sent
+        mine = [c for c in conns if (c.src, c.sport, c.dst, c.dport) == (ADDR_A, ports[name], ADDR_B, port)]
+        theirs = [c for c in conns if (c.src, c.sport, c.dst, c.dport) == (ADDR_B, port, ADDR_A, ports[name])]
+        assert mine and theirs, name
+        assert abs(sum(c.tx_payload_bytes for c in mine) - sent) <= 0.005 * sent, name
+        assert abs(sum(c.rx_payload_bytes for c in theirs) - sent) <= 0.005 * sent, name
+        assert {c.pid for c in mine if c.tx_payload_bytes} == {clients[name].pid}, name
+        assert {c.pid for c in theirs if c.rx_payload_bytes} == {servers[name].pid}, name
+        assert all(c.start_mono_ns <= c.mono_ns for c in mine)
+        assert max(c.srtt_us for c in mine) > 0
+
+    # per address pair: payload and wire bytes (all traffic on the fresh veths is this test's)
+    total = sum(size * count for _, size, count, _ in plan.values())
+    pair = [c for c in conns if (c.src, c.dst) == (ADDR_A, ADDR_B)]
+    assert abs(sum(c.tx_payload_bytes for c in pair) - total) <= 0.005 * total
+    for ns, ifn, local in ((NS_A, IF_A, ADDR_A), (NS_B, IF_B, ADDR_B)):
+        side = [c for c in conns if c.src == local]
+        for what, got in (("tx_bytes", sum(c.tx_bytes for c in side)), ("rx_bytes", sum(c.rx_bytes for c in side))):
+            want = after[(ns, ifn, what)] - before[(ns, ifn, what)]
+            assert abs(got - want) <= 0.005 * want, (ns, what, got, want)
+
+    # flows: DP-like connections show about one large burst per message, PP-like many small ones
+    for name, (port, size, count, interval) in plan.items():
+        tx = [f for f in flows if (f.src, f.sport, f.dst, f.dport) == (ADDR_A, ports[name], ADDR_B, port)]
+        assert {f.pid for f in tx if f.bytes >= size // 2} == {clients[name].pid}, name
+        assert all(f.start_mono_ns <= f.mono_ns for f in tx)
+        wire = sum(c.tx_bytes for c in conns if (c.src, c.sport) == (ADDR_A, ports[name]))
+        assert abs(sum(f.bytes for f in tx) - wire) <= 0.005 * wire, name  # every byte in some flow
+        big = [f for f in tx if f.bytes >= size // 2]
+        assert count * 0.75 <= len(big) <= count * 1.25, (name, len(big), [f.bytes for f in tx])
+        assert abs(statistics.median(f.bytes for f in big) - size) <= 0.1 * size, name
+        assert sum(f.bytes for f in big) >= 0.9 * wire, (name, [(f.bytes, (f.mono_ns - f.start_mono_ns) // 1000) for f in tx])
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_programs_die_with_a_killed_agent(tmp_path):
+    script = textwrap.dedent("""
+        import time
+        from steplens.agent.sources.base import HostContext
+        from steplens.agent.sources.netflows import NetflowsConfig, NetflowsSource
+        s = NetflowsSource(HostContext(node_id="t"), NetflowsConfig())
+        s.start()
+        print("loaded", flush=True)
+        time.sleep(60)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        assert p.stdout.readline().strip() == "loaded"
+        assert len(_steplens_progs()) >= 7
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=5)
+        deadline = time.monotonic() + 5
+        while _steplens_progs() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _steplens_progs() == []
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
