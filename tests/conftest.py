@@ -40,6 +40,9 @@ enabled = false
 
 [sources.gpuprobes]
 enabled = false
+
+[sources.netflows]
+enabled = false
 """
 
 

@@ -250,3 +250,47 @@ def test_programs_die_with_a_killed_agent(tmp_path):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_quiet_connection_burst_reported_once():
+    """A burst closed from user space (connection went quiet) is not reported again when BPF closes it
+    on the next packet, however many steps later that comes."""
+    import socket
+    import threading
+
+    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True, idle_gap_seconds=0.005))
+    src.start()
+    try:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        port = srv.getsockname()[1]
+
+        def drain():
+            c, _ = srv.accept()
+            while c.recv(1 << 20):
+                pass
+            c.close()
+
+        th = threading.Thread(target=drain)
+        th.start()
+        cl = socket.create_connection(("127.0.0.1", port))
+        time.sleep(0.05)
+        records = src.step()
+        cl.sendall(b"x" * 300_000)
+        for _ in range(5):  # quiet for more steps than the forget threshold
+            time.sleep(0.03)
+            records += src.step()
+        cl.sendall(b"y" * 300_000)
+        time.sleep(0.03)
+        records += src.step()
+        cl.close()
+        th.join(timeout=5)
+        srv.close()
+    finally:
+        src.stop()
+    data = [f for f in records if isinstance(f, Flow) and f.dport == port and f.bytes > 100_000]
+    assert len(data) == 2, [(f.bytes, f.start_mono_ns) for f in data]
+    assert all(f.pid == os.getpid() for f in data)

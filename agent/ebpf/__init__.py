@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 BCC_DIRS = ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3/dist-packages")
 BTF_PATH = "/sys/kernel/btf/vmlinux"
@@ -167,6 +168,17 @@ def _btf_refs() -> dict[int, int]:
             if t:
                 refs[int(m.group(1))] = int(t.group(1))
     return refs
+
+
+_COMPILE_LOCK = threading.Lock()
+
+
+def compile_program(text: str):
+    """bcc.BPF(text=...) under one process-wide lock: the agent starts its sources on separate
+    threads, and concurrent bcc/LLVM compilations in one process fail (headers not found)."""
+    bcc = load_bcc()
+    with _COMPILE_LOCK:
+        return bcc.BPF(text=text.encode() if isinstance(text, str) else text)
 
 
 def render(template: str, **values) -> str:

@@ -16,6 +16,7 @@ SOURCE_PATHS: dict[str, str] = {
     "procs": "steplens.agent.sources.procs:ProcsSource",
     "gpu": "steplens.agent.sources.gpu:GpuSource",
     "pystacks": "steplens.agent.sources.pystacks:PystacksSource",
+    "netflows": "steplens.agent.sources.netflows:NetflowsSource",
     "sched": "steplens.agent.sources.sched:SchedSource",
     "gpuprobes": "steplens.agent.sources.gpuprobes:GpuprobesSource",
 }

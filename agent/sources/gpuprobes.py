@@ -56,6 +56,7 @@ import os
 import re
 from dataclasses import dataclass
 
+from steplens.agent import ebpf
 from steplens.agent.records import Event, Metric, Mode
 from steplens.agent.sources.base import Availability, ConfigError, HostContext, Source, SourceConfig
 
@@ -201,7 +202,7 @@ class GpuprobesSource(Source):
         bcc = load_bcc()
         with open(BPF_FILE) as fh:
             text = render_program(fh.read(), self.config)
-        b = bcc.BPF(text=text.encode())
+        b = ebpf.compile_program(text)
         try:
             b[b"calls"].open_ring_buffer(self._on_call)
         except Exception:

@@ -59,6 +59,7 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
+from steplens.agent import ebpf
 from steplens.agent.records import ConnStats, Event, Flow
 from steplens.agent.sources.base import Availability, ConfigError, HostContext, Source, SourceConfig
 
@@ -166,7 +167,7 @@ class NetflowsSource(Source):
 
     def _reset_state(self) -> None:
         self._prev: dict[tuple, tuple] = {}       # key -> (totals tuple, mono_ns of that read, changed flag)
-        self._early: dict[tuple, int] = {}        # (key, dir, start_ns) closed from user space -> step no.
+        self._early: dict[tuple, int] = {}        # (key, dir, start_ns) closed from user space -> steps gone
         self._pending: list = []                  # Flow records from ring-buffer callbacks
         self._counters = [0, 0, 0, 0]
         self._steps = 0
@@ -187,7 +188,7 @@ class NetflowsSource(Source):
         bcc = load_bcc()
         ifindexes = self._resolve_interfaces()
         text = render_program(kernel_offsets(), self.config)
-        b = bcc.BPF(text=text.encode())
+        b = ebpf.compile_program(text)
         try:
             for fn, tp in ATTACH.items():
                 b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
@@ -251,6 +252,7 @@ class NetflowsSource(Source):
         idle_ns = int(self.config.conn_idle_timeout_seconds * 1e9)
         seen = set()
         pids: dict[tuple, int] = {}  # (src, sport, dst, dport) of TX flows -> PID (RX flows stay 0)
+        starts: dict[tuple, int] = {}  # (key, dir) -> start of the burst open in the map
         to_delete = []
         for k, v in self._read_conns():
             key = (k.laddr, k.raddr, k.lport, k.rport)
@@ -277,8 +279,9 @@ class NetflowsSource(Source):
             for d_ in ((DIR_TX, DIR_RX) if self.config.rx_flows else (DIR_TX,)):
                 last, nbytes = v.b_last[d_], v.b_bytes[d_]
                 start = v.b_start[d_]
+                starts[(key, d_)] = start
                 if last and nbytes and now - last > gap_ns and (key, d_, start) not in self._early:
-                    self._early[(key, d_, start)] = self._steps
+                    self._early[(key, d_, start)] = 0
                     out.append(self._flow(key, d_, start, last, nbytes, v.b_packets[d_], v.pid))
             if (v.closed and not changed and prev is not None) or (now - v.last_ns > idle_ns):
                 to_delete.append(k)
@@ -296,8 +299,19 @@ class NetflowsSource(Source):
         for f in out:
             if isinstance(f, Flow) and f.pid == 0:
                 f.pid = pids.get((f.src, f.sport, f.dst, f.dport), 0)
-        # a ring-buffer copy of an early-closed burst arrives within a step or two, if ever
-        self._early = {e: s for e, s in self._early.items() if self._steps - s < 10 and e[0] in seen}
+        # Forget an early-closed burst once BPF has moved on from it (its ring-buffer copy, if any, was
+        # submitted before the new burst started, so it is consumed by the next step or two), or when
+        # the connection is gone. While the map still shows that burst open, keep it: the copy comes
+        # whenever the connection next sends, however long it stays quiet.
+        early = {}
+        for (key, d_, start), misses in self._early.items():
+            if key not in seen:
+                continue
+            if starts.get((key, d_)) != start:
+                misses += 1
+            if misses < 3:
+                early[(key, d_, start)] = misses
+        self._early = early
         return out
 
     def _read_conns(self):

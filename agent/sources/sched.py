@@ -48,6 +48,7 @@ import os
 import platform
 from dataclasses import dataclass
 
+from steplens.agent import ebpf
 from steplens.agent.records import Event, Metric, Mode
 from steplens.agent.sources.base import Availability, ConfigError, HostContext, Source, SourceConfig
 
@@ -137,7 +138,7 @@ class SchedSource(Source):
         text = render_program(template, pid_off=btf_offset("task_struct", "pid"),
                               tgid_off=btf_offset("task_struct", "tgid"), state_off=_state_offset(),
                               prev_state_arg=prev_state_is_arg(platform.release()), config=self.config)
-        b = bcc.BPF(text=text.encode())
+        b = ebpf.compile_program(text)
         try:
             for tp, fn in PROGRAMS:
                 b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
