@@ -29,6 +29,7 @@ def _cli(collector, *args, check=True):
 
 
 def test_agent_flows_listed_per_pair_and_connection(collector):
+    T = time.monotonic_ns() - 10**9  # now, not at collection time: the check below compares with the clock
     a = RawAgent(collector.address, "fl")
     a.hello()
     recs = [r.Flow(T + 1000 * i + 500, T + 1000 * i, "10.9.0.1", 40000 + i % 2, "10.9.0.2", 29500, 1_000_000, 700, 42)
