@@ -8,6 +8,7 @@
  */
 #include <uapi/linux/ptrace.h>
 
+#define SKB_READ_LEN {{SKB_READ_LEN}}
 #define OFF_SKB_LEN {{OFF_SKB_LEN}}
 #define OFF_SKB_DATA {{OFF_SKB_DATA}}
 #define OFF_SKB_HEAD {{OFF_SKB_HEAD}}
@@ -135,24 +136,40 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
 }
 
 /* IPv4/TCP 4-tuple of the packet, addresses in network order, ports in host order. */
-static __always_inline int parse(void *skb, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
-    u16 proto = 0;
-    bpf_probe_read_kernel(&proto, sizeof(proto), skb + OFF_SKB_PROTOCOL);
-    if (proto != htons(0x0800)) return -1;
-    unsigned char *head = 0;
-    u16 nh = 0;
-    bpf_probe_read_kernel(&head, sizeof(head), skb + OFF_SKB_HEAD);
-    bpf_probe_read_kernel(&nh, sizeof(nh), skb + OFF_SKB_NETWORK_HEADER);
-    if (!head || nh == 0xffff) return -1;
-    u8 iph[20];
-    if (bpf_probe_read_kernel(iph, sizeof(iph), head + nh)) return -1;
-    if ((iph[0] >> 4) != 4 || iph[9] != 6 /* IPPROTO_TCP */) return -1;
-    u32 ihl = (iph[0] & 0xf) * 4;
+/* The sk_buff fields a packet hook needs, in one bpf_probe_read_kernel of the struct's head
+   (one helper call instead of one per field: this runs for every packet). */
+struct skb_fields { unsigned char *head; unsigned char *data; void *sk; void *dev; u32 len; u16 nh; u16 mh; u16 proto; };
+
+static __always_inline int read_skb(void *skb, struct skb_fields *f) {
+    u8 b[SKB_READ_LEN];
+    if (bpf_probe_read_kernel(b, sizeof(b), skb)) return -1;
+    __builtin_memcpy(&f->head, b + OFF_SKB_HEAD, sizeof(f->head));
+    __builtin_memcpy(&f->data, b + OFF_SKB_DATA, sizeof(f->data));
+    __builtin_memcpy(&f->sk, b + OFF_SKB_SK, sizeof(f->sk));
+    __builtin_memcpy(&f->dev, b + OFF_SKB_DEV, sizeof(f->dev));
+    __builtin_memcpy(&f->len, b + OFF_SKB_LEN, sizeof(f->len));
+    __builtin_memcpy(&f->nh, b + OFF_SKB_NETWORK_HEADER, sizeof(f->nh));
+    __builtin_memcpy(&f->mh, b + OFF_SKB_MAC_HEADER, sizeof(f->mh));
+    __builtin_memcpy(&f->proto, b + OFF_SKB_PROTOCOL, sizeof(f->proto));
+    return 0;
+}
+
+/* IPv4 + TCP ports, read in one go when the IP header has no options (the common case). */
+static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
+    if (f->proto != htons(0x0800) || !f->head || f->nh == 0xffff) return -1;
+    u8 h[24];
+    if (bpf_probe_read_kernel(h, sizeof(h), f->head + f->nh)) return -1;
+    if ((h[0] >> 4) != 4 || h[9] != 6 /* IPPROTO_TCP */) return -1;
+    u32 ihl = (h[0] & 0xf) * 4;
     if (ihl < 20) return -1;
-    __builtin_memcpy(saddr, &iph[12], 4);
-    __builtin_memcpy(daddr, &iph[16], 4);
+    __builtin_memcpy(saddr, &h[12], 4);
+    __builtin_memcpy(daddr, &h[16], 4);
     u16 ports[2];
-    if (bpf_probe_read_kernel(ports, sizeof(ports), head + nh + ihl)) return -1;
+    if (ihl == 20) {
+        __builtin_memcpy(ports, &h[20], 4);
+    } else if (bpf_probe_read_kernel(ports, sizeof(ports), f->head + f->nh + ihl)) {
+        return -1;
+    }
     *sport = ntohs(ports[0]);
     *dport = ntohs(ports[1]);
     return 0;
@@ -168,38 +185,28 @@ static __always_inline int dev_wanted(void *dev) {
 
 /* net_dev_start_xmit(skb, dev): skb->data is at the MAC header, skb->len is what the device counts. */
 int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
-    void *skb = (void *)ctx->args[0];
     void *dev = (void *)ctx->args[1];
-    void *sk = 0;
+    struct skb_fields f = {};
+    if (read_skb((void *)ctx->args[0], &f)) return 0;
     /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
-    bpf_probe_read_kernel(&sk, sizeof(sk), skb + OFF_SKB_SK);
-    if (!sk || !dev_wanted(dev)) return 0;
+    if (!f.sk || !dev_wanted(dev)) return 0;
     u32 saddr, daddr; u16 sport, dport;
-    if (parse(skb, &saddr, &daddr, &sport, &dport)) return 0;
-    u32 len = 0;
-    bpf_probe_read_kernel(&len, sizeof(len), skb + OFF_SKB_LEN);
+    if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
     struct conn_key k = {.laddr = saddr, .raddr = daddr, .lport = sport, .rport = dport};
-    account(&k, DIR_TX, len);
+    account(&k, DIR_TX, f.len);
     return 0;
 }
 
 /* netif_receive_skb(skb): MAC header already pulled; add it back so bytes match rx_bytes. */
 int steplens_nf_rx(struct bpf_raw_tracepoint_args *ctx) {
-    void *skb = (void *)ctx->args[0];
-    void *dev = 0;
-    bpf_probe_read_kernel(&dev, sizeof(dev), skb + OFF_SKB_DEV);
-    if (!dev || !dev_wanted(dev)) return 0;
+    struct skb_fields f = {};
+    if (read_skb((void *)ctx->args[0], &f)) return 0;
+    if (!f.dev || !dev_wanted(f.dev)) return 0;
     u32 saddr, daddr; u16 sport, dport;
-    if (parse(skb, &saddr, &daddr, &sport, &dport)) return 0;
-    u32 len = 0;
-    unsigned char *head = 0, *data = 0;
-    u16 mh = 0;
-    bpf_probe_read_kernel(&len, sizeof(len), skb + OFF_SKB_LEN);
-    bpf_probe_read_kernel(&head, sizeof(head), skb + OFF_SKB_HEAD);
-    bpf_probe_read_kernel(&data, sizeof(data), skb + OFF_SKB_DATA);
-    bpf_probe_read_kernel(&mh, sizeof(mh), skb + OFF_SKB_MAC_HEADER);
-    u64 wire = len;
-    if (mh != 0xffff && data >= head + mh && data - (head + mh) <= 64) wire += data - (head + mh);
+    if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
+    u64 wire = f.len;
+    unsigned char *mac = f.head + f.mh;
+    if (f.mh != 0xffff && f.data >= mac && f.data - mac <= 64) wire += f.data - mac;
     struct conn_key k = {.laddr = daddr, .raddr = saddr, .lport = dport, .rport = sport};
     account(&k, DIR_RX, wire);
     return 0;
@@ -233,7 +240,12 @@ static __always_inline void payload(struct bpf_raw_tracepoint_args *ctx, u32 dir
     struct conn_val *v = get_conn(&k, now);
     if (!v) return;
     count(CNT_SOCK_EVENTS, 1);
-    if (dir == DIR_TX) __sync_fetch_and_add(&v->tx_payload, (u64)ret);
+    if (dir == DIR_TX) {
+        __sync_fetch_and_add(&v->tx_payload, (u64)ret);
+        u32 srtt = 0;  /* smoothed RTT, stored << 3 by the kernel; read per send() rather than per segment */
+        bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
+        if (srtt) v->srtt_us = srtt >> 3;
+    }
     else __sync_fetch_and_add(&v->rx_payload, (u64)ret);
     u32 pid = bpf_get_current_pid_tgid() >> 32;
     if (v->pid != pid) {
@@ -251,19 +263,6 @@ int steplens_nf_rtx(struct bpf_raw_tracepoint_args *ctx) {
     if (sock_key((void *)ctx->args[0], &k)) return 0;
     struct conn_val *v = get_conn(&k, bpf_ktime_get_ns());
     if (v) __sync_fetch_and_add(&v->retransmits, 1);
-    return 0;
-}
-
-/* tcp_probe(sk, skb): smoothed RTT, stored <<3 in the kernel */
-int steplens_nf_rtt(struct bpf_raw_tracepoint_args *ctx) {
-    void *sk = (void *)ctx->args[0];
-    struct conn_key k = {};
-    if (sock_key(sk, &k)) return 0;
-    struct conn_val *v = conns.lookup(&k);  /* RTT alone never creates a connection */
-    if (!v) return 0;
-    u32 srtt = 0;
-    bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
-    v->srtt_us = srtt >> 3;
     return 0;
 }
 

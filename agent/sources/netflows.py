@@ -12,7 +12,7 @@ show` finds them; nothing is pinned, so the programs die with the agent's file d
   sock:sock_send_length / sock_recv_length (sk, ret, flags)
                                         payload bytes (ret > 0; MSG_PEEK reads skipped) and the PID
                                         (tgid) and comm of the process that last moved bytes.
-  tcp:tcp_retransmit_skb (sk, ...)      retransmits.   tcp:tcp_probe (sk, skb)  srtt_us >> 3 (µs).
+  tcp:tcp_retransmit_skb (sk, ...)      retransmits.   srtt_us >> 3 (µs) read on the send path (per send(), not per segment).
   sock:inet_sock_set_state (sk, old, new)  TCP_CLOSE marks the connection closed.
 Headers are parsed at skb->head + skb->network_header (valid at both hooks; at xmit skb->data
 points at the Ethernet header, at netif_receive_skb at the IP header — both checked on veth and lo).
@@ -92,7 +92,6 @@ ATTACH: dict[str, str] = {
     "steplens_nf_snd": "sock_send_length",
     "steplens_nf_rcv": "sock_recv_length",
     "steplens_nf_rtx": "tcp_retransmit_skb",
-    "steplens_nf_rtt": "tcp_probe",
     "steplens_nf_st": "inet_sock_set_state",
 }
 
@@ -134,6 +133,9 @@ def render_program(offsets: dict[str, int], config: NetflowsConfig) -> str:
     from steplens.agent.ebpf import render
 
     values = {name: int(offsets[name]) for name in OFFSETS}
+    # one read covers every sk_buff field a packet hook uses (see read_skb in the C)
+    skb_fields = [v for k, v in values.items() if k.startswith("OFF_SKB_")]
+    values["SKB_READ_LEN"] = (max(skb_fields) + 8 + 7) // 8 * 8
     values.update(
         IDLE_GAP_NS=int(round(config.idle_gap_seconds * 1e9)),
         MAX_CONNECTIONS=int(config.max_connections),
