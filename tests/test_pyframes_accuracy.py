@@ -21,6 +21,8 @@ import time
 
 import pytest
 
+import pytarget
+
 BIN = os.path.dirname(sys.executable)
 AGENT = os.path.join(BIN, "steplens-agent")
 PYSPY = shutil.which("py-spy", path=BIN) or shutil.which("py-spy")
@@ -44,14 +46,7 @@ def interpreter(version: str) -> str:
 
 
 def markers(path: str = TARGET) -> dict[str, int]:
-    out = {}
-    with open(path, encoding="utf-8") as fh:
-        for no, line in enumerate(fh, 1):
-            m = re.search(r"#\s*@(\w+)\s*$", line)
-            if m:
-                assert m.group(1) not in out, f"marker {m.group(1)} twice in {path}"
-                out[m.group(1)] = no
-    return out
+    return pytarget.markers(path)
 
 
 def source_line(path: str, line: int) -> str:
@@ -61,70 +56,9 @@ def source_line(path: str, line: int) -> str:
     return lines[line - 1]
 
 
-class Target:
-    """A target process that prints 'ready <json>' once in place; always killed and reaped by `close`."""
+from pytarget import spawn  # noqa: E402,F401 (a fixture)
 
-    def __init__(self, argv: list[str], **kwargs) -> None:
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs)
-        self.pid = self.proc.pid
-        self.info: dict = {}
-
-    def wait_ready(self, timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        buf = b""
-        while time.monotonic() < deadline:
-            r, _, _ = select.select([self.proc.stdout], [], [], 0.1)
-            if r:
-                chunk = os.read(self.proc.stdout.fileno(), 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                for line in buf.decode(errors="replace").splitlines():
-                    if line.startswith("ready"):
-                        self.info = json.loads(line[len("ready"):].strip() or "{}")
-                        return self.info
-            elif self.proc.poll() is not None:
-                break
-        self.close()
-        err = self.proc.stderr.read().decode(errors="replace")
-        raise AssertionError(f"target {self.pid} never got ready (rc={self.proc.returncode}): {buf!r} {err[-2000:]}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
-        for fh in (self.proc.stdout, self.proc.stderr):
-            fh.close()
-
-
-@pytest.fixture
-def spawn():
-    started: list[Target] = []
-
-    def start(argv: list[str], **kwargs) -> Target:
-        t = Target(argv, **kwargs)
-        started.append(t)
-        t.wait_ready()
-        return t
-    yield start
-    for t in started:
-        t.close()
-
-
-def thread_states(pid: int) -> dict[int, str]:
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/status") as fh:
-                for line in fh:
-                    if line.startswith("State:"):
-                        out[int(tid)] = line.split()[1]
-        except FileNotFoundError:
-            pass
-    return out
+thread_states = pytarget.task_states
 
 
 def stack_json(pid: int, *extra: str) -> dict:
