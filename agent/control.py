@@ -96,9 +96,16 @@ class DeepModeScheduler:
         log.info("mode %s (%s)", mode.name.lower(), reason)
 
 
+MAX_FETCH_ROWS = 100_000
+MAX_FETCH_BYTES = 6 * 1024 * 1024  # a CommandResult must fit in one gRPC message (8 MiB)
+DETAIL_KINDS = ("stacks",)
+
+
 class CommandHandler:
-    def __init__(self, deep: DeepModeScheduler) -> None:
+    def __init__(self, deep: DeepModeScheduler, state_dir: str = "", workloads=None) -> None:
         self.deep = deep
+        self.state_dir = state_dir
+        self.workloads = workloads  # WorkloadRegistry: maps ranks to pids for FetchDetail
 
     def __call__(self, cmd: ipb.Command) -> ipb.CommandResult:
         kind = cmd.WhichOneof("kind")
@@ -121,8 +128,58 @@ class CommandHandler:
                                          message="config is valid, but live reconfiguration is not implemented "
                                                  "in this agent version; edit agent.toml and restart")
             if kind == "fetch":
-                return ipb.CommandResult(command_id=cmd.command_id, ok=False,
-                                         message="this agent keeps no node-local detail store yet")
+                return self._fetch(cmd)
             return ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"unknown command kind {kind!r}")
         except Exception as exc:
             return ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"{type(exc).__name__}: {exc}")
+
+    def _fetch(self, cmd: ipb.Command) -> ipb.CommandResult:
+        """Node-local detail for a time range (this host's monotonic clock, filled in by the collector)
+        as a RecordList: raw stack samples as one-sample StackSummary records."""
+        import os
+
+        from steplens.agent.records import StackSummary
+        from steplens.agent.transport.codec import encode_records
+        f = cmd.fetch
+        kinds = list(f.kinds) or list(DETAIL_KINDS)
+        unknown = sorted(set(kinds) - set(DETAIL_KINDS))
+        if unknown:
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False,
+                                     message=f"unknown detail kind(s) {', '.join(unknown)}; this agent keeps: "
+                                             f"{', '.join(DETAIL_KINDS)}")
+        path = os.path.join(self.state_dir, "detail.db")
+        if not os.path.exists(path):
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False,
+                                     message="no node-local detail yet (the pystacks source has not sampled anything)")
+        pids = None
+        if f.ranks:
+            procs = self.workloads.snapshot().values() if self.workloads is not None else []
+            pids = {p.pid for p in procs if p.rank in set(f.ranks)}
+            if not pids:
+                return ipb.CommandResult(command_id=cmd.command_id, ok=True, message="no workload with those ranks",
+                                         payload=encode_records([]))
+        from steplens.agent.detail import DetailStore
+        store = DetailStore(path)
+        try:
+            limit = min(f.limit or 10_000, MAX_FETCH_ROWS)
+            rows = store.stack_samples(f.since_mono_ns, f.until_mono_ns or (1 << 63) - 1, 0, limit + 1)
+        finally:
+            store.close()
+        if pids is not None:
+            rows = [r for r in rows if r["pid"] in pids]
+        truncated = len(rows) > limit
+        rows = rows[:limit]
+        items = []
+        for r in rows:
+            frames = [tuple(x) for x in r["frames"]]
+            items.append(("pystacks", StackSummary(r["mono_ns"], r["pid"], 0, r["tid"], "", r["mono_ns"], 1, frames,
+                                                   [(tuple(range(len(frames))), 1, int(r["gil"]),
+                                                     int(r["state"] == "running"))], 0, "", r["state"])))
+        payload = encode_records(items)
+        while len(payload) > MAX_FETCH_BYTES and items:
+            items = items[:len(items) * 3 // 4]
+            truncated = True
+            payload = encode_records(items)
+        note = f"{len(items)} stack samples" + (" (truncated: narrow the time range or raise the limit)"
+                                                 if truncated else "")
+        return ipb.CommandResult(command_id=cmd.command_id, ok=True, message=note, payload=payload)

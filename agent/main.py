@@ -76,7 +76,8 @@ class Agent:
         self.transport = StreamClient(
             TransportConfig(a.collector, a.node_id, a.insecure, tls, a.window_batches, a.status_interval_seconds,
                             a.reconnect_min_seconds, a.reconnect_max_seconds),
-            self.spool, self.status, CommandHandler(self.deep), hostname=conn.hostname(),
+            self.spool, self.status, CommandHandler(self.deep, a.state_dir, self.ctx.workloads),
+            hostname=conn.hostname(),
             boot_id=_boot_id(a.proc_root))
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()

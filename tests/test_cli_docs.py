@@ -12,7 +12,8 @@ COMMANDS = [
     (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
-    (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["deep"]),
+    (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]),
+    (STEPLENS, ["deep"]),
 ]
 
 

@@ -157,3 +157,47 @@ def test_stacks_reach_the_collector(tmp_path, collector, agents, target):
                            capture_output=True, text=True, timeout=30).stdout
     assert "burn" in human and f"pid {proc.pid}" in human
     assert a.stop() == 0
+
+
+def test_raw_samples_are_fetched_on_demand(tmp_path, collector, agents, target):
+    """The raw samples stay on the node; `steplens detail stacks` fetches them over the command
+    channel for a cluster-time range, converted through the clock model both ways."""
+    proc, path, lines = target
+    toml = FAST_AGENT_TOML.replace("[sources.procs]\ninterval_seconds = 0.5\n", textwrap.dedent(r'''
+        [sources.procs]
+        interval_seconds = 0.3
+        patterns = ['pystacks_target\.py']
+
+        [sources.pystacks]
+        interval_seconds = 0.05
+        summary_seconds = 1.0
+    '''))
+    a = AgentProc(tmp_path, "det", collector.address, toml=toml).start()
+    agents.append(a)
+    wait_for(lambda: collector.cli("stacks", "--pid", str(proc.pid)), 30, what="pystacks running")
+    time.sleep(1.5)  # the detail ring is flushed once a second
+    rows = collector.cli("detail", "stacks", "--node", "det", "--since", "30s", "--pid", str(proc.pid))
+    assert len(rows) >= 10
+    now = time.time_ns()
+    main = [r for r in rows if r["tid"] == proc.pid]
+    assert main and all(abs(now - r["ts_ns"]) < 35 * 10**9 for r in rows)
+    top = main[-1]["frames"][0]
+    assert (top["function"], top["file"], top["line"]) == ("burn", path, lines["@burn"])
+    waiter = [r for r in rows if r["tid"] != proc.pid]
+    assert waiter and waiter[-1]["frames"][0]["function"] == "inner_wait" and waiter[-1]["state"] == "sleeping"
+    # a narrow window in the past holds fewer samples: the range is honoured on the agent
+    narrow = collector.cli("detail", "stacks", "--node", "det", "--since", "1s", "--pid", str(proc.pid))
+    assert 0 < len(narrow) < len(rows)
+    # clear refusals: a node that is not connected, a kind the agent does not keep
+    out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "steplens"), "--collector",
+                          collector.address, "--insecure", "detail", "stacks", "--node", "ghost"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "not connected" in out.stderr
+    import grpc
+    from steplens.v1 import control_pb2 as cpb
+    from steplens.v1 import control_pb2_grpc as cgrpc
+    with grpc.insecure_channel(collector.address) as ch:
+        with pytest.raises(grpc.RpcError) as exc:
+            cgrpc.ControlStub(ch).FetchDetail(cpb.FetchRequest(node_id="det", kinds=["commops"]), timeout=40)
+    assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "unknown detail kind" in exc.value.details()
+    assert a.stop() == 0

@@ -265,6 +265,26 @@ def cmd_import(stub, args) -> int:
     return 0
 
 
+def cmd_detail(stub, args) -> int:
+    now = time.time_ns()
+    since = now - int(parse_duration(args.since) * 1e9)
+    reply = stub.FetchDetail(cpb.FetchRequest(node_id=args.node, kinds=[args.kind], since_ns=since,
+                                              ranks=args.rank or [], limit=args.limit), timeout=args.timeout + 35)
+    rows = json.loads(reply.records_json or "[]")
+    if args.pid:
+        rows = [r for r in rows if r.get("pid") == args.pid]
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    print(f"{args.node}: {reply.message}")
+    for r in rows[-args.show:]:
+        inner = r["frames"][0] if r["frames"] else {"qualname": "-", "file": "", "line": -1}
+        chain = " <- ".join(f["qualname"] for f in r["frames"][:5])
+        print(f"  {_ago(r['ts_ns']):>8}  pid {r['pid']} tid {r['tid']} {r['state']:<9}{' GIL' if r['gil'] else '    '}"
+              f"  {chain}  ({inner['file']}:{inner['line']})")
+    return 0
+
+
 def cmd_deep(stub, args) -> int:
     enable = args.action == "start"
     req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
@@ -323,6 +343,16 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--origin", help="name recorded with the flows (default: the file name)")
     ip.add_argument("--json", action="store_true")
     ip.set_defaults(func=cmd_import)
+    sp = sub.add_parser("detail", help="fetch node-local detail from one agent on demand (raw stack samples)")
+    sp.add_argument("kind", choices=["stacks"])
+    sp.add_argument("--node", required=True, help="the agent's node id")
+    sp.add_argument("--since", default="60s", help="from this long ago (default 60s)")
+    sp.add_argument("--rank", type=int, action="append", help="only these ranks (repeatable)")
+    sp.add_argument("--pid", type=int, help="only this process")
+    sp.add_argument("--limit", type=int, default=10000)
+    sp.add_argument("--show", type=int, default=20, help="rows printed in the table (default 20, newest)")
+    sp.add_argument("--json", action="store_true")
+    sp.set_defaults(func=cmd_detail)
     sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
     sp.add_argument("action", choices=["start", "stop"])
     sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")

@@ -140,6 +140,37 @@ class ControlService(cgrpc.ControlServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, note)
         return cpb.ImportFlowsReply(imported=n)
 
+    async def FetchDetail(self, request, context):
+        """Ask one agent for node-local detail over its command channel and wait for the answer."""
+        await self._auth(context)
+        from steplens.collector.ingest.decode import BatchRejected, detail_json
+        from steplens.v1 import ingest_pb2 as ipb
+        session = self.ingest.sessions.get(request.node_id)
+        if session is None or session.clock is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"node {request.node_id!r} is not connected: its detail stays on the node until it is")
+        clock = session.clock
+        now = self.clock.now_ns()
+        until = request.until_ns or now
+        if request.since_ns > until:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since_ns is after until_ns")
+        cmd = ipb.Command(command_id=uuid.uuid4().hex[:12], fetch=ipb.FetchDetail(
+            kinds=list(request.kinds), ranks=list(request.ranks), since_ns=request.since_ns, until_ns=until,
+            since_mono_ns=max(0, clock.to_agent(request.since_ns)) if request.since_ns else 0,
+            until_mono_ns=max(0, clock.to_agent(until)), limit=request.limit))
+        try:
+            result = await asyncio.wait_for(session.send_command(cmd), 30)
+        except asyncio.TimeoutError:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"node {request.node_id!r} did not answer in 30 s")
+        if not result.ok:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.node_id}: {result.message}")
+        try:
+            rows = detail_json(result.payload, clock.to_cluster)
+        except BatchRejected as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{request.node_id}: {exc}")
+        return cpb.FetchReply(node_id=request.node_id, message=result.message,
+                              records_json=json.dumps(rows, ensure_ascii=False))
+
     async def SetDeepMode(self, request, context):
         await self._auth(context)
         if request.enable and not (0 < request.duration_ns <= 3600 * 10**9):

@@ -130,3 +130,22 @@ def process_row(proc) -> dict:
             "master_addr": proc.master_addr, "master_port": proc.master_port,
             "env_json": json.dumps(dict(proc.env), sort_keys=True, ensure_ascii=False), "container_id": proc.container_id,
             "uid": proc.uid}
+
+
+def detail_json(payload: bytes, to_cluster) -> list[dict]:
+    """A FetchDetail answer (RecordList) as plain rows with cluster times, for operators."""
+    try:
+        rl = pb.RecordList.FromString(payload)
+    except (DecodeError, ValueError) as exc:
+        raise BatchRejected(f"malformed detail payload: {exc}") from None
+    out = []
+    for rec in rl.records:
+        if rec.WhichOneof("body") == "stacks":
+            st = rec.stacks
+            frames = [{"function": f.function, "qualname": f.qualname, "file": f.file, "line": f.line}
+                      for f in st.frames]
+            for c in st.stacks:
+                out.append({"kind": "stack_sample", "ts_ns": to_cluster(rec.mono_ns), "pid": st.pid, "tid": st.tid,
+                            "gil": bool(c.gil), "state": st.last_state,
+                            "frames": [frames[i] for i in c.frame_ids]})
+    return out

@@ -266,6 +266,32 @@ class ImportFlowsReply(_message.Message):
     imported: int
     def __init__(self, imported: _Optional[int] = ...) -> None: ...
 
+class FetchRequest(_message.Message):
+    __slots__ = ("node_id", "kinds", "since_ns", "until_ns", "ranks", "limit")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    since_ns: int
+    until_ns: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    limit: int
+    def __init__(self, node_id: _Optional[str] = ..., kinds: _Optional[_Iterable[str]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class FetchReply(_message.Message):
+    __slots__ = ("node_id", "message", "records_json")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RECORDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    message: str
+    records_json: str
+    def __init__(self, node_id: _Optional[str] = ..., message: _Optional[str] = ..., records_json: _Optional[str] = ...) -> None: ...
+
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]

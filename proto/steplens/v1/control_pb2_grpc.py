@@ -69,6 +69,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.ImportFlowsReply.FromString,
                 _registered_method=True)
+        self.FetchDetail = channel.unary_unary(
+                '/steplens.v1.Control/FetchDetail',
+                request_serializer=steplens_dot_v1_dot_control__pb2.FetchRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.FetchReply.FromString,
+                _registered_method=True)
         self.SetDeepMode = channel.unary_unary(
                 '/steplens.v1.Control/SetDeepMode',
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
@@ -121,6 +126,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchDetail(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetDeepMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -164,6 +175,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ImportFlows,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.ImportFlowsReply.SerializeToString,
+            ),
+            'FetchDetail': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchDetail,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.FetchRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.FetchReply.SerializeToString,
             ),
             'SetDeepMode': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDeepMode,
@@ -360,6 +376,33 @@ class Control:
             '/steplens.v1.Control/ImportFlows',
             steplens_dot_v1_dot_control__pb2.ImportFlowsRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.ImportFlowsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchDetail(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/FetchDetail',
+            steplens_dot_v1_dot_control__pb2.FetchRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.FetchReply.FromString,
             options,
             channel_credentials,
             insecure,
