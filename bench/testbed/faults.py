@@ -1,0 +1,244 @@
+"""Real faults on the testbed, a ground-truth log of each, and per-rank step-log windows to check them against.
+
+Kinds (`inject(layout, kind, target, duration_seconds, ...)`; each call blocks for the duration, reverts, and
+appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <state>/ground_truth.jsonl):
+- `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
+  directions of its link); the qdiscs also vanish with the namespaces on `down`.
+- `cpu`: CPU quota (default 10 % of a core) for the target rank's process, cgroup v1 `cpu` controller
+  (`cpu.cfs_quota_us`) or v2 (`cpu.max`); the cgroup is named sltb-rank<r> and removed afterwards.
+- `stop`: SIGSTOP then SIGCONT of the target rank; longer than the job's gloo timeout (30 s) kills the job.
+- `gc_storm`: control file <state>/faults/rank<r>.json read by the job each step.
+- `extra_sync`: a world barrier per micro-batch on every rank (target `all`), through <state>/faults/all.json
+  with a step range a few steps ahead so all ranks switch on the same step; start/end come from the step logs.
+- `noisy`: N CPU-burning processes inside the target host's namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+from . import netns
+
+KINDS = ("link", "cpu", "stop", "gc_storm", "extra_sync", "noisy")
+
+
+# ---------------------------------------------------------------- step logs
+
+def read_steps(layout: netns.Layout, rank: int) -> list[dict]:
+    try:
+        with open(layout.path("steps", f"rank{rank}.jsonl")) as fh:
+            return [json.loads(line) for line in fh if line.endswith("\n")]
+    except OSError:
+        return []
+
+
+def last_step(layout: netns.Layout) -> int:
+    """The highest step every rank has finished (-1 before the first)."""
+    world = len(netns.load_job(layout)["ranks"])
+    done = [read_steps(layout, r) for r in range(world)]
+    return min((s[-1]["step"] if s else -1) for s in done)
+
+
+def wait_steps(layout: netns.Layout, n: int, timeout: float = 120.0) -> int:
+    """Block until every rank has finished `n` more steps; returns the new last step."""
+    target = last_step(layout) + n
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        cur = last_step(layout)
+        if cur >= target:
+            return cur
+        if not all(netns.job_alive(layout).values()):
+            raise RuntimeError("a rank of the job exited; see <state>/logs/rank*.log")
+        time.sleep(0.05)
+    raise TimeoutError(f"ranks did not reach step {target} within {timeout}s")
+
+
+def window(layout: netns.Layout, start_ns: int, end_ns: int, rank: int) -> list[dict]:
+    """Steps of one rank that overlap [start_ns, end_ns] (wall clock)."""
+    return [s for s in read_steps(layout, rank) if s["end_ns"] > start_ns and s["start_ns"] < end_ns]
+
+
+def summarize(steps: list[dict]) -> dict:
+    """Medians of each timing column, step count, and the longest step."""
+    if not steps:
+        return {"steps": 0}
+    out = {"steps": len(steps), "max_step_seconds": max(s["step_seconds"] for s in steps)}
+    for k in ("step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds", "gc_seconds",
+              "sync_seconds"):
+        out[k] = statistics.median(s[k] for s in steps)
+    return out
+
+
+def ground_truth(layout: netns.Layout) -> list[dict]:
+    try:
+        with open(layout.path("ground_truth.jsonl")) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+    except OSError:
+        return []
+
+
+def _log(layout: netns.Layout, entry: dict) -> dict:
+    with open(layout.path("ground_truth.jsonl"), "a") as fh:
+        fh.write(json.dumps(entry) + "\n")
+    return entry
+
+
+# ---------------------------------------------------------------- the faults
+
+def _rank_pid(layout: netns.Layout, rank: int) -> int:
+    for r in netns.load_job(layout)["ranks"]:
+        if r["rank"] == rank:
+            return r["pid"]
+    raise ValueError(f"no rank {rank} in the job")
+
+
+def _host_index(target: str) -> int:
+    """'h1', 'rank1' or '1' -> 1 (one rank per host)."""
+    return int(target.lstrip("hrank") or "x")
+
+
+def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool) -> None:
+    for ns, dev in dev_ns:
+        if on:
+            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
+                     "burst", "64kb", "latency", "100ms")
+        else:
+            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+
+def _cgroup_v1_cpu() -> str | None:
+    p = "/sys/fs/cgroup/cpu"
+    return p if os.path.exists(os.path.join(p, "cpu.cfs_quota_us")) else None
+
+
+def _cgroup_v2() -> str | None:
+    p = "/sys/fs/cgroup"
+    try:
+        with open(os.path.join(p, "cgroup.controllers")) as fh:
+            return p if "cpu" in fh.read().split() else None
+    except OSError:
+        return None
+
+
+def _write(path: str, value: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(value)
+
+
+def _original_cgroup(pid: int, v1: bool) -> str:
+    with open(f"/proc/{pid}/cgroup") as fh:
+        for line in fh:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if (v1 and "cpu" in controllers.split(",")) or (not v1 and controllers == ""):
+                return path
+    return "/"
+
+
+def _cpu_quota(pid: int, rank: int, share: float):
+    """Put `pid` into cgroup sltb-rank<r> limited to `share` of one core; returns an undo function."""
+    period = 100_000
+    quota = max(1000, int(period * share))
+    root = _cgroup_v1_cpu()
+    v1 = root is not None
+    if not v1:
+        root = _cgroup_v2()
+        if root is None:
+            raise RuntimeError("no cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 with cpu)")
+        _write(os.path.join(root, "cgroup.subtree_control"), "+cpu")
+    original = os.path.join(root, _original_cgroup(pid, v1).lstrip("/"))
+    cg = os.path.join(root, f"{netns.CGROUP_PREFIX}rank{rank}")
+    os.makedirs(cg, exist_ok=True)
+    if v1:
+        _write(os.path.join(cg, "cpu.cfs_period_us"), str(period))
+        _write(os.path.join(cg, "cpu.cfs_quota_us"), str(quota))
+    else:
+        _write(os.path.join(cg, "cpu.max"), f"{quota} {period}")
+    _write(os.path.join(cg, "cgroup.procs"), str(pid))  # moves every thread of the process
+
+    def undo():
+        try:
+            _write(os.path.join(original if os.path.isdir(original) else root, "cgroup.procs"), str(pid))
+        except OSError:
+            pass  # the process is gone
+        try:
+            os.rmdir(cg)
+        except OSError:
+            pass
+    return undo
+
+
+def _control(layout: netns.Layout, name: str, content: dict | None) -> None:
+    path = layout.path("faults", name)
+    if content is None:
+        if os.path.exists(path):
+            os.remove(path)
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(content, fh)
+    os.replace(tmp, path)  # the job never reads half a file
+
+
+def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float, rate: str = "200mbit",
+           cpu_share: float = 0.1, processes: int = 1, lead_steps: int = 4) -> dict:
+    """Apply one fault for `duration_seconds`, revert it, log and return the ground-truth entry."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(KINDS)}")
+    if duration_seconds <= 0:
+        raise ValueError("duration must be > 0 seconds")
+    params: dict = {"duration_seconds": duration_seconds}
+    entry = {"kind": kind, "target": target}
+
+    if kind == "extra_sync":
+        step_s = statistics.median(s["step_seconds"] for s in read_steps(layout, 0)[-10:] or [{"step_seconds": .15}])
+        start = last_step(layout) + lead_steps
+        n = max(1, round(duration_seconds / max(step_s, 0.01)))
+        _control(layout, "all.json", {"extra_sync": {"start_step": start, "end_step": start + n}})
+        wait_steps(layout, lead_steps + n, timeout=duration_seconds * 20 + 60)
+        _control(layout, "all.json", None)
+        world = len(netns.load_job(layout)["ranks"])
+        marked = [s for r in range(world) for s in read_steps(layout, r) if start <= s["step"] < start + n]
+        params.update(start_step=start, end_step=start + n)
+        entry.update(target="all", start_ns=min(s["start_ns"] for s in marked),
+                     end_ns=max(s["end_ns"] for s in marked), params=params)
+        return _log(layout, entry)
+
+    i = _host_index(target)
+    entry["target"] = f"rank{i}" if kind in ("cpu", "stop", "gc_storm") else netns.node_id(i)
+    if kind == "link":
+        devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
+        params["rate"] = rate
+        _tbf(devs, rate, True)
+        undo = lambda: _tbf(devs, rate, False)  # noqa: E731
+    elif kind == "cpu":
+        params["cpu_share"] = cpu_share
+        undo = _cpu_quota(_rank_pid(layout, i), i, cpu_share)
+    elif kind == "stop":
+        pid = _rank_pid(layout, i)
+        os.kill(pid, signal.SIGSTOP)
+        undo = lambda: os.kill(pid, signal.SIGCONT)  # noqa: E731
+    elif kind == "gc_storm":
+        _control(layout, f"rank{i}.json", {"gc_storm": True})
+        undo = lambda: _control(layout, f"rank{i}.json", None)  # noqa: E731
+    else:  # noisy
+        params["processes"] = processes
+        names = set()
+        for k in range(processes):
+            name = f"noisy-h{i}-{k}"
+            netns.spawn(layout, name, [sys.executable, "-c", "while True: pass"], ns=netns.host_ns(i))
+            names.add(name)
+        undo = lambda: netns.kill_recorded(layout, names, timeout=2)  # noqa: E731
+    entry["start_ns"] = time.time_ns()
+    try:
+        time.sleep(duration_seconds)
+    finally:
+        undo()
+        entry["end_ns"] = time.time_ns()
+        entry["params"] = params
+        _log(layout, entry)
+    return entry

@@ -1,0 +1,185 @@
+"""One rank of the testbed's training job: torch.distributed (gloo), DP x PP, manual flat gradient all-reduce.
+
+Run once per rank (the testbed starts it inside the rank's host namespace). Rank r sits on pipeline stage
+r // dp and in data-parallel replica r % dp, so ranks 0..dp-1 are stage 0 and all-reduce together, and rank r
+sends activations to rank r + dp. Each stage is 2 x Linear(width); a step runs `micro` micro-batches with a
+GPipe (all forwards, then all backwards) or 1F1B schedule, sends with isend (so 1F1B cannot deadlock),
+then one flat all-reduce of all gradients per DP group (not DDP, which with micro-batches would sync only
+the first one), then SGD. Each step appends one JSON line to <state>/steps/rank<r>.jsonl with wall and
+monotonic start/end and the split compute / pipeline wait (recv + send completion) / all-reduce.
+
+Faults read by the job: env STEPLENS_TESTBED_GC_STORM=1 and STEPLENS_TESTBED_EXTRA_SYNC=1 at launch, and
+at run time the control files <state>/faults/rank<r>.json ({"gc_storm": true}) and <state>/faults/all.json
+({"extra_sync": {"start_step": a, "end_step": b}}), polled once per step. Extra sync is a world barrier
+per micro-batch, so every rank must agree on the steps: hence step numbers, not a flag.
+Costs: ~120-140 ms per step on the 2-core machine, 8.4 MB all-reduce and ~0.5 MB stage traffic per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import time
+
+
+def _read_json(path: str, cache: dict) -> dict:
+    """The control file's content, re-read only when its mtime changes (one stat per step)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        cache.pop(path, None)
+        return {}
+    key = (st.st_mtime_ns, st.st_size)
+    hit = cache.get(path)
+    if hit and hit[0] == key:
+        return hit[1]
+    try:
+        with open(path) as fh:
+            val = json.load(fh)
+    except (OSError, ValueError):
+        val = {}
+    cache[path] = (key, val)
+    return val
+
+
+def gc_storm(objects: int) -> None:
+    """Churn the allocator and run full collections, as a leaky data loader or a big Python-side batch would."""
+    junk = [{"i": i, "t": (i, str(i))} for i in range(objects)]
+    del junk
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=100, help="0 = until killed")
+    ap.add_argument("--micro", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--micro-batch-size", type=int, default=16)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
+    ap.add_argument("--timeout-seconds", type=float, default=30.0, help="gloo (backend) timeout")
+    ap.add_argument("--gc-objects", type=int, default=100_000,
+                    help="objects per GC-storm burst (one burst per step; a full gc.collect() with torch "
+                         "loaded alone costs ~0.2 s here)")
+    ap.add_argument("--state-dir", required=True)
+    a = ap.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    world = a.dp * a.pp
+    dist.init_process_group("gloo", rank=a.rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=a.timeout_seconds))
+    stage, replica = divmod(a.rank, a.dp)
+    dp_groups = [dist.new_group([s * a.dp + d for d in range(a.dp)]) for s in range(a.pp)]  # every rank makes all
+    dp_group = dp_groups[stage]
+    prev_rank = a.rank - a.dp if stage > 0 else None
+    next_rank = a.rank + a.dp if stage < a.pp - 1 else None
+
+    torch.manual_seed(1234 + stage)  # replicas of a stage start equal
+    model = torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, a.width))
+    params = [p for p in model.parameters()]
+    opt = torch.optim.SGD(params, lr=1e-3)
+    gen = torch.Generator().manual_seed(99 + replica)
+    shape = (a.micro_batch_size, a.width)
+
+    os.makedirs(os.path.join(a.state_dir, "steps"), exist_ok=True)
+    log = open(os.path.join(a.state_dir, "steps", f"rank{a.rank}.jsonl"), "a", buffering=1)
+    ctl_rank = os.path.join(a.state_dir, "faults", f"rank{a.rank}.json")
+    ctl_all = os.path.join(a.state_dir, "faults", "all.json")
+    env_gc = os.environ.get("STEPLENS_TESTBED_GC_STORM") == "1"
+    env_sync = os.environ.get("STEPLENS_TESTBED_EXTRA_SYNC") == "1"
+    cache: dict = {}
+
+    step = 0
+    while a.steps <= 0 or step < a.steps:
+        rank_ctl = _read_json(ctl_rank, cache)
+        sync_ctl = _read_json(ctl_all, cache).get("extra_sync") or {}
+        storm = env_gc or bool(rank_ctl.get("gc_storm"))
+        extra_sync = env_sync or (sync_ctl.get("start_step", -1) <= step < sync_ctl.get("end_step", -1))
+        t = {"compute": 0.0, "pipe_wait": 0.0, "allreduce": 0.0, "gc": 0.0, "sync": 0.0}
+        pending: list = []
+        start_ns, start_mono = time.time_ns(), time.monotonic_ns()
+
+        def timed(kind, fn, *args):
+            t0 = time.perf_counter()
+            r = fn(*args)
+            t[kind] += time.perf_counter() - t0
+            return r
+
+        inputs, outputs = {}, {}
+
+        def forward(m):
+            if prev_rank is None:
+                x = torch.randn(shape, generator=gen)
+            else:
+                x = torch.empty(shape)
+                timed("pipe_wait", dist.recv, x, prev_rank)
+                x.requires_grad_(True)
+            y = timed("compute", model, x)
+            inputs[m], outputs[m] = x, y
+            if next_rank is not None:
+                pending.append(dist.isend(y.detach(), next_rank))
+            if extra_sync:
+                timed("sync", dist.barrier)
+
+        def backward(m):
+            x, y = inputs.pop(m), outputs.pop(m)
+            if next_rank is None:
+                loss = timed("compute", lambda: (y.float().pow(2).mean()))
+                timed("compute", loss.backward)
+            else:
+                g = torch.empty(shape)
+                timed("pipe_wait", dist.recv, g, next_rank)
+                timed("compute", y.backward, g)
+            if prev_rank is not None:
+                pending.append(dist.isend(x.grad, prev_rank))
+
+        if storm:  # once per step, where a data loader would build the batch
+            timed("gc", gc_storm, a.gc_objects)
+        if a.schedule == "gpipe":
+            order = [("f", m) for m in range(a.micro)] + [("b", m) for m in range(a.micro)]
+        else:
+            warm = min(a.pp - stage - 1, a.micro)
+            order = [("f", m) for m in range(warm)]
+            for m in range(warm, a.micro):
+                order += [("f", m), ("b", m - warm)]
+            order += [("b", m) for m in range(a.micro - warm, a.micro)]
+        for kind, m in order:
+            (forward if kind == "f" else backward)(m)
+        for w in pending:
+            timed("pipe_wait", w.wait)
+
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        timed("allreduce", dist.all_reduce, flat, dist.ReduceOp.SUM, dp_group)
+        flat /= a.dp
+        off = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[off:off + n].view_as(p))
+            off += n
+        timed("compute", opt.step)
+        opt.zero_grad(set_to_none=False)
+
+        end_ns, end_mono = time.time_ns(), time.monotonic_ns()
+        log.write(json.dumps({
+            "step": step, "rank": a.rank, "stage": stage, "replica": replica, "pid": os.getpid(),
+            "start_ns": start_ns, "end_ns": end_ns, "start_mono_ns": start_mono, "end_mono_ns": end_mono,
+            "step_seconds": (end_mono - start_mono) / 1e9, "compute_seconds": t["compute"],
+            "pipe_wait_seconds": t["pipe_wait"], "allreduce_seconds": t["allreduce"],
+            "gc_seconds": t["gc"], "sync_seconds": t["sync"], "gc_storm": storm, "extra_sync": extra_sync,
+        }) + "\n")
+        step += 1
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
