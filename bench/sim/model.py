@@ -1,0 +1,362 @@
+"""The simulator's core: per-iteration timing of a DP x PP x TP job under a 1F1B schedule with faults.
+
+Not a heap of per-op events: within one iteration the ranks of a TP group move in lockstep (every compute
+op ends in a TP collective that completes at the group's last arrival), so the schedule is computed over
+TP groups, vectorised over the DP replicas of each stage with plain lists, in the order the 1F1B
+dependencies allow:
+  F(s, m) starts at max(end of stage s's previous op, F(s-1, m) end + transfer s-1 -> s)   (recv waits for send)
+  B(s, m) starts at max(end of stage s's previous op, B(s+1, m) end + transfer s+1 -> s)
+  op end = start + slowest member's compute (+ the TP collective)
+  DP all-reduce of stage s, TP index t = max over replicas of the last backward end + ring time, where the
+  ring time is set by the slowest hop (NIC bandwidth / fault factor, every switch on the path)
+  next iteration of a rank starts where its all-reduce + optimizer ended.
+So one slow device shows up as waiting on every rank that depends on it. Cost: O(P * 2M) list operations
+of length DP per iteration plus O(ranks) for the per-rank jitter and bookkeeping: ~1-2 µs per
+rank-iteration on this machine. Per-rank detail (ops, flows) is handed to a sink per iteration and never
+kept, so memory stays at a few lists of length `ranks`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, asdict
+from typing import Callable
+
+from .faults import Fault
+from .topology import Topology
+
+
+@dataclass
+class ModelConfig:
+    dp: int = 2
+    pp: int = 2
+    tp: int = 1
+    micro_batches: int = 8
+    iterations: int = 10
+    gpus_per_node: int = 8
+    nodes_per_leaf: int = 32
+    spines: int = 8
+    fwd_ms: float = 8.0              # per micro-batch per stage (slowest TP member's compute)
+    bwd_ms: float = 16.0
+    tp_collective_ms: float = 0.3    # one TP all-reduce after each forward/backward (NVLink)
+    activation_bytes: int = 16 << 20  # one PP send per micro-batch per direction
+    grad_bytes: int = 512 << 20      # DP all-reduce payload per rank per step
+    nic_gbps: float = 400.0
+    switch_gbps: float = 400.0       # per-flow share a switch gives when not congested
+    nvlink_gbps: float = 2400.0
+    p2p_latency_us: float = 10.0
+    hop_latency_us: float = 10.0
+    optimizer_ms: float = 5.0
+    jitter_cv: float = 0.02          # per rank per iteration, multiplicative on compute
+    collective_timeout_s: float = 600.0
+    base_ns: int = 1_767_225_600_000_000_000  # cluster time of the job start (2026-01-01T00:00:00Z)
+    seed: int = 0
+
+    @property
+    def gpus(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def topology(self) -> Topology:
+        return Topology(self.gpus, self.gpus_per_node, self.nodes_per_leaf, self.spines)
+
+    def validate(self) -> None:
+        for name in ("dp", "pp", "tp", "micro_batches", "gpus_per_node", "nodes_per_leaf", "spines"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.iterations < 0:
+            raise ValueError("iterations must be >= 0")
+        if self.gpus_per_node % self.tp and self.tp % self.gpus_per_node:
+            raise ValueError(f"tp={self.tp} must divide gpus_per_node={self.gpus_per_node} (TP stays in a node)")
+        if self.tp > self.gpus_per_node:
+            raise ValueError(f"tp={self.tp} larger than a node ({self.gpus_per_node} GPUs) is not modelled")
+        for name in ("fwd_ms", "bwd_ms", "nic_gbps", "switch_gbps", "nvlink_gbps"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    def rank(self, s: int, d: int, t: int) -> int:
+        """Megatron order: TP fastest, then DP, then PP."""
+        return (s * self.dp + d) * self.tp + t
+
+    def coords(self, r: int) -> tuple[int, int, int]:
+        g, t = divmod(r, self.tp)
+        s, d = divmod(g, self.dp)
+        return s, d, t
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def testbed_like(**over) -> ModelConfig:
+    """The real gloo CPU testbed (FACTS.md): DP=2 x PP=2 of 2x Linear(1024) per stage, 4 micro-batches of
+    16 rows, one 'GPU' (a CPU process) per host, veth links, ~130 ms/step, 8.4 MB all-reduce per stage,
+    64 KiB per stage send. Calibrated so the testbed's faults give its step-time ratios (see FAULT_PRESETS)."""
+    cfg = dict(dp=2, pp=2, tp=1, micro_batches=4, gpus_per_node=1, nodes_per_leaf=32, spines=1,
+               fwd_ms=3.5, bwd_ms=7.0, tp_collective_ms=0.0, activation_bytes=64 * 1024,
+               grad_bytes=2 * (1024 * 1024 + 1024) * 4, nic_gbps=2.4, switch_gbps=10.0, nvlink_gbps=10.0,
+               p2p_latency_us=150.0, hop_latency_us=150.0, optimizer_ms=48.0, jitter_cv=0.05)
+    cfg.update(over)
+    return ModelConfig(**cfg)
+
+
+# the testbed's faults as simulator faults (VALUE per FACTS.md's measured ratios); TARGET filled in by the caller
+TESTBED_FAULTS = {
+    "tbf_200mbit": ("slow_link", 2.4 / 0.185),    # 2.4 Gbit/s veth -> ~185 Mbit/s TCP goodput under tbf: ~3.7x
+    "cpu_quota_10pct": ("slow_gpu", 10.5),        # 10 % of a core (+ throttling latency): ~4x step
+    "sigstop_3s": ("hang", 3.0),                  # one 3 s step
+    "gc_storm": ("slow_gpu", 13.5),               # ~5x step
+}
+
+
+@dataclass
+class Iteration:
+    """One iteration's timing, handed to sinks. Times are float ns since the job start.
+
+    start[r], end[r]: rank r's step; factor[r]: its compute multiplier (jitter x faults); stall[r]: ns it was
+    stopped (hang). ops[s]: stage s's ops in schedule order, each (kind 'F'|'B', micro-batch, posted[d],
+    start[d], end[d]) over DP replicas d (posted = when the stage was ready, start = when the input had
+    arrived). last_b[s]: max over replicas of stage s's last backward end (the DP all-reduce start);
+    ar_ns[s][t], xfer_ns[s][d]: all-reduce and stage s -> s+1 transfer times in force (xfer: the slowest
+    TP pair's, since the group moves in lockstep)."""
+
+    it: int
+    start: list[float]
+    end: list[float]
+    factor: list[float]
+    stall: dict[int, float]
+    ops: list[list[tuple]]
+    last_b: list[float]
+    ar_ns: list[list[float]]
+    xfer_ns: list[list[float]]
+    net: dict[str, float] = field(default_factory=dict)  # link/switch -> bandwidth divisor in force
+
+
+@dataclass
+class Result:
+    cfg: ModelConfig
+    faults: list[Fault]
+    iterations_done: int
+    end_ns: float                       # latest rank end, ns since job start
+    step_ns: list[list[float]] = field(default_factory=list)  # [it][rank] when keep_steps
+    aborted_at: int = -1                # iteration whose hang outlived the collective timeout
+
+
+def one_f_one_b(pp: int, m: int) -> list[list[tuple[str, int]]]:
+    """Per stage, its ops in 1F1B order: warm-up forwards, steady 1F1B, cool-down backwards."""
+    out = []
+    for s in range(pp):
+        warm = min(pp - s - 1, m)
+        ops = [("F", i) for i in range(warm)]
+        for i in range(m - warm):
+            ops += [("F", warm + i), ("B", i)]
+        ops += [("B", i) for i in range(m - warm, m)]
+        out.append(ops)
+    return out
+
+
+class Network:
+    """Transfer and ring times per PP boundary / DP ring, recomputed only for what active faults touch."""
+
+    def __init__(self, cfg: ModelConfig, topo: Topology) -> None:
+        self.cfg, self.topo = cfg, topo
+        D, P, T = cfg.dp, cfg.pp, cfg.tp
+        self.nic_bps = cfg.nic_gbps * 1e9
+        self.sw_bps = cfg.switch_gbps * 1e9
+        self.nv_bps = cfg.nvlink_gbps * 1e9
+        self.p2p_lat = cfg.p2p_latency_us * 1e3
+        self.hop_lat = cfg.hop_latency_us * 1e3
+        self.index: dict[str, list[tuple]] = {}   # resource -> [("pp", s, d) | ("dp", s, t)]
+        self.path_cache: dict[tuple[int, int], tuple[str, ...]] = {}
+        self.base_xfer = [[self._xfer(s, d, {}, register=True) for d in range(D)] for s in range(P - 1)]
+        self.base_ar = [[self._ar(s, t, {}, register=True) for t in range(T)] for s in range(P)]
+        self._key: tuple = ()
+        self.xfer, self.ar = self.base_xfer, self.base_ar
+
+    def path(self, a: int, b: int) -> tuple[str, ...]:
+        p = self.path_cache.get((a, b))
+        if p is None:
+            p = self.path_cache[(a, b)] = self.topo.path(a, b)
+        return p
+
+    def pair_bps(self, a: int, b: int, net: dict[str, float]) -> float:
+        path = self.path(a, b)
+        if not path:
+            return self.nv_bps
+        bw = self.nic_bps / max(net.get(self.topo.link_of(a), 1.0), net.get(self.topo.link_of(b), 1.0)) \
+            if net else self.nic_bps
+        for sw in path:
+            bw = min(bw, self.sw_bps / net.get(sw, 1.0))
+        return bw
+
+    def _register(self, key: tuple, a: int, b: int) -> None:
+        for res in (self.topo.link_of(a), self.topo.link_of(b)) + self.path(a, b):
+            lst = self.index.setdefault(res, [])
+            if not lst or lst[-1] != key:
+                lst.append(key)
+
+    def _xfer(self, s: int, d: int, net: dict, register: bool = False) -> float:
+        cfg = self.cfg
+        worst = 0.0
+        for t in range(cfg.tp):
+            a, b = cfg.rank(s, d, t), cfg.rank(s + 1, d, t)
+            if register:
+                self._register(("pp", s, d), a, b)
+            worst = max(worst, self.p2p_lat + cfg.activation_bytes * 8e9 / self.pair_bps(a, b, net))
+        return worst
+
+    def _ar(self, s: int, t: int, net: dict, register: bool = False) -> float:
+        cfg, D = self.cfg, self.cfg.dp
+        if D == 1:
+            return 0.0
+        bw = float("inf")
+        for d in range(D):
+            a, b = cfg.rank(s, d, t), cfg.rank(s, (d + 1) % D, t)
+            if register:
+                self._register(("dp", s, t), a, b)
+            bw = min(bw, self.pair_bps(a, b, net))
+        return 2 * (D - 1) * self.hop_lat + 2 * (D - 1) / D * cfg.grad_bytes * 8e9 / bw
+
+    def update(self, net: dict[str, float]) -> None:
+        key = tuple(sorted(net.items()))
+        if key == self._key:
+            return
+        self._key = key
+        if not net:
+            self.xfer, self.ar = self.base_xfer, self.base_ar
+            return
+        xfer = [row[:] for row in self.base_xfer]
+        ar = [row[:] for row in self.base_ar]
+        touched = set()
+        for res in net:
+            touched.update(self.index.get(res, ()))
+        for kind, s, x in touched:
+            if kind == "pp":
+                xfer[s][x] = self._xfer(s, x, net)
+            else:
+                ar[s][x] = self._ar(s, x, net)
+        self.xfer, self.ar = xfer, ar
+
+
+def nominal_step_ns(cfg: ModelConfig) -> float:
+    """Fault-free step estimate (used for a hang's default duration)."""
+    net = Network(cfg, cfg.topology()) if cfg.gpus <= 4096 else None
+    ar = max(max(r) for r in net.base_ar) if net else 0.0
+    xf = max((max(r) for r in net.base_xfer), default=0.0) if net else 0.0
+    op = (cfg.fwd_ms + cfg.bwd_ms + 2 * cfg.tp_collective_ms) * 1e6
+    return (cfg.micro_batches + cfg.pp - 1) * op + 2 * (cfg.pp - 1) * xf + ar + cfg.optimizer_ms * 1e6
+
+
+def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], None] | None = None,
+             keep_steps: bool = False) -> Result:
+    cfg.validate()
+    topo = cfg.topology()
+    D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
+    R = cfg.gpus
+    rng = random.Random(cfg.seed)
+    gauss = rng.gauss
+    net = Network(cfg, topo)
+    sched = one_f_one_b(P, M)
+    fwd, bwd, tpc = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6, cfg.tp_collective_ms * 1e6
+    opt = cfg.optimizer_ms * 1e6
+    cv = cfg.jitter_cv
+    timeout = cfg.collective_timeout_s * 1e9
+    hang_default = None
+    rank_faults = [f for f in faults if f.resource == "rank"]
+    net_faults = [f for f in faults if f.resource in ("link", "switch")]
+    end = [0.0] * R
+    res = Result(cfg, faults, 0, 0.0)
+    for it in range(cfg.iterations):
+        # per-rank compute multiplier: jitter x active compute faults
+        if cv > 0:
+            factor = [max(0.5, 1.0 + gauss(0.0, cv)) for _ in range(R)]
+        else:
+            factor = [1.0] * R
+        stall: dict[int, float] = {}
+        for f in rank_faults:
+            if f.kind == "hang":
+                if it == f.start:
+                    if f.value > 0:
+                        dur = f.value * 1e9
+                    else:
+                        if hang_default is None:
+                            hang_default = nominal_step_ns(cfg)
+                        dur = max(1, f.end - f.start) * hang_default
+                    stall[f.rank] = stall.get(f.rank, 0.0) + dur
+            elif f.active(it):
+                factor[f.rank] *= f.factor(it)
+        if any(v > timeout for v in stall.values()):
+            res.aborted_at = it
+            break
+        netf: dict[str, float] = {}
+        for f in net_faults:
+            if f.active(it):
+                k = f.link or f.switch
+                netf[k] = netf.get(k, 1.0) * f.factor(it)
+        net.update(netf)
+        xfer, ar = net.xfer, net.ar
+        # group (s, d) compute multiplier = its slowest TP member; group start = its latest member's end + stall
+        if T == 1:
+            gfac = factor
+            gstart = end[:] if not stall else [e + stall.get(r, 0.0) for r, e in enumerate(end)]
+        else:
+            gfac = [max(factor[g * T:(g + 1) * T]) for g in range(D * P)]
+            if stall:
+                gstart = [max(end[r] + stall.get(r, 0.0) for r in range(g * T, (g + 1) * T)) for g in range(D * P)]
+            else:
+                gstart = [max(end[g * T:(g + 1) * T]) for g in range(D * P)]
+        cur = [gstart[s * D:(s + 1) * D] for s in range(P)]
+        fdur = [[fwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
+        bdur = [[bwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
+        fend = [[None] * M for _ in range(P)]
+        bend = [[None] * M for _ in range(P)]
+        ops: list[list[tuple]] = [[] for _ in range(P)]
+        ptr = [0] * P
+        remaining = P * 2 * M
+        while remaining:
+            progressed = False
+            for s in range(P):
+                sops = sched[s]
+                while ptr[s] < 2 * M:
+                    kind, m = sops[ptr[s]]
+                    c = cur[s]
+                    if kind == "F":
+                        if s > 0:
+                            dep = fend[s - 1][m]
+                            if dep is None:
+                                break
+                            st = [a if a > b + x else b + x for a, b, x in zip(c, dep, xfer[s - 1])]
+                        else:
+                            st = c
+                        en = [a + b for a, b in zip(st, fdur[s])]
+                        fend[s][m] = en
+                    else:
+                        if s < P - 1:
+                            dep = bend[s + 1][m]
+                            if dep is None:
+                                break
+                            st = [a if a > b + x else b + x for a, b, x in zip(c, dep, xfer[s])]
+                        else:
+                            st = c
+                        en = [a + b for a, b in zip(st, bdur[s])]
+                        bend[s][m] = en
+                    ops[s].append((kind, m, c, st, en))
+                    cur[s] = en
+                    ptr[s] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                raise RuntimeError("1F1B schedule deadlocked (bug)")
+        last_b = [max(cur[s]) for s in range(P)]
+        start = end
+        end = [0.0] * R
+        for s in range(P):
+            for t in range(T):
+                e = last_b[s] + ar[s][t] + opt
+                for d in range(D):
+                    end[(s * D + d) * T + t] = e
+        if keep_steps:
+            res.step_ns.append([b - a for a, b in zip(start, end)])
+        if sink is not None:
+            sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf))
+        res.iterations_done = it + 1
+    res.end_ns = max(end) if end else 0.0
+    return res

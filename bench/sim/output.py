@@ -1,0 +1,267 @@
+"""What the simulator emits, per iteration: the records agents emit (CommOps per rank, step summaries,
+flows with the switches on their path, NVML-like telemetry per GPU per second) and the ground truth.
+
+Rows are built by generators over one `Iteration` (model.py), so a file sink and the streaming agents
+share them. Files (JSON lines, one object a line, keys in a fixed order, integer ns in cluster time):
+  commops.jsonl    rank, comm_id, op, seq, bytes, start_ns, end_ns, node, device
+  steps.jsonl      rank, iteration, start_ns, end_ns, compute_ns, comm_wait_ns, stall_ns, node, device
+  flows.jsonl      start (ns), src, dst, switches, bytes, duration (s) -- the collector's flow import schema
+  telemetry.jsonl  ts_ns, node, gpu, rank, utilization_percent, sm_clock_mhz, power_watts
+  truth.json       config, topology, faults with the ranks / links / switches / communicators they touch
+Cost: JSON text is built with f-strings (~1 µs per row); a 64-GPU x 20-iteration run writes ~100k rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterator
+
+from .faults import Fault
+from .model import Iteration, ModelConfig, Network, Result
+
+EMIT_KINDS = ("commops", "steps", "flows", "telemetry")
+SM_CLOCK_MHZ = 1980.0
+IDLE_W, MAX_W = 90.0, 700.0
+
+
+class Rows:
+    """Row generators for one job: cluster-time conversion, rank -> node/device, comm ids."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        self.cfg = cfg
+        self.topo = cfg.topology()
+        self.base = cfg.base_ns
+        self.net = Network(cfg, self.topo)
+        self.sec_next: list[int] | None = None  # per rank: next whole second (cluster) to sample telemetry
+        self._pair_net: dict | None = None      # network faults the cached pair times were computed under
+        self._pair_s: dict[tuple[int, int], float] = {}
+
+    def ns(self, t: float) -> int:
+        return self.base + int(round(t))
+
+    # -- step summaries -----------------------------------------------------------------------
+    def steps(self, it: Iteration) -> Iterator[tuple[int, int, int, int, int, int, int]]:
+        """(rank, iteration, start_ns, end_ns, compute_ns, comm_wait_ns, stall_ns)."""
+        cfg = self.cfg
+        per_op = (cfg.fwd_ms + cfg.bwd_ms) * 1e6 * cfg.micro_batches
+        opt = cfg.optimizer_ms * 1e6
+        stall = it.stall
+        for r, (a, b, f) in enumerate(zip(it.start, it.end, it.factor)):
+            comp = per_op * f + opt
+            st = stall.get(r, 0.0)
+            yield (r, it.it, self.ns(a), self.ns(b), int(round(comp)), int(round(b - a - comp - st)), int(round(st)))
+
+    # -- comm ops -----------------------------------------------------------------------------
+    def commops(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
+        """(rank, comm_id, op, seq, bytes, start_ns, end_ns) per rank, schedule order within a stage."""
+        cfg = self.cfg
+        D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
+        fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
+        act, tp_bytes = cfg.activation_bytes, cfg.activation_bytes
+        factor, ns = it.factor, self.ns
+        for s in range(P):
+            for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
+                comp = fwd if kind == "F" else bwd
+                for d in range(D):
+                    g = s * D + d
+                    for t in range(T):
+                        r = g * T + t
+                        if kind == "F" and s > 0:
+                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "recv", it.it * 2 * M + m, act,
+                                   ns(posted[d]), ns(start[d]))
+                        elif kind == "B" and s < P - 1:
+                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "recv", it.it * 2 * M + M + m, act,
+                                   ns(posted[d]), ns(start[d]))
+                        if T > 1:
+                            yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
+                                   ns(start[d] + comp * factor[r]), ns(end[d]))
+                        if kind == "F" and s < P - 1:
+                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
+                                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
+                        elif kind == "B" and s > 0:
+                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
+                                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+            if D > 1:
+                last = it.ops[s][-1][4]
+                for d in range(D):
+                    for t in range(T):
+                        r = (s * D + d) * T + t
+                        yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, cfg.grad_bytes, ns(last[d]),
+                               ns(it.last_b[s] + it.ar_ns[s][t]))
+
+    # -- flows (inter-node traffic only: NVLink is invisible to the network) ----------------------
+    def flows(self, it: Iteration) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
+        """(start_ns, src rank, dst rank, bytes, duration_s, switches)."""
+        cfg, net = self.cfg, self.net
+        D, P, T = cfg.dp, cfg.pp, cfg.tp
+        act_bits = cfg.activation_bytes * 8e9
+        if it.net != self._pair_net:
+            self._pair_net, self._pair_s = dict(it.net), {}
+        pair_s = self._pair_s
+        for s in range(P):
+            for kind, m, posted, start, end in it.ops[s]:
+                nxt = s + 1 if kind == "F" else s - 1
+                if not 0 <= nxt < P:
+                    continue
+                for d in range(D):
+                    for t in range(T):
+                        a, b = cfg.rank(s, d, t), cfg.rank(nxt, d, t)
+                        path = net.path(a, b)
+                        if path:
+                            key = (a, b)
+                            dur = pair_s.get(key)
+                            if dur is None:
+                                dur = pair_s[key] = (net.p2p_lat + act_bits / net.pair_bps(a, b, it.net)) / 1e9
+                            yield (self.ns(end[d]), a, b, cfg.activation_bytes, dur, path)
+            if D > 1:
+                nbytes = int(2 * (D - 1) / D * cfg.grad_bytes)
+                for t in range(T):
+                    dur = it.ar_ns[s][t] / 1e9
+                    st = self.ns(it.last_b[s])
+                    for d in range(D):
+                        a, b = cfg.rank(s, d, t), cfg.rank(s, (d + 1) % D, t)
+                        path = net.path(a, b)
+                        if path:
+                            yield (st, a, b, nbytes, dur, path)
+
+    # -- telemetry: one sample per GPU per whole second of cluster time ----------------------------
+    def telemetry(self, it: Iteration) -> Iterator[tuple[int, int, float, float, float]]:
+        """(ts_ns, rank, utilization_percent, sm_clock_mhz, power_watts) for each whole second in the step."""
+        cfg = self.cfg
+        per_op = (cfg.fwd_ms + cfg.bwd_ms) * 1e6 * cfg.micro_batches
+        if self.sec_next is None:
+            first = (self.base + 10**9 - 1) // 10**9 * 10**9
+            self.sec_next = [first] * cfg.gpus
+        nxt = self.sec_next
+        for r, (a, b, f) in enumerate(zip(it.start, it.end, it.factor)):
+            end_ns = self.base + int(b)
+            if nxt[r] >= end_ns:
+                continue
+            step = b - a
+            busy = min(1.0, per_op * f / step) if step > 0 else 0.0
+            if it.stall.get(r):
+                busy *= max(0.0, 1 - it.stall[r] / step)
+            util = round(100.0 * busy, 1)
+            clock = round(SM_CLOCK_MHZ / f if f > 1.5 else SM_CLOCK_MHZ, 0)
+            power = round(IDLE_W + (MAX_W - IDLE_W) * busy * clock / SM_CLOCK_MHZ, 1)
+            t = nxt[r]
+            while t < end_ns:
+                yield (t, r, util, clock, power)
+                t += 10**9
+            nxt[r] = t
+
+
+class FileSink:
+    """Writes the chosen kinds as JSON lines under out_dir; call close() at the end."""
+
+    def __init__(self, cfg: ModelConfig, out_dir: str, emit: tuple[str, ...] = EMIT_KINDS) -> None:
+        bad = set(emit) - set(EMIT_KINDS)
+        if bad:
+            raise ValueError(f"unknown --emit kinds {sorted(bad)}; choose from {', '.join(EMIT_KINDS)}")
+        os.makedirs(out_dir, exist_ok=True)
+        self.rows = Rows(cfg)
+        self.topo = self.rows.topo
+        self.emit = emit
+        self.files = {k: open(os.path.join(out_dir, f"{k}.jsonl"), "w", encoding="utf-8", buffering=1 << 20)
+                      for k in emit}
+        self.counts = {k: 0 for k in emit}
+
+    def __call__(self, it: Iteration) -> None:
+        topo, rows = self.topo, self.rows
+        gpn = topo.gpus_per_node
+        if "steps" in self.files:
+            w = self.files["steps"].write
+            n = 0
+            for r, i, a, b, c, wt, st in rows.steps(it):
+                w(f'{{"rank": {r}, "iteration": {i}, "start_ns": {a}, "end_ns": {b}, "compute_ns": {c}, '
+                  f'"comm_wait_ns": {wt}, "stall_ns": {st}, "node": "node{r // gpn}", "device": {r % gpn}}}\n')
+                n += 1
+            self.counts["steps"] += n
+        if "commops" in self.files:
+            w = self.files["commops"].write
+            n = 0
+            for r, cid, op, seq, nb, a, b in rows.commops(it):
+                w(f'{{"rank": {r}, "comm_id": "{cid}", "op": "{op}", "seq": {seq}, "bytes": {nb}, '
+                  f'"start_ns": {a}, "end_ns": {b}, "node": "node{r // gpn}", "device": {r % gpn}}}\n')
+                n += 1
+            self.counts["commops"] += n
+        if "flows" in self.files:
+            w = self.files["flows"].write
+            n = 0
+            ip = topo.ip
+            for st, a, b, nb, dur, path in rows.flows(it):
+                w(f'{{"start": {st}, "src": "{ip(a)}", "dst": "{ip(b)}", "switches": {json.dumps(list(path))}, '
+                  f'"bytes": {nb}, "duration": {dur!r}}}\n')
+                n += 1
+            self.counts["flows"] += n
+        if "telemetry" in self.files:
+            w = self.files["telemetry"].write
+            n = 0
+            for ts, r, u, c, p in rows.telemetry(it):
+                w(f'{{"ts_ns": {ts}, "node": "node{r // gpn}", "gpu": {r % gpn}, "rank": {r}, '
+                  f'"utilization_percent": {u!r}, "sm_clock_mhz": {c!r}, "power_watts": {p!r}}}\n')
+                n += 1
+            self.counts["telemetry"] += n
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+
+
+def truth(res: Result) -> dict:
+    """Ground truth: each fault with the ranks, links, switches and communicators it touches."""
+    cfg = res.cfg
+    topo = cfg.topology()
+    net = Network(cfg, topo)
+    out = []
+    for f in res.faults:
+        entry = {"kind": f.kind, "target": f.target, "start": f.start, "end": f.end, "value": f.value,
+                 "resource": f.resource}
+        if f.kind == "fluctuation":
+            entry["period"] = f.period
+        if f.resource == "rank":
+            s, d, t = cfg.coords(f.rank)
+            entry.update(ranks=[f.rank], links=[topo.link_of(f.rank)], switches=[],
+                         node=f"node{topo.node_of(f.rank)}", device=topo.device_of(f.rank),
+                         comms=_comms_of(cfg, s, d, t))
+            if f.kind == "hang":
+                entry["hang_seconds"] = f.value if f.value > 0 else None
+        else:
+            res_id = f.link or f.switch
+            users = net.index.get(res_id, [])
+            ranks = set()
+            for kind, s, x in users:
+                if kind == "pp":
+                    ranks.update(cfg.rank(ss, x, t) for ss in (s, s + 1) for t in range(cfg.tp))
+                else:
+                    ranks.update(cfg.rank(s, d, x) for d in range(cfg.dp))
+            entry.update(ranks=sorted(ranks), links=[f.link] if f.link else [],
+                         switches=[f.switch] if f.switch else [],
+                         comms=sorted(f"pp.s{s}-{s + 1}.d{x}" if k == "pp" else f"dp.s{s}.t{x}" for k, s, x in users))
+            if f.link:
+                r = topo.rank_of_link(f.link)
+                entry.update(node=f"node{topo.node_of(r)}", device=topo.device_of(r), nic_of_rank=r)
+        out.append(entry)
+    return {"config": cfg.to_json(), "topology": topo.to_json(), "iterations_done": res.iterations_done,
+            "aborted_at_iteration": res.aborted_at if res.aborted_at >= 0 else None,
+            "end_ns": cfg.base_ns + int(round(res.end_ns)), "faults": out}
+
+
+def _comms_of(cfg: ModelConfig, s: int, d: int, t: int) -> list[str]:
+    out = [f"dp.s{s}.t{t}"] if cfg.dp > 1 else []
+    if cfg.tp > 1:
+        out.append(f"tp.s{s}.d{d}")
+    if s > 0:
+        out.append(f"pp.s{s - 1}-{s}.d{d}.t{t}")
+    if s < cfg.pp - 1:
+        out.append(f"pp.s{s}-{s + 1}.d{d}.t{t}")
+    return out
+
+
+def write_truth(res: Result, out_dir: str) -> str:
+    path = os.path.join(out_dir, "truth.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(truth(res), f, indent=2, sort_keys=True)
+        f.write("\n")
+    return path

@@ -1,0 +1,71 @@
+"""Cluster topology of the simulator: rank -> GPU -> NIC (one per GPU, a rail) -> leaf -> spine.
+
+Rank r runs on GPU r (node r // gpus_per_node, local index r % gpus_per_node). Link ids name a GPU's
+NIC (`n12.nic3`), switch ids are `leaf<k>` and `spine<k>`. A flow between GPUs of one node goes over
+NVLink and touches no switch; between nodes under one leaf its path is [leaf]; otherwise
+[leaf(src), spine(hash), leaf(dst)] with a deterministic spine choice (ECMP-like, no Python hash()).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    gpus: int
+    gpus_per_node: int = 8
+    nodes_per_leaf: int = 32
+    spines: int = 8
+
+    @property
+    def nodes(self) -> int:
+        return (self.gpus + self.gpus_per_node - 1) // self.gpus_per_node
+
+    @property
+    def leaves(self) -> int:
+        return (self.nodes + self.nodes_per_leaf - 1) // self.nodes_per_leaf
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def device_of(self, rank: int) -> int:
+        return rank % self.gpus_per_node
+
+    def link_of(self, rank: int) -> str:
+        return f"n{rank // self.gpus_per_node}.nic{rank % self.gpus_per_node}"
+
+    def rank_of_link(self, link: str) -> int:
+        node, nic = link.split(".")
+        if not node.startswith("n") or not nic.startswith("nic"):
+            raise ValueError(f"bad link id {link!r} (want n<node>.nic<k>)")
+        n, k = int(node[1:]), int(nic[3:])
+        if k >= self.gpus_per_node or n >= self.nodes:
+            raise ValueError(f"link {link!r} is not in a cluster of {self.nodes} nodes x {self.gpus_per_node} GPUs")
+        return n * self.gpus_per_node + k
+
+    def leaf_of_node(self, node: int) -> str:
+        return f"leaf{node // self.nodes_per_leaf}"
+
+    def ip(self, rank: int) -> str:
+        n = rank // self.gpus_per_node
+        return f"10.{(n >> 8) & 255}.{n & 255}.{10 + rank % self.gpus_per_node}"
+
+    def path(self, src: int, dst: int) -> tuple[str, ...]:
+        """Switches a flow src -> dst crosses; () when both GPUs share a node (NVLink)."""
+        na, nb = src // self.gpus_per_node, dst // self.gpus_per_node
+        if na == nb:
+            return ()
+        la, lb = na // self.nodes_per_leaf, nb // self.nodes_per_leaf
+        if la == lb:
+            return (f"leaf{la}",)
+        spine = (na * 7 + nb * 13 + src % self.gpus_per_node) % self.spines
+        return (f"leaf{la}", f"spine{spine}", f"leaf{lb}")
+
+    def switches(self) -> list[str]:
+        return [f"leaf{i}" for i in range(self.leaves)] + ([f"spine{i}" for i in range(self.spines)]
+                                                           if self.leaves > 1 else [])
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "gpus_per_node": self.gpus_per_node, "nodes_per_leaf": self.nodes_per_leaf,
+                "spines": self.spines, "nodes": self.nodes, "leaves": self.leaves}
