@@ -16,6 +16,7 @@ help:
 	@echo "make run      collector + local agent on loopback (SQLite in ./run); Ctrl-C stops both"
 	@echo "make test     install test needs and run the test suite (what CI runs)"
 	@echo "make bench    benchmarks (bench/*.py), each ends with one JSON line of figures"
+	@echo "make eval     scenarios with ground truth on the simulator (and, later, detector scores)"
 	@echo "make proto    regenerate proto/steplens/v1/*_pb2*.py from the .proto files"
 	@echo "make install  create $(VENV) with steplens and its test needs"
 
@@ -69,6 +70,9 @@ test: install
 
 bench: install
 	$(PY) bench/ingest.py
+
+eval: install
+	$(PY) bench/eval/run.py
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/steplens/v1/*.proto
