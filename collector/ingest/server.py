@@ -36,6 +36,7 @@ log = logging.getLogger("steplens.collector.ingest")
 
 AGENT_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _PROBE = object()
+CLOCK_SAVE_INTERVAL_NS = 2 * 10**9
 _CLOSE = object()
 
 
@@ -156,6 +157,7 @@ class IngestService:
                      spool_id=hello.spool_id, connected=1, peer=context.peer())
         acked_hello = False
         answered = 0
+        clock_saved_ns = 0
         inbox: asyncio.Queue = asyncio.Queue(maxsize=64)
         reader = asyncio.create_task(self._read_loop(it, inbox))
         try:
@@ -186,10 +188,14 @@ class IngestService:
                     c = msg.clock
                     if probes.pop(c.probe_id, None) == c.t1_ns and model.add(c.t1_ns, c.t2_mono_ns, c.t3_mono_ns, t4):
                         answered += 1
-                        e = model.estimate
-                        self._update(agent, clock_offset_ns=e.offset_ns, clock_drift_ppm=e.drift_ppm,
-                                     clock_uncertainty_ns=e.uncertainty_ns, clock_rtt_ns=e.best_rtt_ns,
-                                     clock_samples=e.samples)
+                        # the clock model lives here; the store gets a copy for `nodes` at most every few
+                        # seconds (one writer round trip per probe reply does not scale to thousands of agents)
+                        if t4 - clock_saved_ns >= CLOCK_SAVE_INTERVAL_NS:
+                            clock_saved_ns = t4
+                            e = model.estimate
+                            self._update(agent, clock_offset_ns=e.offset_ns, clock_drift_ppm=e.drift_ppm,
+                                         clock_uncertainty_ns=e.uncertainty_ns, clock_rtt_ns=e.best_rtt_ns,
+                                         clock_samples=e.samples)
                 elif kind == "batch":
                     if not acked_hello:
                         await self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION, "batch before HelloAck")
