@@ -56,4 +56,5 @@ def test_check_human_output():
     out = subprocess.run([AGENT, "check"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     lines = {line.split()[0]: line for line in out.stdout.splitlines()}
-    assert "up" in lines["host"] and "unavailable" in lines.get("gpu", "unavailable")
+    assert lines["host"].split()[1] == "up"
+    assert lines["gpu"].split()[1] == ("up" if _has_nvml() else "unavailable")

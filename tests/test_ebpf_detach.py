@@ -5,11 +5,11 @@ pinned; the kernel frees a program when its last fd closes)."""
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
 from conftest import AgentProc, wait_for
+from procutil import prog_ids_of, progs_alive
 from steplens.agent.ebpf import unavailable_reason
 
 pytestmark = [pytest.mark.privileged,
@@ -29,21 +29,11 @@ enabled = false
 
 
 def _prog_ids(pid: int) -> set[int]:
-    ids = set()
-    fd_dir = f"/proc/{pid}/fdinfo"
-    for fd in os.listdir(fd_dir):
-        try:
-            with open(os.path.join(fd_dir, fd)) as fh:
-                for line in fh:
-                    if line.startswith("prog_id:"):
-                        ids.add(int(line.split()[1]))
-        except OSError:
-            continue
-    return ids
+    return prog_ids_of(pid, prefix="")  # every program the agent holds
 
 
 def _alive(prog_id: int) -> bool:
-    return subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)], capture_output=True).returncode == 0
+    return bool(progs_alive({prog_id}))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=["sigint", "sigterm", "sigkill"])

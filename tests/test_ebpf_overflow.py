@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from procutil import start_ticks
 from steplens.agent.ebpf import unavailable_reason
 from steplens.agent.records import Event, ProcessInfo
 from steplens.agent.sources.base import HostContext
@@ -57,8 +58,7 @@ def test_sched_map_overflow_is_an_event(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        with open(f"/proc/{child.pid}/stat") as fh:
-            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        ticks = start_ticks(child.pid)
         ctx = HostContext("t", state_dir=str(tmp_path))
         ctx.workloads.replace({(child.pid, ticks): ProcessInfo(0, child.pid, ticks)})
         src = SchedSource(ctx, SchedConfig(max_threads=16))

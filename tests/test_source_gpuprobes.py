@@ -9,7 +9,6 @@ What this does not cover: the real libraries on a GPU host.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -18,6 +17,9 @@ import textwrap
 import time
 
 import pytest
+
+from procutil import needs_ebpf, prog_ids_of, progs_alive
+from procutil import start_ticks as _start_ticks
 
 from steplens.agent.records import Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
@@ -71,20 +73,6 @@ CALLER = textwrap.dedent(r"""
     print("done", flush=True)
     sys.stdin.readline()
 """)
-
-
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[19])
-
-
-def _ebpf_reason() -> str:
-    from steplens.agent.ebpf import unavailable_reason
-
-    return unavailable_reason()
-
-
-needs_ebpf = pytest.mark.skipif(_ebpf_reason() != "", reason=f"eBPF unavailable: {_ebpf_reason()}")
 
 
 @pytest.fixture(scope="module")
@@ -160,25 +148,8 @@ def test_scan_maps_finds_libraries_by_inode(fake_libs, tmp_path):
 # -- real uprobes ---------------------------------------------------------------------------------------
 
 
-def _prog_ids_of(pid: int) -> set[int]:
-    """IDs of the steplens_ BPF programs a process holds (from /proc/PID/fdinfo: bpftool here lacks `pids`)."""
-    ids = set()
-    base = f"/proc/{pid}/fdinfo"
-    for fd in os.listdir(base):
-        try:
-            with open(os.path.join(base, fd)) as fh:
-                m = re.search(r"^prog_id:\s+(\d+)", fh.read(), re.M)
-        except OSError:
-            continue
-        if m:
-            ids.add(int(m.group(1)))
-    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, check=True).stdout
-    return {p["id"] for p in json.loads(out) if p["id"] in ids and p.get("name", "").startswith("steplens_")}
-
-
-def _prog_ids_alive(ids: set[int]) -> set[int]:
-    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, check=True).stdout
-    return {p["id"] for p in json.loads(out)} & ids
+_prog_ids_of = prog_ids_of
+_prog_ids_alive = progs_alive
 
 
 @needs_ebpf

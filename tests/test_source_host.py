@@ -12,6 +12,8 @@ import time
 import psutil
 import pytest
 
+from procutil import start_ticks as _start_ticks
+
 from steplens.agent.records import Metric, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.host import HostConfig, HostSource
@@ -36,9 +38,6 @@ def _source(**ctx_kw) -> HostSource:
     return src
 
 
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
 
 
 def test_cpu_memory_load_values_are_sane():

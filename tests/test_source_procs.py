@@ -11,6 +11,8 @@ import uuid
 
 import pytest
 
+from procutil import start_ticks as _start_ticks
+
 from steplens.agent.records import ProcessExit, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.procs import ProcsConfig, ProcsSource, _container_id
@@ -29,9 +31,6 @@ class Clock:
         self.offset_ns += int(seconds * 1e9)
 
 
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[19])
 
 
 def _env(**extra: str) -> dict[str, str]:

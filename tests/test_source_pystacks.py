@@ -2,9 +2,7 @@
 arrive as per-thread summaries, raw samples stay in the node-local detail store, deep mode raises
 the rate, and an exited process is dropped cleanly."""
 
-import json
 import os
-import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -12,10 +10,12 @@ import time
 
 import pytest
 
+from procutil import start_ticks as _start_ticks
+
 from conftest import FAST_AGENT_TOML, AgentProc, wait_for
 from steplens.agent.detail import DetailStore
 from steplens.agent.records import Mode
-from steplens.agent.sources.base import HostContext, WorkloadRegistry
+from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.pystacks import PystacksConfig, PystacksSource
 from steplens.agent.records import ProcessInfo
 
@@ -47,10 +47,6 @@ def target(tmp_path):
     proc.wait()
 
 
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        stat = fh.read()
-    return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
 def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):

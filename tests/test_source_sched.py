@@ -7,7 +7,6 @@ CLOCK_THREAD_CPUTIME_ID (sum_exec_runtime) for on-CPU time, wall clock minus tha
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -16,6 +15,9 @@ import textwrap
 import time
 
 import pytest
+
+from procutil import bpftool_progs, needs_ebpf, prog_ids_of, progs_alive
+from procutil import start_ticks as _start_ticks
 
 from steplens.agent.records import Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
@@ -44,46 +46,13 @@ SPIN_SLEEP = textwrap.dedent(r"""
 BUSY = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
 
 
-def _start_ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[19])
-
-
-def _ebpf_reason() -> str:
-    from steplens.agent.ebpf import unavailable_reason
-
-    return unavailable_reason()
-
-
-needs_ebpf = pytest.mark.skipif(_ebpf_reason() != "", reason=f"eBPF unavailable: {_ebpf_reason()}")
-
-
 def _values(records, entity: str) -> dict[str, float]:
     return {m.name: m.value for m in records if isinstance(m, Metric) and m.entity == entity}
 
 
-def _prog_ids_of(pid: int) -> set[int]:
-    """IDs of the steplens_ BPF programs a process holds (from /proc/PID/fdinfo: bpftool here lacks `pids`)."""
-    ids = set()
-    base = f"/proc/{pid}/fdinfo"
-    for fd in os.listdir(base):
-        try:
-            with open(os.path.join(base, fd)) as fh:
-                m = re.search(r"^prog_id:\s+(\d+)", fh.read(), re.M)
-        except OSError:
-            continue
-        if m:
-            ids.add(int(m.group(1)))
-    return {p["id"] for p in _bpftool_progs() if p["id"] in ids and p.get("name", "").startswith("steplens_")}
-
-
-def _bpftool_progs() -> list[dict]:
-    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, check=True).stdout
-    return json.loads(out)
-
-
-def _alive(ids: set[int]) -> set[int]:
-    return {p["id"] for p in _bpftool_progs()} & ids
+_prog_ids_of = prog_ids_of
+_bpftool_progs = bpftool_progs
+_alive = progs_alive
 
 
 def _wait_gone(ids: set[int], timeout: float = 10.0) -> set[int]:

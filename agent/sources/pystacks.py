@@ -9,7 +9,7 @@ cannot be read (not CPython, no permission) is reported once as an Event and ret
 retry_seconds. Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
 
 Cost: one sample of a 2-thread, ~10-frame process is ~45-65 µs of agent CPU (bench/pystacks.py),
-so 10 Hz over 8 ranks is ~0.5% of a core.
+so 10 Hz over 8 ranks comes to about 0.5% of a core (derived from that figure, not measured as such).
 """
 
 from __future__ import annotations

@@ -1,0 +1,53 @@
+"""Helpers shared by the tests of sources that watch processes and load BPF programs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+
+import pytest
+
+
+def start_ticks(pid: int) -> int:
+    """Start time in clock ticks (/proc/PID/stat field 22): with the PID, names one process."""
+    with open(f"/proc/{pid}/stat") as fh:
+        stat = fh.read()
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+@functools.lru_cache(maxsize=1)
+def ebpf_reason() -> str:
+    """"" when BPF programs can be loaded here, else why not."""
+    from steplens.agent.ebpf import unavailable_reason
+    return unavailable_reason()
+
+
+needs_ebpf = pytest.mark.skipif(ebpf_reason() != "", reason=f"eBPF unavailable: {ebpf_reason()}")
+
+
+def bpftool_progs() -> list[dict]:
+    out = subprocess.run(["bpftool", "prog", "show", "--json"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)
+
+
+def prog_ids_of(pid: int, prefix: str = "steplens_") -> set[int]:
+    """IDs of the BPF programs (named with `prefix`) a process holds, from /proc/PID/fdinfo
+    (this bpftool cannot list the processes holding a program)."""
+    ids = set()
+    base = f"/proc/{pid}/fdinfo"
+    for fd in os.listdir(base):
+        try:
+            with open(os.path.join(base, fd)) as fh:
+                m = re.search(r"^prog_id:\s+(\d+)", fh.read(), re.M)
+        except OSError:
+            continue
+        if m:
+            ids.add(int(m.group(1)))
+    return {p["id"] for p in bpftool_progs() if p["id"] in ids and p.get("name", "").startswith(prefix)}
+
+
+def progs_alive(ids: set[int]) -> set[int]:
+    return {p["id"] for p in bpftool_progs()} & ids
