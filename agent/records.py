@@ -156,5 +156,85 @@ class Flow:
     pid: int = 0
 
 
+@dataclass(slots=True)
+class CommOp:
+    """One communication operator as one rank saw it; field meanings as in records.proto CommOp.
+    mono_ns is end_mono_ns, or the issue time when the source has no end. Times: this host's monotonic."""
+
+    mono_ns: int
+    timing: str                 # gpu_kernel | cuda_event | backend_thread | cpu_enqueue
+    pid: int
+    comm_id: str                # NCCL comm hash (hex) or "pg:<name>"
+    op: str                     # normalized: all_reduce, broadcast, send, recv, barrier, ...
+    start_ticks: int = 0
+    tid: int = 0
+    device: int = -1
+    comm_desc: str = ""
+    rank: int = -1
+    group_rank: int = -1
+    nranks: int = 0
+    members: list = field(default_factory=list)
+    peer: int = -1
+    root: int = -1
+    count: int = 0
+    dtype: str = ""
+    bytes: int = 0
+    seq: int = -1
+    p2p_seq: int = -1
+    stream: int = 0
+    issue_mono_ns: int = 0
+    start_mono_ns: int = 0
+    end_mono_ns: int = 0
+    job_key: str = ""
+
+
+@dataclass(slots=True)
+class KernelRec:
+    """One GPU kernel (or CPU operator span) with its launch API call; mono_ns is end_mono_ns."""
+
+    mono_ns: int
+    pid: int
+    name: str
+    start_mono_ns: int
+    end_mono_ns: int
+    start_ticks: int = 0
+    tid: int = 0
+    device: int = -1
+    stream: int = 0
+    grid: list = field(default_factory=list)
+    block: list = field(default_factory=list)
+    correlation_id: int = 0
+    launch_api: str = ""
+    launch_start_mono_ns: int = 0
+    launch_end_mono_ns: int = 0
+    graph_id: int = 0
+    rank: int = -1
+
+
+@dataclass(slots=True)
+class CommSummary:
+    """Per-step (step >= 0) or per-interval (step = -1) summary of one process's ops of one kind on one
+    communicator: what goes upstream while the CommOp stream stays on the node. mono_ns: last op end."""
+
+    mono_ns: int
+    pid: int
+    comm_id: str
+    op: str
+    start_mono_ns: int
+    calls: int
+    bytes: int
+    busy_ns: int
+    max_ns: int
+    start_ticks: int = 0
+    job_key: str = ""
+    rank: int = -1
+    step: int = -1
+    seq_first: int = -1
+    seq_last: int = -1
+    timing: str = ""
+    issue_latency_ns_sum: int = 0
+    kernels: int = 0
+
+
 Record = (Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary | ConnStats
-          | Flow)
+          | Flow | CommOp | KernelRec | CommSummary)

@@ -20,8 +20,19 @@ SAMPLES = [
 ]
 
 
+COMM = [
+    ("kineto", r.CommOp(T + 9, "backend_thread", 4242, "pg:1", "all_reduce", 99812, 4243, -1, "dp", 3, 1, 2, [1, 3],
+                        -1, -1, 1024, "float32", 4096, 17, -1, 0, T + 7, T + 8, T + 9, "torchelastic:abc")),
+    ("kineto", r.KernelRec(T + 12, 4242, "ampere_sgemm_128x64_nn", T + 11, T + 12, 99812, 4243, 0, 7, [120, 1, 1],
+                           [256, 1, 1], 555, "cudaLaunchKernel", T + 10, T + 10 + 500, 0, 3)),
+    ("kineto", r.CommSummary(T + 20, 4242, "pg:1", "all_reduce", T + 8, 4, 16384, 40_000, 12_000, 99812,
+                             "torchelastic:abc", 3, 12, 17, 20, "backend_thread", 0, 0)),
+]
+
+
 def test_agent_side_round_trip():
     assert decode_records(encode_records(SAMPLES)) == SAMPLES
+    assert decode_records(encode_records(COMM)) == COMM
 
 
 def test_collector_decodes_what_the_agent_encodes():

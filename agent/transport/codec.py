@@ -10,7 +10,15 @@ from steplens.v1 import records_pb2 as pb
 
 
 _KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange,
-                    r.StackSummary, r.ConnStats, r.Flow})
+                    r.StackSummary, r.ConnStats, r.Flow, r.CommOp, r.KernelRec, r.CommSummary})
+
+# Records whose dataclass fields are named exactly like their protobuf message's fields (plus mono_ns):
+# encoded and decoded field by field. The value is the Record.body oneof name.
+_PLAIN = {r.CommOp: "commop", r.KernelRec: "kernel", r.CommSummary: "comm_summary"}
+_PLAIN_BY_BODY = {body: t for t, body in _PLAIN.items()}
+_FIELDS = {t: tuple(n for n in t.__slots__ if n != "mono_ns") for t in _PLAIN}
+_REPEATED = {t: frozenset(n for n in _FIELDS[t] if n in ("members", "grid", "block")) for t in _PLAIN}
+
 
 
 def encode_records(items: list[tuple[str, object]]) -> bytes:
@@ -24,7 +32,16 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
         msg = add()
         msg.mono_ns = rec.mono_ns
         msg.source = source
-        if t is r.Metric:
+        body = _PLAIN.get(t)
+        if body is not None:
+            m = getattr(msg, body)
+            rep = _REPEATED[t]
+            for name in _FIELDS[t]:
+                if name in rep:
+                    getattr(m, name).extend(getattr(rec, name))
+                else:
+                    setattr(m, name, getattr(rec, name))
+        elif t is r.Metric:
             m = msg.metric
             m.name = rec.name
             m.entity = rec.entity
@@ -115,7 +132,13 @@ def decode_records(payload: bytes) -> list[tuple[str, object]]:
     items: list[tuple[str, object]] = []
     for msg in out.records:
         kind = msg.WhichOneof("body")
-        if kind == "metric":
+        plain = _PLAIN_BY_BODY.get(kind)
+        if plain is not None:
+            m = getattr(msg, kind)
+            rep = _REPEATED[plain]
+            rec = plain(msg.mono_ns, **{n: (list(getattr(m, n)) if n in rep else getattr(m, n))
+                                        for n in _FIELDS[plain]})
+        elif kind == "metric":
             rec = r.Metric(msg.mono_ns, msg.metric.name, msg.metric.entity, msg.metric.value)
         elif kind == "process":
             p = msg.process

@@ -241,8 +241,134 @@ class Flow(_message.Message):
     pid: int
     def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., bytes: _Optional[int] = ..., packets: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
+class CommOp(_message.Message):
+    __slots__ = ("timing", "pid", "start_ticks", "tid", "device", "comm_id", "comm_desc", "rank", "group_rank", "nranks", "members", "op", "peer", "root", "count", "dtype", "bytes", "seq", "p2p_seq", "stream", "issue_mono_ns", "start_mono_ns", "end_mono_ns", "job_key")
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    COMM_DESC_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    NRANKS_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    P2P_SEQ_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    timing: str
+    pid: int
+    start_ticks: int
+    tid: int
+    device: int
+    comm_id: str
+    comm_desc: str
+    rank: int
+    group_rank: int
+    nranks: int
+    members: _containers.RepeatedScalarFieldContainer[int]
+    op: str
+    peer: int
+    root: int
+    count: int
+    dtype: str
+    bytes: int
+    seq: int
+    p2p_seq: int
+    stream: int
+    issue_mono_ns: int
+    start_mono_ns: int
+    end_mono_ns: int
+    job_key: str
+    def __init__(self, timing: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., device: _Optional[int] = ..., comm_id: _Optional[str] = ..., comm_desc: _Optional[str] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., nranks: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., peer: _Optional[int] = ..., root: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., p2p_seq: _Optional[int] = ..., stream: _Optional[int] = ..., issue_mono_ns: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., job_key: _Optional[str] = ...) -> None: ...
+
+class KernelRec(_message.Message):
+    __slots__ = ("pid", "start_ticks", "tid", "device", "stream", "name", "grid", "block", "start_mono_ns", "end_mono_ns", "correlation_id", "launch_api", "launch_start_mono_ns", "launch_end_mono_ns", "graph_id", "rank")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    TID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    CORRELATION_ID_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_API_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    tid: int
+    device: int
+    stream: int
+    name: str
+    grid: _containers.RepeatedScalarFieldContainer[int]
+    block: _containers.RepeatedScalarFieldContainer[int]
+    start_mono_ns: int
+    end_mono_ns: int
+    correlation_id: int
+    launch_api: str
+    launch_start_mono_ns: int
+    launch_end_mono_ns: int
+    graph_id: int
+    rank: int
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., device: _Optional[int] = ..., stream: _Optional[int] = ..., name: _Optional[str] = ..., grid: _Optional[_Iterable[int]] = ..., block: _Optional[_Iterable[int]] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., correlation_id: _Optional[int] = ..., launch_api: _Optional[str] = ..., launch_start_mono_ns: _Optional[int] = ..., launch_end_mono_ns: _Optional[int] = ..., graph_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class CommSummary(_message.Message):
+    __slots__ = ("pid", "start_ticks", "job_key", "rank", "comm_id", "op", "step", "start_mono_ns", "calls", "bytes", "busy_ns", "max_ns", "seq_first", "seq_last", "timing", "issue_latency_ns_sum", "kernels")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIRST_FIELD_NUMBER: _ClassVar[int]
+    SEQ_LAST_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_LATENCY_NS_SUM_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    job_key: str
+    rank: int
+    comm_id: str
+    op: str
+    step: int
+    start_mono_ns: int
+    calls: int
+    bytes: int
+    busy_ns: int
+    max_ns: int
+    seq_first: int
+    seq_last: int
+    timing: str
+    issue_latency_ns_sum: int
+    kernels: int
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., comm_id: _Optional[str] = ..., op: _Optional[str] = ..., step: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_ns: _Optional[int] = ..., max_ns: _Optional[int] = ..., seq_first: _Optional[int] = ..., seq_last: _Optional[int] = ..., timing: _Optional[str] = ..., issue_latency_ns_sum: _Optional[int] = ..., kernels: _Optional[int] = ...) -> None: ...
+
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +381,9 @@ class Record(_message.Message):
     STACKS_FIELD_NUMBER: _ClassVar[int]
     CONN_FIELD_NUMBER: _ClassVar[int]
     FLOW_FIELD_NUMBER: _ClassVar[int]
+    COMMOP_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    COMM_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -267,7 +396,10 @@ class Record(_message.Message):
     stacks: StackSummary
     conn: ConnStats
     flow: Flow
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ...) -> None: ...
+    commop: CommOp
+    kernel: KernelRec
+    comm_summary: CommSummary
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)
