@@ -1,6 +1,7 @@
 """Node-local detail store: high-rate data that stays on the node (Holmes) in a bounded SQLite ring.
 
-Holds raw Python stack samples now (comm ops and kernels later). Each kind is a table with a row
+Holds raw Python stack samples and the comm-op/kernel streams (CommOp, KernelRec records, kept as
+their protobuf Record bytes with the columns a fetch filters on). Each kind is a table with a row
 bound; writes are batched (one transaction per flush) and, past the bound, the oldest rows are
 deleted in chunks and counted, never silently. The collector reads it only on demand
 (FetchDetail). Stacks are interned: a sample row is (mono_ns, pid, tid, stack_id, gil, state).
@@ -20,14 +21,19 @@ CREATE TABLE IF NOT EXISTS stack_samples (
   gil INTEGER NOT NULL, state TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS stack_samples_time ON stack_samples (mono_ns);
+CREATE TABLE IF NOT EXISTS records (
+  mono_ns INTEGER NOT NULL, kind TEXT NOT NULL, pid INTEGER NOT NULL, rank INTEGER NOT NULL, record BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS records_time ON records (kind, mono_ns);
 CREATE TABLE IF NOT EXISTS counters (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 """
 
 
 class DetailStore:
-    def __init__(self, path: str, max_stack_samples: int = 2_000_000) -> None:
-        if max_stack_samples < 1000:
-            raise ValueError("max_stack_samples must be at least 1000")
+    def __init__(self, path: str, max_stack_samples: int = 2_000_000, max_records: int = 2_000_000) -> None:
+        if max_stack_samples < 1000 or max_records < 1000:
+            raise ValueError("max_stack_samples and max_records must be at least 1000")
+        self.max_records = max_records
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
         self.max_stack_samples = max_stack_samples
@@ -38,8 +44,11 @@ class DetailStore:
         self._lock = threading.Lock()
         self._stack_ids: dict[tuple, int] = {}
         self._pending: list[tuple] = []
+        self._pending_records: list[tuple] = []
         self._rows = self._db.execute("SELECT COUNT(*) FROM stack_samples").fetchone()[0]
+        self._record_rows = self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
         self.dropped = self._counter("stack_samples_dropped")
+        self.records_dropped = self._counter("records_dropped")
 
     def _counter(self, key: str) -> int:
         row = self._db.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()
@@ -61,14 +70,56 @@ class DetailStore:
     def add_stack_sample(self, mono_ns: int, pid: int, tid: int, frames: tuple, gil: bool, state: str) -> None:
         self._pending.append((mono_ns, pid, tid, self.stack_id(frames), int(gil), state))
 
+    def add_records(self, source: str, records: list) -> None:
+        """CommOp / KernelRec records (any Record the codec knows) for the ring; kind is the class name
+        in lower case ("commop", "kernelrec")."""
+        from steplens.agent.transport.codec import encode_record
+        for rec in records:
+            self._pending_records.append((rec.mono_ns, type(rec).__name__.lower(), getattr(rec, "pid", 0),
+                                          getattr(rec, "rank", -1), encode_record(source, rec)))
+
+    def records(self, kinds: list[str], since_mono_ns: int = 0, until_mono_ns: int = (1 << 63) - 1,
+                pids: set | None = None, ranks: set | None = None, limit: int = 100_000) -> list[bytes]:
+        """Serialized Record messages of those kinds in the time range, oldest first."""
+        q = ("SELECT record, pid, rank FROM records WHERE kind IN (%s) AND mono_ns BETWEEN ? AND ? ORDER BY mono_ns"
+             % ",".join("?" * len(kinds)))
+        out = []
+        with self._lock:
+            for blob, pid, rank in self._db.execute(q, (*kinds, since_mono_ns, until_mono_ns)):
+                if pids is not None and ranks is not None:
+                    if pid not in pids and rank not in ranks:
+                        continue
+                elif pids is not None and pid not in pids:
+                    continue
+                elif ranks is not None and rank not in ranks:
+                    continue
+                out.append(blob)
+                if len(out) >= limit:
+                    break
+        return out
+
     def flush(self) -> int:
-        """Write what is pending in one transaction, then enforce the bound. Returns rows written."""
+        """Write what is pending in one transaction, then enforce the bounds. Returns rows written."""
         pending, self._pending = self._pending, []
-        if not pending:
+        precs, self._pending_records = self._pending_records, []
+        if not pending and not precs:
             return 0
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if precs:
+                    self._db.executemany("INSERT INTO records VALUES (?,?,?,?,?)", precs)
+                    self._record_rows += len(precs)
+                    over = self._record_rows - self.max_records
+                    if over > 0:
+                        chunk = over + self.max_records // 20
+                        self._db.execute("DELETE FROM records WHERE rowid IN (SELECT rowid FROM records "
+                                         "ORDER BY rowid LIMIT ?)", (chunk,))
+                        self._record_rows -= chunk
+                        self.records_dropped += chunk
+                        self._db.execute("INSERT INTO counters(key, value) VALUES ('records_dropped', ?) "
+                                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                                         (self.records_dropped,))
                 self._db.executemany("INSERT INTO stack_samples VALUES (?,?,?,?,?,?)", pending)
                 self._rows += len(pending)
                 over = self._rows - self.max_stack_samples
@@ -84,7 +135,7 @@ class DetailStore:
             except sqlite3.Error:
                 self._db.execute("ROLLBACK")
                 raise
-        return len(pending)
+        return len(pending) + len(precs)
 
     def stack_samples(self, since_mono_ns: int = 0, until_mono_ns: int = (1 << 63) - 1, pid: int = 0,
                       limit: int = 100_000) -> list[dict]:

@@ -126,6 +126,29 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
     return out.SerializeToString()
 
 
+def encode_record(source: str, rec) -> bytes:
+    """One serialized Record message (the node-local detail store keeps these; concatenating
+    length-delimited Records is not needed: a fetch re-wraps them into a RecordList)."""
+    out = pb.RecordList.FromString(encode_records([(source, rec)]))
+    return out.records[0].SerializeToString()
+
+
+def records_payload(records: list[bytes]) -> bytes:
+    """Serialized Record messages -> one RecordList payload, without decoding them: field 1 of RecordList is
+    `repeated Record records`, so the payload is each record prefixed by its tag and length."""
+    parts = []
+    for b in records:
+        n, varint = len(b), bytearray()
+        while True:
+            byte = n & 0x7F
+            n >>= 7
+            varint.append(byte | (0x80 if n else 0))
+            if not n:
+                break
+        parts.append(b"\x0a" + bytes(varint) + b)
+    return b"".join(parts)
+
+
 def decode_records(payload: bytes) -> list[tuple[str, object]]:
     """The inverse of encode_records, for the node-local detail path and tests."""
     out = pb.RecordList.FromString(payload)

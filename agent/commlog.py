@@ -1,0 +1,173 @@
+"""What every comm-op source shares: op-name normalization, CLOCK_REALTIME -> this host's monotonic
+clock, per-step summaries, and handing the full CommOp/KernelRec stream to the node-local detail store.
+
+Sources (kineto, flightrec, cupti) parse their own formats into CommOp/KernelRec and call
+`CommLog.add()`; only the CommSummary records it returns go upstream (Holmes: detail stays on the node).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from steplens.agent.records import CommOp, CommSummary, KernelRec
+
+# Normalized op names (the CommOp.op vocabulary) and the spellings the sources use for them:
+# torch (c10d, Flight Recorder profiling names "nccl:all_reduce", "gloo:all_reduce"), NCCL API names,
+# Kineto "record_param_comms" collective names, and the _coalesced / _base variants.
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather", "scatter",
+       "send", "recv", "barrier", "coalesced", "unknown")
+_ALIASES = {
+    "allreduce": "all_reduce", "all_reduce": "all_reduce", "allreduce_coalesced": "all_reduce",
+    "all_reduce_coalesced": "all_reduce", "allreduce_sparse": "all_reduce",
+    "allgather": "all_gather", "all_gather": "all_gather", "_allgather_base": "all_gather",
+    "all_gather_base": "all_gather", "allgather_base": "all_gather", "allgather_into_tensor": "all_gather", "all_gather_into_tensor": "all_gather",
+    "allgather_into_tensor_coalesced": "all_gather", "allgather_coalesced": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reducescatter": "reduce_scatter", "reduce_scatter": "reduce_scatter", "_reduce_scatter_base": "reduce_scatter",
+    "reduce_scatter_base": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "alltoall": "all_to_all", "all_to_all": "all_to_all", "alltoall_base": "all_to_all",
+    "all_to_all_single": "all_to_all", "alltoallv": "all_to_all",
+    "broadcast": "broadcast", "bcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
+    "send": "send", "recv": "recv", "recv_any_source": "recv", "recvanysource": "recv",
+    "barrier": "barrier", "coalesced": "coalesced",
+}
+_PREFIX = re.compile(r"^(?:c10d::|nccl:|gloo:|ucc:|mpi:|nccl|c10d_functional::)", re.IGNORECASE)
+
+
+def normalize_op(name: str) -> str:
+    """'gloo:all_reduce', 'nccl:_allgather_base', 'ncclAllReduce', 'c10d::allreduce_' -> the OPS vocabulary."""
+    n = _PREFIX.sub("", name.strip()).strip("_").lower()
+    n = n.removesuffix("_")
+    return _ALIASES.get(n, _ALIASES.get(n.replace("_", ""), "unknown"))
+
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float64": 8, "double": 8, "float16": 2, "half": 2, "bfloat16": 2,
+               "int8": 1, "uint8": 1, "char": 1, "int32": 4, "int": 4, "uint32": 4, "int64": 8, "long": 8,
+               "uint64": 8, "bool": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "complex64": 8, "complex128": 16}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a torch/NCCL dtype name ('Float', 'torch.float32', 'ncclBfloat16'); 0 if unknown."""
+    d = dtype.lower().removeprefix("torch.").removeprefix("ncclfloat").removeprefix("nccl")
+    if dtype.lower().startswith("ncclfloat"):
+        d = {"": "float32", "32": "float32", "16": "float16", "64": "float64"}.get(d, d)
+    return DTYPE_BYTES.get(d, 0)
+
+
+class RealtimeClock:
+    """Converts CLOCK_REALTIME ns (Kineto, Flight Recorder, CUPTI) to this host's CLOCK_MONOTONIC ns.
+
+    The offset is taken from the tightest of several back-to-back (mono, real, mono) reads and refreshed
+    every `refresh_s` (NTP slews REALTIME; a step of the wall clock shows up at the next refresh).
+    """
+
+    def __init__(self, refresh_s: float = 10.0, monotonic_ns=time.monotonic_ns, realtime_ns=time.time_ns) -> None:
+        self._mono, self._real = monotonic_ns, realtime_ns
+        self.refresh_s = refresh_s
+        self._offset = 0
+        self._taken = None
+
+    def _measure(self) -> int:
+        best = None
+        for _ in range(5):
+            a = self._mono()
+            r = self._real()
+            b = self._mono()
+            if best is None or b - a < best[0]:
+                best = (b - a, r - (a + b) // 2)
+        return best[1]
+
+    @property
+    def offset_ns(self) -> int:
+        """realtime - monotonic."""
+        now = self._mono()
+        if self._taken is None or now - self._taken > self.refresh_s * 1e9:
+            self._offset = self._measure()
+            self._taken = now
+        return self._offset
+
+    def to_mono(self, realtime_ns: int) -> int:
+        return 0 if not realtime_ns else realtime_ns - self.offset_ns
+
+
+def summarize(ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = ()) -> list[CommSummary]:
+    """Per (pid, comm_id, op, step) summaries. steps: (step, start_mono_ns, end_mono_ns) windows from the
+    trace (ProfilerStep#N); ops outside every step window get step -1 (one summary per call of this
+    function, i.e. per trace window or poll interval). Kernel issue latency (start - launch start) is
+    added to the summary of the process's comm ops for the same step, op "kernels"."""
+    def step_of(t: int) -> int:
+        for s, a, b in steps:
+            if a <= t <= b:
+                return s
+        return -1
+
+    groups: dict[tuple, CommSummary] = {}
+    for op in ops:
+        start = op.start_mono_ns or op.issue_mono_ns or op.mono_ns
+        end = op.end_mono_ns or op.mono_ns
+        dur = max(0, end - start) if op.start_mono_ns and op.end_mono_ns else 0
+        key = (op.pid, op.comm_id, op.op, step_of(start))
+        s = groups.get(key)
+        if s is None:
+            s = groups[key] = CommSummary(end, op.pid, op.comm_id, op.op, start, 0, 0, 0, 0, op.start_ticks,
+                                          op.job_key, op.rank, key[3], op.seq, op.seq, op.timing)
+        s.calls += 1
+        s.bytes += op.bytes
+        s.busy_ns += dur
+        s.max_ns = max(s.max_ns, dur)
+        s.start_mono_ns = min(s.start_mono_ns, start)
+        s.mono_ns = max(s.mono_ns, end)
+        if op.seq >= 0:
+            s.seq_first = op.seq if s.seq_first < 0 else min(s.seq_first, op.seq)
+            s.seq_last = max(s.seq_last, op.seq)
+    for k in kernels:
+        if not k.launch_start_mono_ns or not k.start_mono_ns:
+            continue
+        key = (k.pid, "", "kernels", step_of(k.start_mono_ns))
+        s = groups.get(key)
+        if s is None:
+            s = groups[key] = CommSummary(k.end_mono_ns, k.pid, "", "kernels", k.start_mono_ns, 0, 0, 0, 0,
+                                          k.start_ticks, "", k.rank, key[3], timing="gpu_kernel")
+        s.calls += 1
+        dur = max(0, k.end_mono_ns - k.start_mono_ns)
+        s.busy_ns += dur
+        s.max_ns = max(s.max_ns, dur)
+        s.issue_latency_ns_sum += max(0, k.start_mono_ns - k.launch_start_mono_ns)
+        s.kernels += 1
+        s.start_mono_ns = min(s.start_mono_ns, k.start_mono_ns)
+        s.mono_ns = max(s.mono_ns, k.end_mono_ns)
+    return sorted(groups.values(), key=lambda s: (s.mono_ns, s.pid, s.comm_id, s.op))
+
+
+class CommLog:
+    """A comm-op source's sink: the full CommOp/KernelRec stream goes to the node-local detail store
+    (state_dir/detail.db, a bounded ring), and the CommSummary records to send upstream come back."""
+
+    def __init__(self, state_dir: str, source: str, max_records: int = 2_000_000) -> None:
+        import os
+
+        from steplens.agent.detail import DetailStore
+        self.source = source
+        self.store = DetailStore(os.path.join(state_dir, "detail.db"), max_records=max_records)
+        self.ops_total = 0
+        self.kernels_total = 0
+
+    def add(self, ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = ()
+            ) -> list[CommSummary]:
+        if not ops and not kernels:
+            return []
+        self.store.add_records(self.source, list(ops))
+        self.store.add_records(self.source, list(kernels))
+        self.store.flush()
+        self.ops_total += len(ops)
+        self.kernels_total += len(kernels)
+        return summarize(ops, kernels, steps)
+
+    @property
+    def dropped(self) -> int:
+        return self.store.records_dropped
+
+    def close(self) -> None:
+        self.store.close()

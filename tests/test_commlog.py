@@ -1,0 +1,65 @@
+"""Shared comm-op plumbing: op names, realtime->monotonic, summaries, and the node-local ring."""
+
+import os
+
+from steplens.agent import records as r
+from steplens.agent.commlog import CommLog, RealtimeClock, dtype_bytes, normalize_op, summarize
+from steplens.agent.transport.codec import decode_records, records_payload
+
+
+def test_op_names_from_every_source_normalize():
+    cases = {"gloo:all_reduce": "all_reduce", "nccl:_allgather_base": "all_gather", "ncclAllReduce": "all_reduce",
+             "c10d::allreduce_": "all_reduce", "gloo:send": "send", "nccl:recv": "recv",
+             "ncclBroadcast": "broadcast", "ncclReduceScatter": "reduce_scatter", "nccl:_reduce_scatter_base":
+             "reduce_scatter", "alltoall_base": "all_to_all", "barrier": "barrier", "gloo:barrier": "barrier",
+             "ncclAllGather": "all_gather", "something_else": "unknown"}
+    assert {k: normalize_op(k) for k in cases} == cases
+
+
+def test_dtype_sizes():
+    assert [dtype_bytes(d) for d in ("Float", "torch.bfloat16", "ncclFloat32", "ncclBfloat16", "ncclInt8", "x")] \
+        == [4, 2, 4, 2, 1, 0]
+
+
+def test_realtime_clock_uses_the_tightest_read_and_refreshes():
+    # each offset_ns call reads "now", then 5 (mono, real, mono) triples; the tightest is (4000, 4001)
+    mono = iter([100, 0, 50, 1000, 1002, 2000, 2010, 3000, 3100, 4000, 4001, 200])
+    clock = RealtimeClock(refresh_s=10, monotonic_ns=lambda: next(mono), realtime_ns=lambda: 5_000_000)
+    assert clock.offset_ns == 5_000_000 - 4000
+    assert clock.to_mono(6_000_000) == 6_000_000 - 5_000_000 + 4000  # second call: "now" 200, no re-measure
+    real = RealtimeClock()
+    import time
+    a = time.monotonic_ns()
+    assert abs(real.to_mono(time.time_ns()) - a) < 50_000_000
+    assert real.to_mono(0) == 0
+
+
+def test_summaries_group_by_step_and_count_issue_latency():
+    ops = [r.CommOp(110, "backend_thread", 7, "pg:0", "all_reduce", start_mono_ns=100, end_mono_ns=110, bytes=8, seq=1),
+           r.CommOp(130, "backend_thread", 7, "pg:0", "all_reduce", start_mono_ns=120, end_mono_ns=130, bytes=8, seq=2),
+           r.CommOp(310, "backend_thread", 7, "pg:0", "all_reduce", start_mono_ns=300, end_mono_ns=310, bytes=8, seq=3),
+           r.CommOp(140, "backend_thread", 7, "pg:1", "send", start_mono_ns=135, end_mono_ns=140, bytes=4, peer=1)]
+    ks = [r.KernelRec(160, 7, "gemm", 150, 160, launch_start_mono_ns=140)]
+    out = summarize(ops, ks, steps=[(5, 90, 200), (6, 290, 400)])
+    by = {(s.comm_id, s.op, s.step): s for s in out}
+    ar5 = by[("pg:0", "all_reduce", 5)]
+    assert (ar5.calls, ar5.bytes, ar5.busy_ns, ar5.max_ns, ar5.seq_first, ar5.seq_last) == (2, 16, 20, 10, 1, 2)
+    assert by[("pg:0", "all_reduce", 6)].calls == 1
+    assert by[("pg:1", "send", 5)].bytes == 4
+    k = by[("", "kernels", 5)]
+    assert (k.kernels, k.issue_latency_ns_sum, k.busy_ns) == (1, 10, 10)
+
+
+def test_commlog_keeps_the_stream_on_the_node_and_returns_summaries(tmp_path):
+    log = CommLog(str(tmp_path), "kineto", max_records=1000)
+    ops = [r.CommOp(10 + i, "backend_thread", 7, "pg:0", "all_reduce", rank=i % 2, seq=i, start_mono_ns=5 + i,
+                    end_mono_ns=10 + i) for i in range(1200)]
+    summaries = log.add(ops)
+    assert sum(s.calls for s in summaries) == 1200
+    assert log.dropped > 0  # the ring bound: oldest rows deleted in chunks and counted
+    kept = log.store.records(["commop"])
+    assert len(kept) + log.dropped == 1200
+    back = decode_records(records_payload(log.store.records(["commop"], ranks={1}, limit=5)))
+    assert [rec.rank for _, rec in back] == [1] * 5 and all(src == "kineto" for src, _ in back)
+    assert os.path.exists(tmp_path / "detail.db")
+    log.close()
