@@ -4,7 +4,12 @@ programs handled per second, and the agent's user-space CPU per Gbit/s of traffi
 Runs (root): interleaved pairs (ABBA order) of ~3 s loopback transfers (a sender and a receiver process, 1 MiB
 sends), once without probes and once with a netflows source loaded in a separate agent process that
 calls step() every 1 s (include_loopback = true, so lo traffic is what it counts). Medians over the
-pairs; the last stdout line is one JSON object.
+pairs; then one more loaded transfer with the kernel's BPF statistics on gives the time per program run.
+The last stdout line is one JSON object.
+
+On loopback both ends of every packet are on this host: the TX and the RX program both run, on the
+sender's CPU (lo delivers in the sender's softirq), for each packet; between two hosts each host runs one
+of them per packet.
 
     .venv/bin/python bench/ebpf.py                # 5 pairs of 3 s
     .venv/bin/python bench/ebpf.py --pairs 3 --seconds 2
@@ -85,6 +90,40 @@ def transfer(seconds: float) -> tuple[float, int, float]:
     return got * 8 / float(dur) / 1e9, got, float(dur)
 
 
+def _prog_stats() -> dict[str, tuple[int, int]]:
+    out = subprocess.run(["bpftool", "prog", "show", "-j"], capture_output=True, text=True, check=True).stdout
+    return {p["name"]: (p.get("run_time_ns", 0), p.get("run_cnt", 0)) for p in json.loads(out)
+            if p.get("name", "").startswith("steplens_nf")}
+
+
+def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
+    """ns per run of each program over one loaded transfer, from the kernel's BPF run-time statistics
+    (kernel.bpf_stats_enabled, switched on only for this run: it adds two clock reads per run)."""
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=REPO, env=env)
+    path = "/proc/sys/kernel/bpf_stats_enabled"
+    with open(path) as fh:
+        was = fh.read().strip()
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        with open(path, "w") as fh:
+            fh.write("1")
+        s0 = _prog_stats()
+        transfer(seconds)
+        s1 = _prog_stats()
+    finally:
+        with open(path, "w") as fh:
+            fh.write(was)
+        agent.stdin.write("stop\n"); agent.stdin.flush()
+        agent.communicate(timeout=60)
+    out = {}
+    for name, (t1, c1) in s1.items():
+        t0, c0 = s0.get(name, (0, 0))
+        if c1 > c0:
+            out[name.removeprefix("steplens_nf_")] = round((t1 - t0) / (c1 - c0), 1)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
@@ -122,6 +161,7 @@ def main() -> int:
         print(f"pair {i + 1}: without {without[-1]:6.2f} Gbit/s   with {with_[-1]:6.2f} Gbit/s   "
               f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
               flush=True)
+    cost = bpf_cost(args.seconds, env)
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
     gbit = with_bytes * 8 / 1e9
@@ -135,12 +175,15 @@ def main() -> int:
         "pairs": args.pairs,
         "seconds_per_run": args.seconds,
         "goal_slowdown_percent": 2,
+        "bpf_ns_per_run": cost,
     }
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
     print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2)")
     print(f"packets handled            {result['events_per_s']:,.0f} /s while loaded")
     print(f"agent CPU                  {result['agent_cpu_s_per_gbit'] * 1000:.3f} ms per Gbit transferred "
           f"({result['agent_cpu_percent']:.3f} % of one core)")
+    print("BPF time per program run   " + ", ".join(f"{k} {v:.0f} ns" for k, v in cost.items())
+          + " (separate run with kernel.bpf_stats_enabled)")
     print(json.dumps(result))
     return 0
 

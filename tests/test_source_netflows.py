@@ -295,3 +295,57 @@ def test_quiet_connection_burst_reported_once():
     data = [f for f in records if isinstance(f, Flow) and f.dport == port and f.bytes > 100_000]
     assert len(data) == 2, [(f.bytes, f.start_mono_ns) for f in data]
     assert all(f.pid == os.getpid() for f in data)
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close():
+    """A connection made before the programs were loaded has no entry in the socket cache: its first
+    packets are keyed by parsing headers, its first send() by reading struct sock. Counts must be the same
+    as for a fresh one, and closing the socket removes its cache entry."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    got = []
+
+    def drain():
+        c, _ = srv.accept()
+        n = 0
+        while True:
+            b = c.recv(1 << 20)
+            if not b:
+                break
+            n += len(b)
+        got.append(n)
+        c.close()
+
+    th = threading.Thread(target=drain)
+    th.start()
+    cl = socket.create_connection(("127.0.0.1", port))  # before the programs exist
+    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True))
+    src.start()
+    try:
+        src.step()
+        for _ in range(20):
+            cl.sendall(b"z" * 100_000)
+        socks = src._bpf[b"socks"]
+        cached = len(list(socks.keys()))
+        cl.close()
+        th.join(timeout=5)
+        srv.close()
+        time.sleep(0.05)
+        records = src.step()
+        left = len(list(socks.keys()))
+    finally:
+        src.stop()
+    assert got == [2_000_000]
+    mine = [c for c in records if isinstance(c, ConnStats) and c.dport == port]
+    assert sum(c.tx_payload_bytes for c in mine) == 2_000_000
+    assert 2_000_000 < sum(c.tx_bytes for c in mine) < 2_000_000 * 1.02  # payload + headers
+    theirs = [c for c in records if isinstance(c, ConnStats) and c.sport == port]
+    assert sum(c.rx_payload_bytes for c in theirs) == 2_000_000
+    assert cached >= 2 and left <= cached - 2, (cached, left)  # both ends cached while open, gone at close

@@ -32,6 +32,7 @@
 #define FILTER_IFACES {{FILTER_IFACES}}
 #define INCLUDE_LOOPBACK {{INCLUDE_LOOPBACK}}
 #define FLOW_RX {{FLOW_RX}}
+#define SRTT_EVERY_NS 100000000ULL  /* 100 ms */
 
 #define DIR_TX 0
 #define DIR_RX 1
@@ -51,7 +52,7 @@ struct conn_key {
 struct conn_val {
     u64 tx_bytes, rx_bytes, tx_packets, rx_packets;
     u64 tx_payload, rx_payload, retransmits;
-    u64 first_ns, last_ns;
+    u64 first_ns, last_ns, srtt_read_ns;
     u32 srtt_us, pid;
     u32 closed, _pad;
     char comm[16];
@@ -67,6 +68,10 @@ struct flow_ev {
 
 BPF_HASH(conns, struct conn_key, struct conn_val, MAX_CONNECTIONS);
 BPF_HASH(ifaces, u32, u8, 64);
+/* struct sock * -> its connection key, filled on a socket's first send/recv (or retransmit): the
+   per-call hooks and the TX packet hook then skip the 4-tuple reads and the header parse. LRU, so
+   sockets that vanish without a TCP_CLOSE we saw cannot fill it; entries are also deleted at close. */
+BPF_TABLE("lru_hash", u64, struct conn_key, socks, MAX_CONNECTIONS);
 BPF_PERCPU_ARRAY(counters, u64, N_COUNTERS);
 BPF_RINGBUF_OUTPUT(flows, RINGBUF_PAGES);
 
@@ -92,11 +97,15 @@ static __always_inline int loopback_addr(u32 a) {
     return (a & 0xff) == 127;  /* 127.0.0.0/8, network order */
 }
 
-/* One packet of `len` wire bytes in direction dir: cumulative counters and the open burst. */
+/* One packet of `len` wire bytes in direction dir: cumulative counters and the open burst.
+   Without rx_flows the RX side keeps no burst state and reads no clock (its counters are all that is
+   used; last_ns, for idle expiry, is kept by the TX and per-call hooks, which see every live socket). */
 static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
-    u64 now = bpf_ktime_get_ns();
-    struct conn_val *v = get_conn(k, now);
-    if (!v) return;
+    struct conn_val *v = conns.lookup(k);
+    if (!v) {
+        v = get_conn(k, bpf_ktime_get_ns());
+        if (!v) return;
+    }
     count(CNT_PACKETS, 1);
     if (dir == DIR_TX) {
         __sync_fetch_and_add(&v->tx_bytes, len);
@@ -104,14 +113,15 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
     } else {
         __sync_fetch_and_add(&v->rx_bytes, len);
         __sync_fetch_and_add(&v->rx_packets, 1);
+        if (!FLOW_RX) return;
     }
+    u64 now = bpf_ktime_get_ns();
     v->last_ns = now;
     u32 d = dir & 1;
     u64 last = v->b_last[d];
     if (last != 0 && now > last && now - last > IDLE_GAP_NS) {
         /* the burst ended at `last`: hand it to user space and start a new one with this packet */
-        struct flow_ev *ev = 0;
-        if (d == DIR_TX || FLOW_RX) ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
+        struct flow_ev *ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
         if (ev) {
             ev->key = *k;
             ev->dir = d;
@@ -121,7 +131,7 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
             ev->bytes = v->b_bytes[d];
             ev->packets = v->b_packets[d];
             flows.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);  /* user space polls; no wake-ups */
-        } else if (d == DIR_TX || FLOW_RX) {
+        } else {
             count(CNT_RINGBUF_OVERFLOW, 1);
         }
         v->b_start[d] = now;
@@ -142,6 +152,7 @@ struct skb_fields { unsigned char *head; unsigned char *data; void *sk; void *de
 
 static __always_inline int read_skb(void *skb, struct skb_fields *f) {
     u8 b[SKB_READ_LEN];
+    /* one read of the struct's head (every field a packet hook uses lies in it) */
     if (bpf_probe_read_kernel(b, sizeof(b), skb)) return -1;
     __builtin_memcpy(&f->head, b + OFF_SKB_HEAD, sizeof(f->head));
     __builtin_memcpy(&f->data, b + OFF_SKB_DATA, sizeof(f->data));
@@ -176,6 +187,7 @@ static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u
 }
 
 static __always_inline int dev_wanted(void *dev) {
+    if (INCLUDE_LOOPBACK && !FILTER_IFACES) return 1;  /* every device counts: skip the read */
     u32 ifindex = 0;
     bpf_probe_read_kernel(&ifindex, sizeof(ifindex), dev + OFF_DEV_IFINDEX);
     if (!INCLUDE_LOOPBACK && ifindex == 1) return 0;  /* lo is ifindex 1 in every namespace */
@@ -190,6 +202,15 @@ int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
     if (read_skb((void *)ctx->args[0], &f)) return 0;
     /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
     if (!f.sk || !dev_wanted(dev)) return 0;
+    u64 skp = (u64)f.sk;
+    struct conn_key *known = socks.lookup(&skp);
+    if (known) {  /* a socket that sent or received before: no header parse */
+        struct conn_key k = *known;
+        account(&k, DIR_TX, f.len);
+        return 0;
+    }
+    /* SYNs, SYN-ACKs (skb->sk is then a request sock), RSTs, and sockets older than the agent that have not
+       sent since: parse the headers */
     u32 saddr, daddr; u16 sport, dport;
     if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
     struct conn_key k = {.laddr = saddr, .raddr = daddr, .lport = sport, .rport = dport};
@@ -212,7 +233,14 @@ int steplens_nf_rx(struct bpf_raw_tracepoint_args *ctx) {
     return 0;
 }
 
+/* The socket's key: from the socks map, else read from struct sock (and remembered). */
 static __always_inline int sock_key(void *sk, struct conn_key *k) {
+    u64 skp = (u64)sk;
+    struct conn_key *known = socks.lookup(&skp);
+    if (known) {
+        *k = *known;
+        return 0;
+    }
     u16 family = 0, proto = 0;
     bpf_probe_read_kernel(&family, sizeof(family), sk + OFF_SKC_FAMILY);
     if (family != 2 /* AF_INET */) return -1;
@@ -225,6 +253,7 @@ static __always_inline int sock_key(void *sk, struct conn_key *k) {
     bpf_probe_read_kernel(&dport, sizeof(dport), sk + OFF_SKC_DPORT);
     k->rport = ntohs(dport);
     if (!INCLUDE_LOOPBACK && loopback_addr(k->raddr)) return -1;
+    if (k->lport && k->rport) socks.update(&skp, k);  /* connected: the 4-tuple is final */
     return 0;
 }
 
@@ -242,9 +271,14 @@ static __always_inline void payload(struct bpf_raw_tracepoint_args *ctx, u32 dir
     count(CNT_SOCK_EVENTS, 1);
     if (dir == DIR_TX) {
         __sync_fetch_and_add(&v->tx_payload, (u64)ret);
-        u32 srtt = 0;  /* smoothed RTT, stored << 3 by the kernel; read per send() rather than per segment */
-        bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
-        if (srtt) v->srtt_us = srtt >> 3;
+        /* smoothed RTT (stored << 3 by the kernel), read at most every SRTT_EVERY_NS per connection: the
+           field sits in a line the ACK path on another CPU keeps writing, so each read is a cache miss */
+        if (now - v->srtt_read_ns > SRTT_EVERY_NS) {
+            u32 srtt = 0;
+            bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
+            if (srtt) v->srtt_us = srtt >> 3;
+            v->srtt_read_ns = now;
+        }
     }
     else __sync_fetch_and_add(&v->rx_payload, (u64)ret);
     u32 pid = bpf_get_current_pid_tgid() >> 32;
@@ -271,6 +305,8 @@ int steplens_nf_st(struct bpf_raw_tracepoint_args *ctx) {
     if ((int)ctx->args[2] != 7 /* TCP_CLOSE */) return 0;
     struct conn_key k = {};
     if (sock_key((void *)ctx->args[0], &k)) return 0;
+    u64 skp = (u64)ctx->args[0];
+    socks.delete(&skp);
     struct conn_val *v = conns.lookup(&k);
     if (v) v->closed = 1;
     return 0;
