@@ -47,7 +47,15 @@ sender's TX flow again (on one host, over lo or between namespaces, both ends ar
 burst would appear twice with the same src/dst, as Flow has no direction field). `rx_flows = true`
 adds receive-direction bursts, for peers that run no agent.
 
-Cost: see bench/ebpf.py (loopback throughput with and without the probes, agent CPU per Gbit).
+A socket cache (LRU hash, struct sock * -> key, filled at a socket's first send/recv, deleted at close)
+lets the per-call hooks and TX packets of known sockets skip the struct sock reads and the header parse;
+RX packets are parsed (skb->sk is not set yet at netif_receive_skb).
+
+Cost (bench/ebpf.py, 2-core VM, loopback at ~36 Gbit/s with 64 KiB skbs, both programs on the sender's
+CPU): ~6.7% lower throughput with the probes (14.8% before the socket cache); BPF time per run tx ~310 ns,
+rx ~380 ns, send() ~880 ns, recv() ~240 ns. An empty program attached to the same tracepoints costs
+~80 ns per run here, and the sk_buff + header reads ~130 ns: the remaining cost is those reads and
+the map update, paid per skb.
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
 
