@@ -1,4 +1,4 @@
-"""steplens-agent: run | check | print-config. A thin layer over steplens.agent.main."""
+"""steplens-agent: run | check | print-config | stack | record | env. A thin layer over steplens.agent.main."""
 
 from __future__ import annotations
 
@@ -179,6 +179,24 @@ def cmd_record(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    import os
+
+    from steplens.agent import bootstrap
+    env = bootstrap.launch_env(kineto=args.kineto, flightrec=args.flightrec, nccl_log=args.nccl_log,
+                               cupti=args.cupti, runtime_dir=args.runtime_dir, fr_buffer_size=args.fr_buffer_size,
+                               nccl_log_dir=args.nccl_log_dir,
+                               pythonpath=os.environ.get("PYTHONPATH", "") if args.keep_pythonpath else "")
+    print("# steplens launch environment: put these in the job's environment (export, srun --export, torchrun env)")
+    for note in bootstrap.ATTACH_NOTES:
+        print(f"# {note}")
+    for key, value, why in env:
+        if args.explain:
+            print(f"# {why}")
+        print(f"{key}={value}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steplens-agent", description="steplens per-node agent")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -208,6 +226,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="store_true", help="stop the Python threads for each read")
     p.add_argument("--proc-root", help="procfs mount (default /proc)")
     p.set_defaults(func=cmd_record)
+    p = sub.add_parser("env", help="KEY=VALUE lines for the job's launcher (Kineto, Flight Recorder bootstrap, NCCL logs)")
+    p.add_argument("--kineto", action=argparse.BooleanOptionalAction, default=True, help="KINETO_USE_DAEMON=1 (default on)")
+    p.add_argument("--flightrec", action=argparse.BooleanOptionalAction, default=True,
+                   help="the bootstrap on PYTHONPATH + Flight Recorder (default on)")
+    p.add_argument("--nccl-log", action=argparse.BooleanOptionalAction, default=True,
+                   help="NCCL_DEBUG=INFO init/coll logs for the NCCL topology (default on)")
+    p.add_argument("--cupti", action=argparse.BooleanOptionalAction, default=False,
+                   help="cupti-python kernel records in the bootstrap (GPU hosts; default off)")
+    p.add_argument("--runtime-dir", default="/run/steplens/fr", help="where the per-process sockets go")
+    p.add_argument("--fr-buffer-size", type=int, default=2000, help="Flight Recorder entries kept per process")
+    p.add_argument("--nccl-log-dir", default="/var/log/steplens/nccl", help="directory of the NCCL logs")
+    p.add_argument("--keep-pythonpath", action="store_true", help="append the current $PYTHONPATH after the bootstrap")
+    p.add_argument("--explain", action="store_true", help="a comment line before each variable")
+    p.set_defaults(func=cmd_env)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

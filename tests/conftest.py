@@ -43,6 +43,10 @@ enabled = false
 
 [sources.netflows]
 enabled = false
+
+# comm-op sources have their own tests
+[sources.flightrec]
+enabled = false
 """
 
 

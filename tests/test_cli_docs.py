@@ -9,7 +9,7 @@ import pytest
 from conftest import AGENT, COLLECTOR, REPO, STEPLENS
 
 COMMANDS = [
-    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]),
+    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]), (AGENT, ["env"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
     (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]),

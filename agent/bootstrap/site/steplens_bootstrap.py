@@ -1,0 +1,154 @@
+"""steplens in-process bootstrap: starts torch's Flight Recorder worker server on a per-process Unix socket
+once torch.distributed is initialized, and (STEPLENS_CUPTI=1, GPU hosts) cupti-python kernel records.
+
+Loaded at interpreter start from sitecustomize.py or steplens_bootstrap.pth in this directory; standard
+library only (the job's Python need not have steplens installed). `install()` does nothing unless
+STEPLENS_BOOTSTRAP=1 and never raises into the program.
+
+What it does when enabled:
+- defaults TORCH_FR_BUFFER_SIZE (Flight Recorder ring, entries) and, for NCCL process groups,
+  TORCH_NCCL_ENABLE_TIMING=1 and TORCH_NCCL_DEBUG_INFO_PIPE_FILE=<runtime dir>/<pid>.fr-pipe-
+  (torch then listens on `<stem><rank>.pipe`; a write there dumps the trace). The two NCCL variables
+  are unverified here (no GPU): they only matter to ProcessGroupNCCL, and gloo ignores them.
+- does not import torch. A daemon thread looks at sys.modules every `STEPLENS_BOOTSTRAP_POLL_S`
+  (0.25 s) until `torch.distributed` is fully imported and initialized, then starts
+  `torch._C._distributed_c10d._WorkerServer(<runtime dir>/<pid>.sock)` and ends. A process that never
+  imports torch pays for one sleeping thread that wakes 4 times a second (a dict lookup each).
+- STEPLENS_CUPTI=1: once torch.cuda is initialized, steplens_cupti.start_if_allowed() (see there for the
+  Kineto arbitration rule); the thread then ends when both are done.
+- runtime dir: $STEPLENS_RUNTIME_DIR, default /run/steplens/fr; when that cannot be created or written,
+  <tmp>/steplens-fr-<uid> (the agent's flightrec source looks in both by default).
+The socket is removed at exit (atexit); a killed process leaves it behind, and the agent reports the
+refused connection once.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import threading
+import time
+
+DEFAULT_RUNTIME_DIR = "/run/steplens/fr"
+DEFAULT_FR_BUFFER_SIZE = "2000"
+
+_state = {"installed": False, "server": None, "socket": "", "error": "", "cupti": None}
+
+
+def runtime_dir() -> str:
+    """The first of $STEPLENS_RUNTIME_DIR (default /run/steplens/fr) and <tmp>/steplens-fr-<uid>
+    that exists or can be created, and is writable."""
+    for d in (os.environ.get("STEPLENS_RUNTIME_DIR") or DEFAULT_RUNTIME_DIR,
+              os.path.join(tempfile.gettempdir(), f"steplens-fr-{os.getuid()}")):
+        try:
+            os.makedirs(d, mode=0o755, exist_ok=True)
+            if os.access(d, os.W_OK | os.X_OK):
+                return d
+        except OSError:
+            continue
+    return tempfile.gettempdir()
+
+
+def socket_path(pid: int | None = None, directory: str | None = None) -> str:
+    return os.path.join(directory or runtime_dir(), f"{pid or os.getpid()}.sock")
+
+
+def install() -> bool:
+    """Set the launch defaults and start the watcher thread; True when it did (once per process)."""
+    try:
+        if _state["installed"] or os.environ.get("STEPLENS_BOOTSTRAP") != "1":
+            return False
+        _state["installed"] = True
+        d = runtime_dir()
+        os.environ.setdefault("TORCH_FR_BUFFER_SIZE", DEFAULT_FR_BUFFER_SIZE)
+        os.environ.setdefault("TORCH_NCCL_ENABLE_TIMING", "1")
+        os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", os.path.join(d, f"{os.getpid()}.fr-pipe-"))
+        poll_s = float(os.environ.get("STEPLENS_BOOTSTRAP_POLL_S", "0.25") or 0.25)
+        threading.Thread(target=_watch, args=(d, poll_s), name="steplens-bootstrap", daemon=True).start()
+        return True
+    except Exception as exc:
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+        return False
+
+
+def _imported(name: str):
+    """The module if it is in sys.modules and done executing (not half-way through its import)."""
+    mod = sys.modules.get(name)
+    if mod is None:
+        return None
+    spec = getattr(mod, "__spec__", None)
+    if spec is not None and getattr(spec, "_initializing", False):
+        return None
+    return mod
+
+
+def _watch(directory: str, poll_s: float) -> None:
+    want_cupti = os.environ.get("STEPLENS_CUPTI") == "1"
+    server_done = False
+    try:
+        while not server_done or want_cupti:
+            time.sleep(poll_s)
+            if _imported("torch") is None:
+                continue
+            if want_cupti:
+                cuda = _imported("torch.cuda")
+                try:
+                    if cuda is not None and cuda.is_initialized():
+                        want_cupti = False
+                        _start_cupti()
+                except Exception:
+                    pass
+            dist = _imported("torch.distributed")
+            if server_done or dist is None:
+                continue
+            try:
+                if not (dist.is_available() and dist.is_initialized()):
+                    continue
+            except Exception:
+                continue
+            server_done = True
+            _start_server(directory)
+    except Exception as exc:  # never into the program; interpreter shutdown lands here too
+        _state["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _start_server(directory: str) -> None:
+    from torch._C._distributed_c10d import _WorkerServer
+    path = socket_path(directory=directory)
+    try:
+        os.unlink(path)  # a stale socket of an earlier process with this pid
+    except FileNotFoundError:
+        pass
+    _state["server"] = _WorkerServer(path)
+    _state["socket"] = path
+    import atexit
+    atexit.register(_shutdown)
+
+
+def _start_cupti() -> None:
+    try:
+        import steplens_cupti
+        _state["cupti"] = steplens_cupti.start_if_allowed(runtime_dir())
+    except Exception as exc:
+        _state["error"] = f"cupti: {type(exc).__name__}: {exc}"
+
+
+def _shutdown() -> None:
+    server, path = _state["server"], _state["socket"]
+    _state["server"] = None
+    try:
+        if server is not None:
+            server.shutdown()
+    except Exception:
+        pass
+    try:
+        if path:
+            os.unlink(path)
+    except OSError:
+        pass
+
+
+def status() -> dict:
+    """For tests and debugging: what the bootstrap did in this process."""
+    return {k: v for k, v in _state.items() if k != "server"} | {"server": _state["server"] is not None}

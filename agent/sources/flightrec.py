@@ -1,0 +1,374 @@
+"""flightrec: torch.distributed Flight Recorder entries of workload processes, as CommOps.
+
+Reads: the per-process Unix sockets `<pid>.sock` that the steplens bootstrap (agent/bootstrap/site, loaded
+with PYTHONPATH + STEPLENS_BOOTSTRAP=1) opens with torch's `_WorkerServer`, in `socket_dirs`; only pids the
+procs source reports as workloads are polled. Each step sends `POST /handler/fr_trace_json` (HTTP/1.1 over
+the socket; torch 2.13 answers 200 with one JSON document: version, entries, pg_config, pg_status,
+nccl_comm_state) and, where the process has that handler, `dump_nccl_trace_json` (NCCL builds; unverified
+here, no GPU). Verified layout versions: `accepted_versions` (torch 2.13 writes "2.10"); a dump of another
+version is reported once as an Event and skipped, so an upgrade never produces wrong records silently.
+
+Entries -> CommOp: collective_seq_id is the seq (it agrees across the ranks of a group), process_group
+(name, desc) -> comm_id "pg:<name>", comm_desc, sizes x dtype -> count and bytes, time_created_ns
+(CLOCK_REALTIME) -> issue time, timing "cpu_enqueue"; with NCCL timing (duration_ms present) the entry
+also gets start/end and timing "cuda_event". Members are filled from pg_config where the dump lists ranks
+(gloo in 2.13 does not), and for the default group ("0") from the process's WORLD_SIZE. An entry is
+emitted once, when retired or completed; entries are deduplicated per process by record_id across polls.
+When the ring wrapped between two polls (the oldest record_id in a dump is past the last one seen + 1),
+the lost entries are counted (`lost_entries`) and reported as an Event.
+
+Failures are reported once per process and kind, then the process is retried after retry_seconds: a
+socket that refuses (a stale socket file of a killed process), a process that exits mid-poll, a
+truncated or non-JSON answer. The agent keeps running.
+
+Cost: one dump of a full 2000-entry ring is ~0.6 MB of JSON built by the job's worker-server thread
+(it holds the recorder's mutex while copying, not the GIL) and parsed here; at the default 1 s interval
+that is the whole cost. Not measured yet at scale; bench/commops.py is where it belongs.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+
+from steplens.agent.commlog import CommLog, RealtimeClock, dtype_bytes, normalize_op
+from steplens.agent.records import CommOp, Event
+from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
+
+ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
+
+
+@dataclass
+class FlightrecConfig(SourceConfig):
+    interval_seconds: float = 1.0                 # one dump per process per interval
+    socket_dirs: list = field(default_factory=lambda: ["/run/steplens/fr", "/tmp/steplens-fr-*"])
+    accepted_versions: list = field(default_factory=lambda: ["2.10"])  # Flight Recorder dump versions
+    request_timeout_seconds: float = 2.0          # per request to one process
+    retry_seconds: float = 30.0                   # re-try a process whose socket failed
+    max_processes: int = 64                       # processes polled at most
+    max_response_bytes: int = 64 * 1024 * 1024    # a larger answer is refused
+    detail_max_records: int = 2_000_000           # node-local CommOp ring (detail.db)
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.socket_dirs:
+            raise ConfigError("socket_dirs must name at least one directory")
+        if not self.accepted_versions:
+            raise ConfigError("accepted_versions must not be empty")
+        if not (0.01 <= self.request_timeout_seconds <= 60):
+            raise ConfigError("request_timeout_seconds must be within 0.01..60")
+        if self.retry_seconds < 0 or not (1 <= self.max_processes <= 4096):
+            raise ConfigError("retry_seconds must be >= 0 and max_processes within 1..4096")
+        if self.max_response_bytes < 4096 or self.detail_max_records < 1000:
+            raise ConfigError("max_response_bytes must be >= 4096 and detail_max_records >= 1000")
+
+
+class FlightrecError(Exception):
+    """A dump could not be had or read; `kind` names the failure for the Event."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+def http_post_unix(path: str, handler: str, timeout_s: float = 2.0, max_bytes: int = 64 << 20) -> tuple[int, bytes]:
+    """POST /handler/<handler> on the Unix socket at `path`: (status, body). Raises FlightrecError."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    try:
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            raise FlightrecError("refused", f"{path}: connection refused (stale socket?)") from None
+        except FileNotFoundError:
+            raise FlightrecError("gone", f"{path}: socket file vanished") from None
+        except OSError as exc:
+            raise FlightrecError("connect_failed", f"{path}: {exc}") from None
+        req = (f"POST /handler/{handler} HTTP/1.1\r\nHost: localhost\r\nContent-Length: 0\r\n"
+               "Connection: close\r\n\r\n").encode()
+        chunks, total = [], 0
+        try:
+            s.sendall(req)
+            while True:
+                b = s.recv(1 << 16)
+                if not b:
+                    break
+                chunks.append(b)
+                total += len(b)
+                if total > max_bytes:
+                    raise FlightrecError("too_large", f"{path}: answer larger than {max_bytes} bytes")
+        except (socket.timeout, TimeoutError):
+            raise FlightrecError("timeout", f"{path}: no complete answer in {timeout_s}s") from None
+        except OSError as exc:
+            raise FlightrecError("io_error", f"{path}: {exc}") from None
+    finally:
+        s.close()
+    data = b"".join(chunks)
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        raise FlightrecError("truncated", f"{path}: answer without HTTP header end ({len(data)} bytes)")
+    lines = head.split(b"\r\n")
+    try:
+        status = int(lines[0].split()[1])
+    except (IndexError, ValueError):
+        raise FlightrecError("bad_answer", f"{path}: not HTTP: {lines[0][:80]!r}") from None
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(b":") for ln in lines[1:])}
+    if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        body = _dechunk(body, path)
+    elif b"content-length" in headers:
+        want = int(headers[b"content-length"])
+        if len(body) < want:
+            raise FlightrecError("truncated", f"{path}: {len(body)} of {want} body bytes")
+        body = body[:want]
+    return status, body
+
+
+def _dechunk(body: bytes, path: str) -> bytes:
+    out, i = [], 0
+    while True:
+        j = body.find(b"\r\n", i)
+        if j < 0:
+            raise FlightrecError("truncated", f"{path}: chunked answer cut short")
+        n = int(body[i:j].split(b";")[0], 16)
+        if n == 0:
+            return b"".join(out)
+        out.append(body[j + 2:j + 2 + n])
+        i = j + 2 + n + 2
+
+
+@dataclass
+class Dump:
+    """One parsed Flight Recorder dump."""
+
+    version: str
+    entries: list
+    members: dict          # pg name -> [global ranks]
+    pg_sizes: dict         # pg name -> nranks
+
+
+def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
+    """A fr_trace_json answer -> Dump; FlightrecError("bad_json" | "unknown_version" | "bad_layout")."""
+    if isinstance(body, dict):
+        doc = body
+    else:
+        try:
+            doc = json.loads(body)
+        except ValueError as exc:
+            raise FlightrecError("bad_json", f"not JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise FlightrecError("bad_layout", f"top level is {type(doc).__name__}, not an object")
+    version = str(doc.get("version", ""))
+    if version not in accepted_versions:
+        raise FlightrecError("unknown_version", f"Flight Recorder dump version {version!r} is not one of the "
+                             f"verified versions {list(accepted_versions)}; skipped")
+    entries = doc.get("entries", [])
+    if not isinstance(entries, list):
+        raise FlightrecError("bad_layout", "entries is not a list")
+    members, sizes = {}, {}
+    for name, cfg in (doc.get("pg_config") or {}).items():
+        if not name or not isinstance(cfg, dict):
+            continue
+        ranks = cfg.get("ranks")
+        if isinstance(ranks, str):
+            try:
+                ranks = json.loads(ranks)
+            except ValueError:
+                ranks = []
+        if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
+            members[str(name)] = ranks
+            sizes[str(name)] = len(ranks)
+    return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes)
+
+
+def entry_done(e: dict) -> bool:
+    return bool(e.get("retired")) or e.get("state") == "completed"
+
+
+def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks: int = 0, rank: int = -1,
+                world_size: int = -1, job_key: str = "") -> CommOp:
+    """One Flight Recorder entry (layout 2.10) -> CommOp."""
+    pg = e.get("process_group") or ["", ""]
+    pg_name = str(pg[0]) if pg else ""
+    pg_desc = str(pg[1]) if len(pg) > 1 else ""
+    count = 0
+    for shape in e.get("input_sizes") or []:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        count += n
+    dtypes = e.get("input_dtypes") or e.get("output_dtypes") or []
+    dtype = str(dtypes[0]) if dtypes else ""
+    members = dump.members.get(pg_name, [])
+    nranks = dump.pg_sizes.get(pg_name, 0)
+    if not members and pg_name == "0" and world_size > 0:  # the default group is the world
+        members, nranks = list(range(world_size)), world_size
+    issue = clock.to_mono(int(e.get("time_created_ns") or 0))
+    start = end = 0
+    timing = "cpu_enqueue"
+    dur_ms = e.get("duration_ms")
+    if isinstance(dur_ms, (int, float)) and dur_ms >= 0 and e.get("time_discovered_started_ns"):
+        start = clock.to_mono(int(e["time_discovered_started_ns"]))
+        end = start + int(dur_ms * 1e6)
+        timing = "cuda_event"
+    p2p = bool(e.get("is_p2p"))
+    return CommOp(
+        mono_ns=end or issue, timing=timing, pid=pid, comm_id=f"pg:{pg_name}",
+        op=normalize_op(str(e.get("profiling_name", ""))), start_ticks=start_ticks,
+        comm_desc=pg_desc, rank=rank, group_rank=members.index(rank) if rank in members else -1,
+        nranks=nranks, members=members, count=count, dtype=dtype, bytes=count * dtype_bytes(dtype),
+        seq=-1 if p2p else int(e.get("collective_seq_id", -1)),
+        p2p_seq=int(e.get("p2p_seq_id", -1)) if p2p else -1,
+        issue_mono_ns=issue, start_mono_ns=start, end_mono_ns=end, job_key=job_key)
+
+
+class _Cursor:
+    """Per-process, per-endpoint dedup state: the highest record_id seen and entries seen but not done."""
+
+    __slots__ = ("high", "pending")
+
+    def __init__(self) -> None:
+        self.high = -1
+        self.pending: set[int] = set()
+
+
+def new_entries(dump: Dump, cur: _Cursor) -> tuple[list[dict], int]:
+    """The entries of `dump` to emit now (done and not emitted before) and how many were lost to the ring
+    wrapping since the previous dump. Updates `cur`."""
+    ents = sorted((e for e in dump.entries if isinstance(e.get("record_id"), int)), key=lambda e: e["record_id"])
+    if not ents:
+        return [], 0
+    lowest = ents[0]["record_id"]
+    lost = max(0, lowest - (cur.high + 1))
+    gone_pending = {r for r in cur.pending if r < lowest}
+    lost += len(gone_pending)
+    cur.pending -= gone_pending
+    out = []
+    for e in ents:
+        rid = e["record_id"]
+        if rid <= cur.high and rid not in cur.pending:
+            continue
+        if entry_done(e):
+            out.append(e)
+            cur.pending.discard(rid)
+        else:
+            cur.pending.add(rid)
+    cur.high = max(cur.high, ents[-1]["record_id"])
+    return out, lost
+
+
+class _Target:
+    __slots__ = ("key", "path", "cursors", "missing", "info")
+
+    def __init__(self, key, path, info) -> None:
+        self.key, self.path, self.info = key, path, info
+        self.cursors = {ep: _Cursor() for ep in ENDPOINTS}
+        self.missing: set[str] = set()  # endpoints this process does not serve
+
+
+class FlightrecSource(Source):
+    name = "flightrec"
+    description = "torch.distributed Flight Recorder entries (seq, pg, sizes) via the bootstrap's worker-server socket"
+    config_class = FlightrecConfig
+
+    @classmethod
+    def probe(cls, ctx) -> Availability:
+        return Availability.yes("polls processes launched with the steplens bootstrap (steplens-agent env)")
+
+    def start(self) -> None:
+        self.log = CommLog(self.ctx.state_dir, self.name, self.config.detail_max_records)
+        self.clock = RealtimeClock()
+        self.targets: dict[tuple[int, int], _Target] = {}
+        self.failed: dict[tuple[int, int], float] = {}
+        self.reported: set[tuple] = set()
+        self.lost_entries = 0
+        self.polls = 0
+
+    def _sockets(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for pattern in self.config.socket_dirs:
+            for d in sorted(glob.glob(pattern)):
+                try:
+                    names = os.listdir(d)
+                except OSError:
+                    continue
+                for n in names:
+                    stem, dot, ext = n.partition(".")
+                    if ext == "sock" and stem.isdigit():
+                        found.setdefault(int(stem), os.path.join(d, n))
+        return found
+
+    def _report(self, out: list, key, kind: str, message: str, once: bool = True) -> None:
+        if once:
+            if (key, kind) in self.reported:
+                return
+            self.reported.add((key, kind))
+        out.append(Event(self.ctx.mono_ns(), f"flightrec_{kind}", f"pid:{key[0]}:{key[1]}", message))
+
+    def step(self) -> list:
+        out: list = []
+        now = time.monotonic()
+        workloads = self.ctx.workloads.snapshot()
+        sockets = self._sockets()
+        for key in [k for k in self.targets if k not in workloads]:
+            del self.targets[key]
+        self.reported = {r for r in self.reported if r[0] in workloads}
+        for key, info in workloads.items():
+            if key in self.targets or key[0] not in sockets or len(self.targets) >= self.config.max_processes:
+                continue
+            if now - self.failed.get(key, -1e18) < self.config.retry_seconds:
+                continue
+            self.targets[key] = _Target(key, sockets[key[0]], info)
+        ops: list[CommOp] = []
+        for key, tgt in list(self.targets.items()):
+            try:
+                ops += self._poll(tgt, out)
+            except FlightrecError as exc:
+                gone = not os.path.exists(os.path.join(self.ctx.proc_root, str(key[0])))
+                kind = "process_exited" if gone else exc.kind
+                self._report(out, key, kind, str(exc) + (" (the process exited)" if gone else ""))
+                del self.targets[key]
+                self.failed[key] = now
+        self.polls += 1
+        out += self.log.add(ops)
+        return out
+
+    def _poll(self, tgt: _Target, out: list) -> list[CommOp]:
+        info = tgt.info
+        ops: list[CommOp] = []
+        for ep in ENDPOINTS:
+            if ep in tgt.missing:
+                continue
+            status, body = http_post_unix(tgt.path, ep, self.config.request_timeout_seconds,
+                                          self.config.max_response_bytes)
+            if status == 404 or (status >= 400 and ep != ENDPOINTS[0]):
+                tgt.missing.add(ep)  # e.g. dump_nccl_trace_json on a CPU build
+                continue
+            if status != 200:
+                raise FlightrecError("http_error", f"{tgt.path}: {ep} answered HTTP {status}: {body[:200]!r}")
+            try:
+                dump = parse_dump(body, self.config.accepted_versions)
+            except FlightrecError as exc:
+                if exc.kind == "unknown_version":
+                    self._report(out, tgt.key, exc.kind, f"{tgt.path} {ep}: {exc}")
+                    continue
+                raise
+            entries, lost = new_entries(dump, tgt.cursors[ep])
+            if lost:
+                self.lost_entries += lost
+                self._report(out, tgt.key, "ring_wrapped", f"{lost} Flight Recorder entries were overwritten "
+                             "before they were read (raise TORCH_FR_BUFFER_SIZE or poll more often)", once=False)
+                out[-1].value = float(lost)
+            for e in entries:
+                ops.append(entry_to_op(e, dump, self.clock, tgt.key[0], tgt.key[1], info.rank, info.world_size,
+                                       info.job_key))
+        return ops
+
+    def stop(self) -> None:
+        log = getattr(self, "log", None)
+        if log is not None:
+            self.log = None
+            log.close()

@@ -1,0 +1,168 @@
+"""The job-side bootstrap (agent/bootstrap/site): inert without STEPLENS_BOOTSTRAP=1, never breaks a
+Python start-up (also where torch is absent), does not import torch, chains to an existing
+sitecustomize; the .pth line for site directories; `steplens-agent env`; the cupti arbitration rule,
+the cupti record reader, and (gpu) cupti-python on a real GPU."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import AGENT, REPO
+from steplens.agent import bootstrap
+from steplens.agent.commlog import RealtimeClock
+
+SITE = bootstrap.site_dir()
+NO_TORCH_PY = next(iter(sorted(glob.glob("/root/.pyenv/versions/3.12*/bin/python"))), "")
+VENV_PY = os.path.join(REPO, ".venv", "bin", "python")
+
+PROBE = ("import sys, threading; "
+         "print(int('steplens_bootstrap' in sys.modules), int('torch' in sys.modules), "
+         "sorted(t.name for t in threading.enumerate() if t.name.startswith('steplens')))")
+
+
+def _run(py, code, **env):
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("STEPLENS_", "TORCH_"))}
+    base.update(env)
+    return subprocess.run([py, "-c", code], capture_output=True, text=True, timeout=60, env=base)
+
+
+@pytest.mark.skipif(not NO_TORCH_PY, reason="no pyenv 3.12 python")
+def test_inert_without_the_variable_and_harmless_without_torch(tmp_path):
+    out = _run(NO_TORCH_PY, PROBE, PYTHONPATH=SITE)
+    assert out.returncode == 0 and out.stderr == "" and out.stdout.split()[:2] == ["0", "0"], out
+    for value in ("0", "", "yes"):
+        out = _run(NO_TORCH_PY, PROBE, PYTHONPATH=SITE, STEPLENS_BOOTSTRAP=value)
+        assert out.stdout.split()[:2] == ["0", "0"], (value, out)
+    # enabled in an interpreter that has no torch at all: starts, waits, the program runs untouched
+    out = _run(NO_TORCH_PY, PROBE + "; import os; print(os.environ['TORCH_FR_BUFFER_SIZE'])",
+               PYTHONPATH=SITE, STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(tmp_path / "run"))
+    assert out.returncode == 0 and out.stderr == "", out
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("1 0 ['steplens-bootstrap']") and lines[1] == "2000"
+    # a runtime dir that cannot be created: falls back, still no error
+    out = _run(NO_TORCH_PY, "import steplens_bootstrap as b; print(b.runtime_dir())", PYTHONPATH=SITE,
+               STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR="/proc/steplens-cannot-exist")
+    assert out.returncode == 0 and out.stderr == "" and "steplens-fr-" in out.stdout, out
+    # the user's own TORCH_FR_BUFFER_SIZE wins
+    out = _run(NO_TORCH_PY, "import os; print(os.environ['TORCH_FR_BUFFER_SIZE'])", PYTHONPATH=SITE,
+               STEPLENS_BOOTSTRAP="1", TORCH_FR_BUFFER_SIZE="17", STEPLENS_RUNTIME_DIR=str(tmp_path))
+    assert out.stdout.strip() == "17"
+
+
+@pytest.mark.skipif(not NO_TORCH_PY, reason="no pyenv 3.12 python")
+def test_a_broken_bootstrap_never_breaks_start_up(tmp_path):
+    """Even a bootstrap module that raises on import leaves the program running."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("sitecustomize.py", "steplens_bootstrap.pth"):
+        (broken / name).write_text(open(os.path.join(SITE, name)).read())
+    (broken / "steplens_bootstrap.py").write_text("raise RuntimeError('boom')\n")
+    out = _run(NO_TORCH_PY, "print('alive')", PYTHONPATH=str(broken), STEPLENS_BOOTSTRAP="1")
+    assert out.returncode == 0 and out.stdout.strip() == "alive" and out.stderr == "", out
+    code = f"import site; site.addsitedir({str(broken)!r}); print('alive')"
+    out = _run(NO_TORCH_PY, code, STEPLENS_BOOTSTRAP="1")
+    assert out.returncode == 0 and out.stdout.strip() == "alive" and out.stderr == "", out
+
+
+@pytest.mark.skipif(not NO_TORCH_PY, reason="no pyenv 3.12 python")
+def test_pth_line_in_a_site_directory(tmp_path):
+    code = f"import site, sys; site.addsitedir({SITE!r}); print(int('steplens_bootstrap' in sys.modules))"
+    assert _run(NO_TORCH_PY, code).stdout.strip() == "0"
+    out = _run(NO_TORCH_PY, code, STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(tmp_path))
+    assert out.stdout.strip() == "1" and out.stderr == "", out
+
+
+@pytest.mark.skipif(not NO_TORCH_PY, reason="no pyenv 3.12 python")
+def test_chains_to_the_sitecustomize_it_shadows(tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins; builtins.STEPLENS_TEST_CHAINED = True\n")
+    code = "import builtins; print(getattr(builtins, 'STEPLENS_TEST_CHAINED', False))"
+    for flag in ("0", "1"):
+        out = _run(NO_TORCH_PY, code, PYTHONPATH=os.pathsep.join([SITE, str(other)]), STEPLENS_BOOTSTRAP=flag,
+                   STEPLENS_RUNTIME_DIR=str(tmp_path))
+        assert out.stdout.strip() == "True" and out.stderr == "", out
+
+
+@pytest.mark.skipif(not os.path.exists(VENV_PY), reason="no .venv python")
+def test_does_not_import_torch_in_a_process_that_does_not(tmp_path):
+    """In the venv that has torch: a program that never imports it does not get it from the bootstrap."""
+    out = _run(VENV_PY, "import time; time.sleep(0.5); " + PROBE, PYTHONPATH=SITE, STEPLENS_BOOTSTRAP="1",
+               STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_RUNTIME_DIR=str(tmp_path))
+    assert out.returncode == 0 and out.stdout.split()[:2] == ["1", "0"], out
+    assert not list(tmp_path.glob("*.sock"))
+
+
+def test_env_command_prints_key_value_lines():
+    out = subprocess.run([AGENT, "env"], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0
+    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    assert pairs["KINETO_USE_DAEMON"] == "1" and pairs["STEPLENS_BOOTSTRAP"] == "1"
+    assert pairs["PYTHONPATH"] == SITE and os.path.exists(os.path.join(SITE, "sitecustomize.py"))
+    assert pairs["NCCL_DEBUG"] == "INFO" and pairs["NCCL_DEBUG_SUBSYS"] == "INIT,COLL"
+    assert pairs["NCCL_DEBUG_FILE"].endswith("nccl.%h.%p.log") and int(pairs["TORCH_FR_BUFFER_SIZE"]) > 0
+    comments = [ln for ln in out.stdout.splitlines() if ln.startswith("#")]
+    assert any("attach at run time" in c for c in comments) and any("at launch" in c for c in comments)
+    out = subprocess.run([AGENT, "env", "--no-kineto", "--no-nccl-log", "--cupti", "--fr-buffer-size", "50"],
+                         capture_output=True, text=True, timeout=30)
+    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    assert "KINETO_USE_DAEMON" not in pairs and "NCCL_DEBUG" not in pairs
+    assert pairs["STEPLENS_CUPTI"] == "1" and pairs["TORCH_FR_BUFFER_SIZE"] == "50"
+
+
+def test_cupti_arbitration_rule():
+    sys.path.insert(0, SITE)
+    try:
+        import steplens_cupti as c
+    finally:
+        sys.path.remove(SITE)
+    assert c.allowed({}, (12, 8))[0] is False
+    assert c.allowed({"STEPLENS_CUPTI": "1"}, (12, 8)) == (True, "")
+    ok, why = c.allowed({"STEPLENS_CUPTI": "1", "KINETO_USE_DAEMON": "1"}, (12, 8))
+    assert not ok and "13.2" in why
+    assert c.allowed({"STEPLENS_CUPTI": "1", "KINETO_USE_DAEMON": "1"}, (13, 2))[0]
+
+
+def test_read_cupti_joins_launches_and_keeps_partial_lines(tmp_path):
+    clock = RealtimeClock()
+    off = clock.offset_ns
+    path = tmp_path / "123.cupti.jsonl"
+    line = {"pid": 123, "dropped": 2,
+            "k": [["gemm", 0, 7, off + 2_000, off + 5_000, 42, 4, 1, 1, 128, 1, 1, 0]],
+            "a": [["runtime", 211, off + 1_000, off + 1_500, 42, 99]]}
+    path.write_text(json.dumps(line) + "\nnot json\n" + json.dumps(line)[:20])
+    kernels, pos, dropped = bootstrap.read_cupti(str(path), 0, clock, rank=3)
+    assert len(kernels) == 1 and dropped == 2 and pos == len(path.read_bytes()) - 20
+    k = kernels[0]
+    assert k.name == "gemm" and k.correlation_id == 42 and k.launch_api == "runtime:211" and k.rank == 3
+    assert abs(k.start_mono_ns - k.launch_start_mono_ns - 1_000) <= 1 and k.grid == [4, 1, 1]
+    assert bootstrap.read_cupti(str(path), pos, clock)[0] == []
+
+
+@pytest.mark.gpu
+def test_cupti_records_kernels_of_a_gemm_loop(tmp_path):
+    """Real GPU only: a GEMM loop under the bootstrap with STEPLENS_CUPTI=1 writes kernel + launch records."""
+    check = _run(VENV_PY, "import torch, cupti, sys; sys.exit(0 if torch.cuda.is_available() else 3)")
+    if check.returncode != 0:
+        pytest.skip("needs torch with CUDA, a GPU and cupti-python in .venv")
+    code = ("import torch, time\n"
+            "a = torch.randn(1024, 1024, device='cuda')\n"
+            "time.sleep(0.5)\n"
+            "for _ in range(50): a = a @ a; a = a / a.norm()\n"
+            "torch.cuda.synchronize()\n"
+            "import steplens_cupti; steplens_cupti.stop(); print(steplens_cupti.status())\n")
+    out = _run(VENV_PY, code, PYTHONPATH=SITE, STEPLENS_BOOTSTRAP="1", STEPLENS_CUPTI="1",
+               STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_RUNTIME_DIR=str(tmp_path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = list(tmp_path.glob("*.cupti.jsonl"))
+    assert files, out.stdout + out.stderr[-2000:]
+    kernels, _, _ = bootstrap.read_cupti(str(files[0]))
+    assert len(kernels) >= 50
+    assert all(k.end_mono_ns >= k.start_mono_ns > 0 for k in kernels)
+    assert sum(1 for k in kernels if k.launch_start_mono_ns) >= 25
