@@ -87,6 +87,17 @@ def main(argv: list[str] | None = None) -> int:
     if not DETECTORS:
         print("detectors: none registered yet (collector/analysis); precision, recall, F1 and localization "
               "accuracy will be reported here per detector and scenario")
+    print()
+    try:  # the simulator configured like the testbed, against the recorded testbed run (instant)
+        from steplens.sim import testbed as simtb
+        fx = simtb.load()
+        cmp_rows = simtb.compare(fx)
+        print(f"simulator vs recorded testbed (DP=2 x PP=2, {fx['date']}, {fx['machine']['node']}; "
+              f"`{fx.get('command', '')}`)")
+        print(simtb.table(cmp_rows))
+    except (OSError, ImportError, ValueError, KeyError) as e:
+        print(f"simulator vs testbed: skipped ({e})")
+    print()
     print(json.dumps({"scenarios": len(rows), "detectors": len(DETECTORS),
                       "results": [{k: r[k] for k in ("scenario", "worst_ratio", "median_ratio", "aborted_at")}
                                   for r in rows]}))

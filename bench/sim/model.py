@@ -48,6 +48,11 @@ class ModelConfig:
     hop_latency_us: float = 10.0
     optimizer_ms: float = 5.0
     jitter_cv: float = 0.02          # per rank per iteration, multiplicative on compute
+    schedule: str = "1f1b"           # or "gpipe": all forwards, then all backwards (the CPU testbed's default)
+    barrier_us: float = 0.0          # > 0: a world barrier after every forward micro-batch costing this much
+                                     # after the last arrival (the testbed's `extra_sync` fault)
+    send_rendezvous: bool = False    # a send completes only once its receiver has taken it (gloo), and a stage
+                                     # waits for all its sends before the DP all-reduce (the testbed's job)
     collective_timeout_s: float = 600.0
     base_ns: int = 1_767_225_600_000_000_000  # cluster time of the job start (2026-01-01T00:00:00Z)
     seed: int = 0
@@ -69,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"tp={self.tp} must divide gpus_per_node={self.gpus_per_node} (TP stays in a node)")
         if self.tp > self.gpus_per_node:
             raise ValueError(f"tp={self.tp} larger than a node ({self.gpus_per_node} GPUs) is not modelled")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"schedule must be 1f1b or gpipe, not {self.schedule!r}")
         for name in ("fwd_ms", "bwd_ms", "nic_gbps", "switch_gbps", "nvlink_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -128,6 +135,8 @@ class Iteration:
     ar_ns: list[list[float]]
     xfer_ns: list[list[float]]
     net: dict[str, float] = field(default_factory=dict)  # link/switch -> bandwidth divisor in force
+    sync_ns: list[list[float]] | None = None  # [s][d] time in per-micro-batch barriers (cfg.barrier_us > 0)
+    send_wait_ns: list[list[float]] | None = None  # [s][d] waiting for sends after the last op (send_rendezvous)
 
 
 @dataclass
@@ -151,6 +160,11 @@ def one_f_one_b(pp: int, m: int) -> list[list[tuple[str, int]]]:
         ops += [("B", i) for i in range(m - warm, m)]
         out.append(ops)
     return out
+
+
+def gpipe(pp: int, m: int) -> list[list[tuple[str, int]]]:
+    """Per stage: all forwards, then all backwards (micro-batch 0 first, as the testbed's job does)."""
+    return [[("F", i) for i in range(m)] + [("B", i) for i in range(m)] for _ in range(pp)]
 
 
 class Network:
@@ -254,7 +268,8 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
     rng = random.Random(cfg.seed)
     gauss = rng.gauss
     net = Network(cfg, topo)
-    sched = one_f_one_b(P, M)
+    sched = gpipe(P, M) if cfg.schedule == "gpipe" else one_f_one_b(P, M)
+    barrier = cfg.barrier_us * 1e3
     fwd, bwd, tpc = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6, cfg.tp_collective_ms * 1e6
     opt = cfg.optimizer_ms * 1e6
     cv = cfg.jitter_cv
@@ -311,12 +326,21 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
         ops: list[list[tuple]] = [[] for _ in range(P)]
         ptr = [0] * P
         remaining = P * 2 * M
+        sync = [[0.0] * D for _ in range(P)] if barrier > 0 else None
         while remaining:
             progressed = False
             for s in range(P):
                 sops = sched[s]
                 while ptr[s] < 2 * M:
                     kind, m = sops[ptr[s]]
+                    if sync is not None and ptr[s] and sops[ptr[s] - 1][0] == "F":
+                        # world barrier after the previous forward: every rank of every stage must have done it
+                        pm = sops[ptr[s] - 1][1]
+                        if any(fend[x][pm] is None for x in range(P)):
+                            break
+                        done = max(max(fend[x][pm]) for x in range(P)) + barrier
+                        sync[s] = [a + done - b for a, b in zip(sync[s], cur[s])]
+                        cur[s] = [done] * D
                     c = cur[s]
                     if kind == "F":
                         if s > 0:
@@ -345,6 +369,31 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
                     progressed = True
             if not progressed:
                 raise RuntimeError("1F1B schedule deadlocked (bug)")
+        if sync is not None:  # a last forward's barrier (no op after it on that stage)
+            for s in range(P):
+                if sched[s][-1][0] == "F":
+                    pm = sched[s][-1][1]
+                    done = max(max(fend[x][pm]) for x in range(P)) + barrier
+                    sync[s] = [a + done - b for a, b in zip(sync[s], cur[s])]
+                    cur[s] = [done] * D
+        send_wait = None
+        if cfg.send_rendezvous and P > 1:
+            # a send is taken when its receiver starts the op that consumes it (that op's start already is
+            # max(posted, sender end + transfer)); the stage waits for the last of them
+            recv_start = [{(kind, m): st for kind, m, _c, st, _e in ops[s]} for s in range(P)]
+            send_wait = [[0.0] * D for _ in range(P)]
+            for s in range(P):
+                done = cur[s]
+                for kind, m, _c, _st, _en in ops[s]:
+                    if kind == "F" and s < P - 1:
+                        taken = recv_start[s + 1][("F", m)]
+                    elif kind == "B" and s > 0:
+                        taken = recv_start[s - 1][("B", m)]
+                    else:
+                        continue
+                    done = [a if a > b else b for a, b in zip(done, taken)]
+                send_wait[s] = [a - b for a, b in zip(done, cur[s])]
+                cur[s] = done
         last_b = [max(cur[s]) for s in range(P)]
         start = end
         end = [0.0] * R
@@ -356,7 +405,7 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
         if keep_steps:
             res.step_ns.append([b - a for a, b in zip(start, end)])
         if sink is not None:
-            sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf))
+            sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait))
         res.iterations_done = it + 1
     res.end_ns = max(end) if end else 0.0
     return res

@@ -103,14 +103,19 @@ def main(argv: list[str] | None = None) -> int:
         sync_ctl = _read_json(ctl_all, cache).get("extra_sync") or {}
         storm = env_gc or bool(rank_ctl.get("gc_storm"))
         extra_sync = env_sync or (sync_ctl.get("start_step", -1) <= step < sync_ctl.get("end_step", -1))
-        t = {"compute": 0.0, "pipe_wait": 0.0, "allreduce": 0.0, "gc": 0.0, "sync": 0.0}
+        t = {"compute": 0.0, "pipe_wait": 0.0, "allreduce": 0.0, "gc": 0.0, "sync": 0.0,
+             "fwd": 0.0, "bwd": 0.0, "opt": 0.0, "compute_cpu": 0.0}
         pending: list = []
-        start_ns, start_mono = time.time_ns(), time.monotonic_ns()
+        start_ns, start_mono, start_cpu = time.time_ns(), time.monotonic_ns(), time.process_time()
 
-        def timed(kind, fn, *args):
-            t0 = time.perf_counter()
+        def timed(kind, fn, *args, phase=None):
+            t0, c0 = time.perf_counter(), time.thread_time()
             r = fn(*args)
-            t[kind] += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            t[kind] += dt
+            if phase:  # compute split (fwd / bwd / opt) and the main thread's CPU time in it
+                t[phase] += dt
+                t["compute_cpu"] += time.thread_time() - c0
             return r
 
         inputs, outputs = {}, {}
@@ -122,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 x = torch.empty(shape)
                 timed("pipe_wait", dist.recv, x, prev_rank)
                 x.requires_grad_(True)
-            y = timed("compute", model, x)
+            y = timed("compute", model, x, phase="fwd")
             inputs[m], outputs[m] = x, y
             if next_rank is not None:
                 pending.append(dist.isend(y.detach(), next_rank))
@@ -132,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         def backward(m):
             x, y = inputs.pop(m), outputs.pop(m)
             if next_rank is None:
-                loss = timed("compute", lambda: (y.float().pow(2).mean()))
-                timed("compute", loss.backward)
+                loss = timed("compute", lambda: (y.float().pow(2).mean()), phase="bwd")
+                timed("compute", loss.backward, phase="bwd")
             else:
                 g = torch.empty(shape)
                 timed("pipe_wait", dist.recv, g, next_rank)
-                timed("compute", y.backward, g)
+                timed("compute", y.backward, g, phase="bwd")
             if prev_rank is not None:
                 pending.append(dist.isend(x.grad, prev_rank))
 
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             n = p.numel()
             p.grad.copy_(flat[off:off + n].view_as(p))
             off += n
-        timed("compute", opt.step)
+        timed("compute", opt.step, phase="opt")
         opt.zero_grad(set_to_none=False)
 
         end_ns, end_mono = time.time_ns(), time.monotonic_ns()
@@ -174,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             "step_seconds": (end_mono - start_mono) / 1e9, "compute_seconds": t["compute"],
             "pipe_wait_seconds": t["pipe_wait"], "allreduce_seconds": t["allreduce"],
             "gc_seconds": t["gc"], "sync_seconds": t["sync"], "gc_storm": storm, "extra_sync": extra_sync,
+            "fwd_seconds": t["fwd"], "bwd_seconds": t["bwd"], "opt_seconds": t["opt"],
+            "compute_cpu_seconds": t["compute_cpu"], "cpu_seconds": time.process_time() - start_cpu,
         }) + "\n")
         step += 1
     dist.barrier()
