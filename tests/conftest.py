@@ -47,6 +47,9 @@ enabled = false
 # comm-op sources have their own tests
 [sources.flightrec]
 enabled = false
+
+[sources.kineto]
+enabled = false
 """
 
 

@@ -19,6 +19,7 @@ SOURCE_PATHS: dict[str, str] = {
     "netflows": "steplens.agent.sources.netflows:NetflowsSource",
     "sched": "steplens.agent.sources.sched:SchedSource",
     "gpuprobes": "steplens.agent.sources.gpuprobes:GpuprobesSource",
+    "kineto": "steplens.agent.sources.kineto:KinetoSource",
     "flightrec": "steplens.agent.sources.flightrec:FlightrecSource",
 }
 
