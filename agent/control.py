@@ -98,7 +98,8 @@ class DeepModeScheduler:
 
 MAX_FETCH_ROWS = 100_000
 MAX_FETCH_BYTES = 6 * 1024 * 1024  # a CommandResult must fit in one gRPC message (8 MiB)
-DETAIL_KINDS = ("stacks",)
+DETAIL_KINDS = ("stacks", "commops", "kernels")
+_RECORD_KINDS = {"commops": "commop", "kernels": "kernelrec"}  # detail kind -> DetailStore records kind
 
 
 class CommandHandler:
@@ -133,13 +134,38 @@ class CommandHandler:
         except Exception as exc:
             return ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"{type(exc).__name__}: {exc}")
 
+    def _fetch_records(self, cmd: ipb.Command, path: str, kinds: list[str], pids, budget: int) -> tuple[str, bytes]:
+        """CommOp / KernelRec records kept as serialized Records: re-wrapped into a RecordList unparsed.
+        Rank filter: a record's own rank (set by the source from the workload's environment) or a pid
+        of a workload with that rank."""
+        from steplens.agent.detail import DetailStore
+        from steplens.agent.transport.codec import records_payload
+        f = cmd.fetch
+        limit = min(f.limit or 100_000, MAX_FETCH_ROWS)
+        store = DetailStore(path)
+        try:
+            blobs = store.records([_RECORD_KINDS[k] for k in kinds], f.since_mono_ns, f.until_mono_ns or (1 << 63) - 1,
+                                  pids=pids if f.ranks else None, ranks=set(f.ranks) if f.ranks else None,
+                                  limit=limit + 1)
+        finally:
+            store.close()
+        truncated = len(blobs) > limit
+        blobs = blobs[:limit]
+        size = 0
+        for i, b in enumerate(blobs):
+            size += len(b) + 6
+            if size > budget:
+                blobs, truncated = blobs[:i], True
+                break
+        note = f"{len(blobs)} {'/'.join(kinds)} records" + (
+            " (truncated: narrow the time range or ranks, or raise the limit)" if truncated else "")
+        return note, records_payload(blobs)
+
     def _fetch(self, cmd: ipb.Command) -> ipb.CommandResult:
         """Node-local detail for a time range (this host's monotonic clock, filled in by the collector)
         as a RecordList: raw stack samples as one-sample StackSummary records."""
         import os
 
-        from steplens.agent.records import StackSummary
-        from steplens.agent.transport.codec import encode_records
         f = cmd.fetch
         kinds = list(f.kinds) or list(DETAIL_KINDS)
         unknown = sorted(set(kinds) - set(DETAIL_KINDS))
@@ -150,14 +176,32 @@ class CommandHandler:
         path = os.path.join(self.state_dir, "detail.db")
         if not os.path.exists(path):
             return ipb.CommandResult(command_id=cmd.command_id, ok=False,
-                                     message="no node-local detail yet (the pystacks source has not sampled anything)")
+                                     message="no node-local detail yet (no source has stored any: pystacks, kineto, "
+                                             "flightrec)")
         pids = None
         if f.ranks:
             procs = self.workloads.snapshot().values() if self.workloads is not None else []
             pids = {p.pid for p in procs if p.rank in set(f.ranks)}
-            if not pids:
-                return ipb.CommandResult(command_id=cmd.command_id, ok=True, message="no workload with those ranks",
-                                         payload=encode_records([]))
+        notes, parts = [], []
+        record_kinds = [k for k in kinds if k in _RECORD_KINDS]
+        budget = MAX_FETCH_BYTES // 2 if record_kinds and "stacks" in kinds else MAX_FETCH_BYTES
+        if record_kinds:
+            note, payload = self._fetch_records(cmd, path, record_kinds, pids, budget)
+            notes.append(note)
+            parts.append(payload)
+        if "stacks" in kinds:
+            note, payload = self._fetch_stacks(cmd, path, pids, budget)
+            notes.append(note)
+            parts.append(payload)
+        # serialized RecordLists concatenate into one RecordList (a repeated field's entries append)
+        return ipb.CommandResult(command_id=cmd.command_id, ok=True, message="; ".join(notes), payload=b"".join(parts))
+
+    def _fetch_stacks(self, cmd: ipb.Command, path: str, pids, budget: int) -> tuple[str, bytes]:
+        from steplens.agent.records import StackSummary
+        from steplens.agent.transport.codec import encode_records
+        f = cmd.fetch
+        if f.ranks and not pids:
+            return "no workload with those ranks", b""
         from steplens.agent.detail import DetailStore
         store = DetailStore(path)
         try:
@@ -176,10 +220,10 @@ class CommandHandler:
                                                    [(tuple(range(len(frames))), 1, int(r["gil"]),
                                                      int(r["state"] == "running"))], 0, "", r["state"])))
         payload = encode_records(items)
-        while len(payload) > MAX_FETCH_BYTES and items:
+        while len(payload) > budget and items:
             items = items[:len(items) * 3 // 4]
             truncated = True
             payload = encode_records(items)
         note = f"{len(items)} stack samples" + (" (truncated: narrow the time range or raise the limit)"
                                                  if truncated else "")
-        return ipb.CommandResult(command_id=cmd.command_id, ok=True, message=note, payload=payload)
+        return note, payload

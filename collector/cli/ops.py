@@ -285,6 +285,33 @@ def cmd_detail(stub, args) -> int:
     return 0
 
 
+def cmd_commops(stub, args) -> int:
+    now = time.time_ns()
+    since = now - int(parse_duration(args.since) * 1e9) if args.since else 0
+    kinds = ["commops"] + (["kernels"] if args.kernels else [])
+    reply = stub.FetchCommOps(cpb.CommOpsRequest(job_key=args.job, ranks=args.rank or [], since_ns=since,
+                                                 limit=args.limit, kinds=kinds), timeout=args.timeout + 35)
+    rows = json.loads(reply.records_json or "[]")
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+    else:
+        for node, msg in sorted(reply.messages.items()):
+            print(f"{node}: {msg}")
+        ops = [r for r in rows if r["kind"] == "commop"]
+        shown = ops[-args.show:]
+        table = [[r["rank"], r["comm_id"], r["op"], r["seq"] if r["seq"] >= 0 else "-", r["bytes"],
+                  _ago(r["start_ns"] or r["issue_ns"]), _us(r["end_ns"] - r["start_ns"]) if r["end_ns"] and r["start_ns"]
+                  else "-", r["source"], r["timing"]] for r in shown]
+        print(_table(table, ["RANK", "COMM", "OP", "SEQ", "BYTES", "START", "DURATION", "SOURCE", "TIMING"]))
+        if len(ops) > len(shown):
+            print(f"({len(ops) - len(shown)} older ops not shown; --show N or --json)")
+        kern = [r for r in rows if r["kind"] == "kernel"]
+        if kern:
+            lat = [r["issue_latency_ns"] for r in kern if r["issue_latency_ns"] is not None]
+            print(f"{len(kern)} kernels" + (f", issue latency median {_us(sorted(lat)[len(lat) // 2])}" if lat else ""))
+    return 0 if not reply.offline else 1
+
+
 def cmd_deep(stub, args) -> int:
     enable = args.action == "start"
     req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
@@ -353,6 +380,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show", type=int, default=20, help="rows printed in the table (default 20, newest)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_detail)
+    sp = sub.add_parser("commops", help="communication ops of a job, fetched on demand from its nodes' agents")
+    sp.add_argument("job", help="the job key, as `procs --json` reports it")
+    sp.add_argument("--rank", type=int, action="append", help="only these global ranks (repeatable)")
+    sp.add_argument("--since", default="5m", help="from this long ago (default 5m; '' for all kept)")
+    sp.add_argument("--limit", type=int, default=100000, help="records per node at most")
+    sp.add_argument("--kernels", action="store_true", help="also fetch GPU kernels (KernelRec)")
+    sp.add_argument("--show", type=int, default=40, help="rows printed in the table (default 40, newest)")
+    sp.add_argument("--json", action="store_true", help="one JSON list: rank, comm_id, op, seq, bytes, start_ns, "
+                                                         "end_ns, source, ... (cluster times)")
+    sp.set_defaults(func=cmd_commops)
     sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
     sp.add_argument("action", choices=["start", "stop"])
     sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")

@@ -39,6 +39,7 @@ class DecodedBatch:
     stacks: list = field(default_factory=list)     # (mono_ns, StackSummary msg)
     conns: list = field(default_factory=list)      # (mono_ns, ConnStats msg)
     flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
+    comm_summaries: list = field(default_factory=list)  # (mono_ns, source, CommSummary msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -110,6 +111,14 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
                 rej["stack summary with bad frame ids or times"] += 1
                 continue
             out.stacks.append((mono, st))
+        elif kind == "comm_summary":
+            c = rec.comm_summary
+            if c.start_mono_ns > mono or not c.op or len(c.comm_id) > MAX_NAME or len(c.job_key) > MAX_NAME:
+                rej["comm summary with bad times or names"] += 1
+                continue
+            out.comm_summaries.append((mono, rec.source, c))
+        elif kind in ("commop", "kernel"):
+            rej[f"{kind} record sent upstream (node-local detail: fetched on demand, not streamed)"] += 1
         else:
             rej["record with no known body"] += 1
     return out
@@ -139,8 +148,34 @@ def detail_json(payload: bytes, to_cluster) -> list[dict]:
     except (DecodeError, ValueError) as exc:
         raise BatchRejected(f"malformed detail payload: {exc}") from None
     out = []
+
+    def t(mono: int) -> int:
+        return to_cluster(mono) if mono else 0
+
     for rec in rl.records:
-        if rec.WhichOneof("body") == "stacks":
+        body = rec.WhichOneof("body")
+        if body == "commop":
+            c = rec.commop
+            out.append({"kind": "commop", "source": rec.source, "timing": c.timing, "rank": c.rank,
+                        "group_rank": c.group_rank, "nranks": c.nranks, "members": list(c.members),
+                        "comm_id": c.comm_id, "comm_desc": c.comm_desc, "op": c.op, "seq": c.seq,
+                        "p2p_seq": c.p2p_seq, "peer": c.peer, "root": c.root, "count": c.count, "dtype": c.dtype,
+                        "bytes": c.bytes, "pid": c.pid, "tid": c.tid, "device": c.device, "stream": c.stream,
+                        "job_key": c.job_key, "issue_ns": t(c.issue_mono_ns), "start_ns": t(c.start_mono_ns),
+                        "end_ns": t(c.end_mono_ns), "ts_ns": t(rec.mono_ns)})
+            continue
+        if body == "kernel":
+            k = rec.kernel
+            out.append({"kind": "kernel", "source": rec.source, "rank": k.rank, "pid": k.pid, "tid": k.tid,
+                        "device": k.device, "stream": k.stream, "name": k.name, "grid": list(k.grid),
+                        "block": list(k.block), "start_ns": t(k.start_mono_ns), "end_ns": t(k.end_mono_ns),
+                        "correlation_id": k.correlation_id, "launch_api": k.launch_api,
+                        "launch_start_ns": t(k.launch_start_mono_ns), "launch_end_ns": t(k.launch_end_mono_ns),
+                        "issue_latency_ns": (k.start_mono_ns - k.launch_start_mono_ns)
+                        if k.launch_start_mono_ns and k.start_mono_ns else None,
+                        "graph_id": k.graph_id, "ts_ns": t(rec.mono_ns)})
+            continue
+        if body == "stacks":
             st = rec.stacks
             frames = [{"function": f.function, "qualname": f.qualname, "file": f.file, "line": f.line}
                       for f in st.frames]

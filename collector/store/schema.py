@@ -104,6 +104,18 @@ CREATE TABLE conn_stats (
 CREATE INDEX conn_stats_end ON conn_stats (end_ns);
 """))
 
+MIGRATIONS.append((4, """
+CREATE TABLE comm_summaries (
+  agent_id TEXT NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL, pid INTEGER NOT NULL,
+  start_ticks INTEGER NOT NULL, job_key TEXT NOT NULL, rank INTEGER NOT NULL, comm_id TEXT NOT NULL,
+  op TEXT NOT NULL, step INTEGER NOT NULL, calls INTEGER NOT NULL, bytes INTEGER NOT NULL, busy_ns INTEGER NOT NULL,
+  max_ns INTEGER NOT NULL, seq_first INTEGER NOT NULL, seq_last INTEGER NOT NULL, timing TEXT NOT NULL,
+  source TEXT NOT NULL, issue_latency_ns_sum INTEGER NOT NULL, kernels INTEGER NOT NULL
+);
+CREATE INDEX comm_summaries_job ON comm_summaries (job_key, end_ns);
+CREATE INDEX comm_summaries_end ON comm_summaries (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -299,6 +299,14 @@ class StoreWriter:
                 [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.src, c.sport, c.dst, c.dport, c.tx_bytes,
                   c.rx_bytes, c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
                   c.srtt_us, c.pid, c.comm) for m, c in dec.conns])
+        if dec.comm_summaries:
+            conn.executemany(
+                "INSERT INTO comm_summaries(agent_id, start_ns, end_ns, pid, start_ticks, job_key, rank, comm_id, op,"
+                " step, calls, bytes, busy_ns, max_ns, seq_first, seq_last, timing, source, issue_latency_ns_sum,"
+                " kernels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank,
+                  c.comm_id, c.op, c.step, c.calls, c.bytes, c.busy_ns, c.max_ns, c.seq_first, c.seq_last, c.timing,
+                  src, c.issue_latency_ns_sum, c.kernels) for m, src, c in dec.comm_summaries])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
@@ -376,6 +384,7 @@ class StoreWriter:
             deleted += self.conn.execute("DELETE FROM stack_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM flows WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM conn_stats WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM comm_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("

@@ -292,6 +292,39 @@ class FetchReply(_message.Message):
     records_json: str
     def __init__(self, node_id: _Optional[str] = ..., message: _Optional[str] = ..., records_json: _Optional[str] = ...) -> None: ...
 
+class CommOpsRequest(_message.Message):
+    __slots__ = ("job_key", "ranks", "since_ns", "until_ns", "limit", "kinds")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    KINDS_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    since_ns: int
+    until_ns: int
+    limit: int
+    kinds: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_key: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., limit: _Optional[int] = ..., kinds: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CommOpsReply(_message.Message):
+    __slots__ = ("records_json", "messages", "offline")
+    class MessagesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RECORDS_JSON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    OFFLINE_FIELD_NUMBER: _ClassVar[int]
+    records_json: str
+    messages: _containers.ScalarMap[str, str]
+    offline: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, records_json: _Optional[str] = ..., messages: _Optional[_Mapping[str, str]] = ..., offline: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]
