@@ -183,10 +183,20 @@ def cmd_env(args) -> int:
     import os
 
     from steplens.agent import bootstrap
+    from steplens.agent.config import load
+    # the agent's own config decides where its kineto endpoint listens: the job must poll the same socket
+    cfg = load(args.config, check_transport=False)
+    kineto_dir = getattr(cfg.sources.get("kineto"), "socket_dir", "")
+    if args.runtime_dir is None:  # where the flightrec source looks: its first socket_dirs entry without a glob
+        dirs = [d for d in getattr(cfg.sources.get("flightrec"), "socket_dirs", []) if "*" not in d]
+        args.runtime_dir = dirs[0] if dirs else "/run/steplens/fr"
     env = bootstrap.launch_env(kineto=args.kineto, flightrec=args.flightrec, nccl_log=args.nccl_log,
                                cupti=args.cupti, runtime_dir=args.runtime_dir, fr_buffer_size=args.fr_buffer_size,
                                nccl_log_dir=args.nccl_log_dir,
                                pythonpath=os.environ.get("PYTHONPATH", "") if args.keep_pythonpath else "")
+    if args.kineto and kineto_dir:
+        env.insert(1, ("KINETO_IPC_SOCKET_DIR", kineto_dir,
+                       "kineto: the agent's [sources.kineto] socket_dir (filesystem socket instead of the abstract one)"))
     print("# steplens launch environment: put these in the job's environment (export, srun --export, torchrun env)")
     for note in bootstrap.ATTACH_NOTES:
         print(f"# {note}")
@@ -234,11 +244,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="NCCL_DEBUG=INFO init/coll logs for the NCCL topology (default on)")
     p.add_argument("--cupti", action=argparse.BooleanOptionalAction, default=False,
                    help="cupti-python kernel records in the bootstrap (GPU hosts; default off)")
-    p.add_argument("--runtime-dir", default="/run/steplens/fr", help="where the per-process sockets go")
+    p.add_argument("--runtime-dir", default=None, help="where the per-process sockets go (default: the agent "
+                                                           "config's [sources.flightrec] socket_dirs[0], /run/steplens/fr)")
     p.add_argument("--fr-buffer-size", type=int, default=2000, help="Flight Recorder entries kept per process")
     p.add_argument("--nccl-log-dir", default="/var/log/steplens/nccl", help="directory of the NCCL logs")
     p.add_argument("--keep-pythonpath", action="store_true", help="append the current $PYTHONPATH after the bootstrap")
     p.add_argument("--explain", action="store_true", help="a comment line before each variable")
+    p.add_argument("--config", help="the agent's config file (default /etc/steplens/agent.toml if present): "
+                                    "its [sources.kineto] socket_dir is passed on")
     p.set_defaults(func=cmd_env)
     args = parser.parse_args(argv)
     try:

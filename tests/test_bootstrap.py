@@ -116,6 +116,17 @@ def test_env_command_prints_key_value_lines():
     assert pairs["STEPLENS_CUPTI"] == "1" and pairs["TORCH_FR_BUFFER_SIZE"] == "50"
 
 
+def test_env_follows_the_agent_config(tmp_path):
+    """The job must poll the socket the agent's kineto source listens on, and put its Flight Recorder socket
+    where the flightrec source looks."""
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text('[sources.kineto]\nsocket_dir = "/run/sl/k"\n[sources.flightrec]\nsocket_dirs = ["/run/sl/fr"]\n')
+    out = subprocess.run([AGENT, "env", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    assert pairs["KINETO_IPC_SOCKET_DIR"] == "/run/sl/k" and pairs["STEPLENS_RUNTIME_DIR"] == "/run/sl/fr"
+
+
 def test_cupti_arbitration_rule():
     sys.path.insert(0, SITE)
     try:
