@@ -148,9 +148,9 @@ class CommLog:
     def __init__(self, state_dir: str, source: str, max_records: int = 2_000_000) -> None:
         import os
 
-        from steplens.agent.detail import DetailStore
+        from steplens.agent.detail import open_shared
         self.source = source
-        self.store = DetailStore(os.path.join(state_dir, "detail.db"), max_records=max_records)
+        self.store = open_shared(os.path.join(state_dir, "detail.db"), max_records=max_records)
         self.ops_total = 0
         self.kernels_total = 0
 
@@ -170,4 +170,5 @@ class CommLog:
         return self.store.records_dropped
 
     def close(self) -> None:
-        self.store.close()
+        from steplens.agent.detail import release_shared
+        release_shared(self.store)

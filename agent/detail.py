@@ -29,6 +29,41 @@ CREATE TABLE IF NOT EXISTS counters (key TEXT PRIMARY KEY, value INTEGER NOT NUL
 """
 
 
+_SHARED: dict[str, list] = {}  # realpath -> [store, users]
+_SHARED_LOCK = threading.Lock()
+
+
+def open_shared(path: str, max_stack_samples: int = 2_000_000, max_records: int = 2_000_000) -> "DetailStore":
+    """The agent process's one DetailStore for `path`: every source writes through the same connection, so
+    there is one SQLite writer and one bound per kind (the largest any user asked for). Release with
+    `release_shared()`; the last release closes it."""
+    key = os.path.realpath(path)
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is None:
+            entry = _SHARED[key] = [DetailStore(path, max_stack_samples, max_records), 0]
+        store = entry[0]
+        store.max_stack_samples = max(store.max_stack_samples, max_stack_samples)
+        store.max_records = max(store.max_records, max_records)
+        entry[1] += 1
+        return store
+
+
+def release_shared(store: "DetailStore") -> None:
+    key = os.path.realpath(store.path)
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is None or entry[0] is not store:
+            store.close()
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _SHARED[key]
+            store.close()
+        else:
+            store.flush()
+
+
 class DetailStore:
     def __init__(self, path: str, max_stack_samples: int = 2_000_000, max_records: int = 2_000_000) -> None:
         if max_stack_samples < 1000 or max_records < 1000:

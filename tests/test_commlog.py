@@ -63,3 +63,22 @@ def test_commlog_keeps_the_stream_on_the_node_and_returns_summaries(tmp_path):
     assert [rec.rank for _, rec in back] == [1] * 5 and all(src == "kineto" for src, _ in back)
     assert os.path.exists(tmp_path / "detail.db")
     log.close()
+
+
+def test_sources_share_one_store_per_file(tmp_path):
+    """kineto, flightrec and pystacks write through one DetailStore (one SQLite writer, one bound per kind)."""
+    from steplens.agent.detail import open_shared, release_shared
+    a = CommLog(str(tmp_path), "kineto", max_records=1000)
+    b = CommLog(str(tmp_path), "flightrec", max_records=5000)
+    assert a.store is b.store and a.store.max_records == 5000
+    st = open_shared(str(tmp_path / "detail.db"))
+    assert st is a.store
+    a.add([r.CommOp(5, "backend_thread", 7, "pg:0", "all_reduce")])
+    b.add([r.CommOp(6, "cpu_enqueue", 8, "pg:0", "all_reduce")])
+    a.close()
+    b.close()
+    assert len(st.records(["commop"])) == 2  # still open: one user left
+    release_shared(st)
+    c = CommLog(str(tmp_path), "kineto")
+    assert c.store is not st and len(c.store.records(["commop"])) == 2
+    c.close()

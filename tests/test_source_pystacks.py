@@ -194,6 +194,6 @@ def test_raw_samples_are_fetched_on_demand(tmp_path, collector, agents, target):
     from steplens.v1 import control_pb2_grpc as cgrpc
     with grpc.insecure_channel(collector.address) as ch:
         with pytest.raises(grpc.RpcError) as exc:
-            cgrpc.ControlStub(ch).FetchDetail(cpb.FetchRequest(node_id="det", kinds=["commops"]), timeout=40)
+            cgrpc.ControlStub(ch).FetchDetail(cpb.FetchRequest(node_id="det", kinds=["bogus"]), timeout=40)
     assert exc.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "unknown detail kind" in exc.value.details()
     assert a.stop() == 0

@@ -83,8 +83,8 @@ class PystacksSource(Source):
         return Availability.yes()
 
     def start(self) -> None:
-        from steplens.agent.detail import DetailStore
-        self.detail = DetailStore(os.path.join(self.ctx.state_dir, "detail.db"), self.config.detail_max_samples)
+        from steplens.agent.detail import open_shared
+        self.detail = open_shared(os.path.join(self.ctx.state_dir, "detail.db"), self.config.detail_max_samples)
         self.targets: dict[tuple[int, int], _Target] = {}
         self.failed: dict[tuple[int, int], float] = {}
         self.deep = False
@@ -191,5 +191,6 @@ class PystacksSource(Source):
             tgt.proc.close()
         self.targets = {}
         if getattr(self, "detail", None) is not None:
-            self.detail.close()
+            from steplens.agent.detail import release_shared
+            release_shared(self.detail)
             self.detail = None
