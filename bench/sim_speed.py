@@ -1,13 +1,20 @@
 """Simulator speed: simulated rank-iterations per second (goal: 8,192 GPUs x 100 iterations < 60 s on the
-2-core machine), the cost of writing records, and a streaming figure: N emulated agents (real Spool + real
-StreamClient each, spread over worker processes) through one real collector on loopback.
+2-core machine), the cost of writing records, and a streaming figure: N emulated agents (default 1,250 light
+asyncio agents, see bench/sim/lightagent.py; `--agent-kind real` for real Spool + StreamClient agents) spread
+over worker processes, through one real collector (a child process) on loopback.
 
-    .venv/bin/python bench/sim_speed.py [--stream-agents 256] [--stream-procs 4] [--no-stream] [--quick]
+    .venv/bin/python bench/sim_speed.py [--stream-agents 1250] [--stream-procs 2] [--agent-kind light|real]
+                                        [--stream-iterations 5] [--stream-batch-records 250]
+                                        [--no-stream | --stream-only] [--quick]
 
 The simulation figure is the model alone (no sink); the output figure writes step summaries for the same
-run to a temporary directory. For streaming, `backpressure_s_max` is how long a worker waited for the
-collector to drain its spools (the collector was the bottleneck) against `build_s_max` / `encode_append_s_max`
-(the simulator side). The last line of stdout is one JSON object.
+run to a temporary directory. Streaming prints: agents connected (the collector's Control ListNodes count,
+taken once every worker has its HelloAcks, before any batch), the time to connect all of them, records/s
+stored by the collector (its own counts, checked against the store: every agent's seqs 1..n, no duplicate)
+over the streaming phase (from the first batch until the last ack), collector and emulator CPU% (100% =
+one core) over that phase, and `backpressure_s` (the longest any worker waited on the collector: backlog
+full, then the final drain) against `build_s` (its own record building and encoding): whichever is larger
+is the bottleneck. The last line of stdout is one JSON object.
 """
 
 from __future__ import annotations
@@ -46,27 +53,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_stream(agents: int, procs: int, iterations: int, tmp: str) -> dict:
+def run_stream(agents: int, procs: int, iterations: int, tmp: str, kind: str = "light",
+               batch_records: int = 250, agents_per_channel: int = 100) -> dict:
+    import psutil
+
+    from bench.sim.stream import collector_nodes, store_check
     port = _free_port()
+    address = f"127.0.0.1:{port}"
     exe = os.path.join(os.path.dirname(sys.executable), "steplens-collector")
     cmd = ([exe] if os.path.exists(exe) else [sys.executable, "-m", "steplens.collector.cli.serve"])
     log = open(os.path.join(tmp, "collector.log"), "ab")
-    proc = subprocess.Popen(cmd + ["serve", "--db", os.path.join(tmp, "c.db"), "--listen", f"127.0.0.1:{port}",
-                                   "--insecure"], stdout=subprocess.PIPE, stderr=log)
+    db = os.path.join(tmp, "c.db")
+    proc = subprocess.Popen(cmd + ["serve", "--db", db, "--listen", address, "--insecure"],
+                            stdout=subprocess.PIPE, stderr=log)
     try:
         line = proc.stdout.readline().decode()
         if "listening" not in line:
             raise RuntimeError(f"collector did not start: {line!r}")
+        cp = psutil.Process(proc.pid)
+
+        def cpu() -> float:
+            t = cp.cpu_times()
+            return t.user + t.system
+        marks = {"start": (time.perf_counter(), cpu())}
+
+        def on_phase(name: str, info: dict) -> None:
+            marks[name] = (time.perf_counter(), cpu())
+            if name == "connected":
+                marks["seen"] = collector_nodes(address)
+                marks[name] = (time.perf_counter(), cpu())  # the ListNodes call is not streaming work
         # one node per agent, 8 GPUs each: DP = agents, PP = 8, TP = 1
         cfg = ModelConfig(dp=agents, pp=8, tp=1, micro_batches=8, iterations=iterations, seed=1)
         faults = [parse_fault("slow_gpu:3:1:2", cfg.topology())]
-        out = stream(cfg, faults, StreamConfig(collector=f"127.0.0.1:{port}", agents=agents, procs=procs,
+        out = stream(cfg, faults, StreamConfig(collector=address, agents=agents, procs=procs, agent_kind=kind,
                                                state_dir=os.path.join(tmp, "spools"), connect_timeout_s=120,
-                                               drain_timeout_s=300))
-        import psutil
-        out["collector_cpu_s"] = round(sum(psutil.Process(proc.pid).cpu_times()[:2]), 1)
+                                               drain_timeout_s=300, batch_records=batch_records,
+                                               agents_per_channel=agents_per_channel),
+                     on_phase=on_phase)
+        seen = collector_nodes(address)
+        store = store_check(db)
+        (tc, cc), (ts, cs) = marks["connected"], marks["streamed"]
+        phase_s = max(1e-9, ts - tc)
+        out["collector_connected"] = marks["seen"]["connected"]
+        out["collector_records_stored"] = seen["records_stored"]
+        out["collector_batches_duplicate"] = seen["batches_duplicate"]
+        out["collector_records_rejected"] = seen["records_rejected"]
+        out["store"] = store
+        out["stored_records_per_s"] = round(store["records"] / out["stream_s"], 1) if out["stream_s"] else 0.0
+        out["collector_cpu_percent"] = round(100 * (cs - cc) / phase_s, 1)
+        out["collector_connect_cpu_percent"] = round(
+            100 * (cc - marks["start"][1]) / max(1e-9, tc - marks["start"][0]), 1)
+        out["emulator_cpu_percent"] = round(100 * out["emulator_stream_cpu_s"] / out["stream_s"], 1) \
+            if out["stream_s"] else 0.0
+        out["collector_cpu_s"] = round(cpu(), 1)
         out["gpus"] = cfg.gpus
         out["iterations"] = iterations
+        log.flush()
+        with open(log.name, errors="replace") as f:
+            warnings = [x.strip() for x in f if " WARNING " in x or " ERROR " in x]
+        out["collector_warnings"] = len(warnings)
+        out["collector_warning_sample"] = warnings[:3]
         return out
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -74,20 +120,45 @@ def run_stream(agents: int, procs: int, iterations: int, tmp: str) -> dict:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(10)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="1,024 GPUs x 20 iterations instead of 8,192 x 100")
     ap.add_argument("--no-stream", action="store_true")
-    ap.add_argument("--stream-agents", type=int, default=256)  # 1,250: the collector misses Hellos (see README)
-    ap.add_argument("--stream-procs", type=int, default=4)
-    ap.add_argument("--stream-iterations", type=int, default=3)
+    ap.add_argument("--stream-only", action="store_true", help="only the streaming figure")
+    ap.add_argument("--stream-agents", type=int, default=1250)
+    ap.add_argument("--stream-procs", type=int, default=2, help="emulator worker processes")
+    ap.add_argument("--stream-iterations", type=int, default=5)
+    ap.add_argument("--stream-batch-records", type=int, default=250, help="records per batch (agent default 2000)")
+    ap.add_argument("--agent-kind", choices=("light", "real"), default="light",
+                    help="light: asyncio wire-protocol agents (scale); real: Spool + StreamClient (~250 at most)")
+    ap.add_argument("--agents-per-channel", type=int, default=100, help="light agents sharing one gRPC channel")
     args = ap.parse_args(argv)
     big = (1024, 1, 20) if args.quick else (1024, 8, 100)  # dp, tp, iterations with pp = 8
     specs = ["slow_gpu:5:10:20", "slow_link:n3.nic1:30:40", "congested_switch:spine1:50:60",
              "hang:700:70:71:2.0", "fluctuation:100:0:100:2:10", "degradation:n7.nic0:20:80:3"]
     res: dict = {"goal_seconds": GOAL_SECONDS}
+    tmp = tempfile.mkdtemp(prefix="sim-speed-")
+    try:
+        if not args.stream_only:
+            simulate_figures(big, specs, tmp, res)
+        if not args.no_stream:
+            st = run_stream(args.stream_agents, args.stream_procs, args.stream_iterations, tmp, args.agent_kind,
+                            args.stream_batch_records, args.agents_per_channel)
+            print_stream(st, res)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not args.stream_only:
+        key = f"seconds_{8192 if not args.quick else 1024}x{big[2]}_tp1"
+        res["seconds_8192x100"] = res.get(key) if not args.quick else None
+        res["goal_met"] = bool(res["seconds_8192x100"] is not None and res["seconds_8192x100"] < GOAL_SECONDS)
+    print(json.dumps(res))
+    return 0
+
+
+def simulate_figures(big: tuple, specs: list[str], tmp: str, res: dict) -> None:
     warm = ModelConfig(dp=64, pp=8, tp=1, iterations=20, seed=1)
     s = timed_sim(warm, specs[:2])
     print(f"warm-up   {warm.gpus:>6} GPUs x {warm.iterations:>3} it  {s:6.2f} s  "
@@ -102,36 +173,47 @@ def main(argv: list[str] | None = None) -> int:
         res.setdefault("rank_iterations_per_s", round(rate))
         res["rank_iterations_per_s"] = min(res["rank_iterations_per_s"], round(rate))
     cfg = ModelConfig(dp=big[0] // 8, pp=8, tp=8, iterations=big[2], seed=1)
-    tmp = tempfile.mkdtemp(prefix="sim-speed-")
-    try:
-        sink = FileSink(cfg, tmp, ("steps",))
-        t0 = time.perf_counter()
-        simulate(cfg, [parse_fault(x, cfg.topology()) for x in specs], sink)
-        sink.close()
-        s = time.perf_counter() - t0
-        print(f"simulate + write steps.jsonl ({sink.counts['steps']:,} rows, "
-              f"{os.path.getsize(os.path.join(tmp, 'steps.jsonl')) / 1e6:.0f} MB)  {s:6.2f} s")
-        res["seconds_with_steps_output"] = round(s, 2)
-        if not args.no_stream:
-            st = run_stream(args.stream_agents, args.stream_procs, args.stream_iterations, tmp)
-            print(f"stream    {st['agents']} agents in {st['procs']} processes: {st['records']:,} records in "
-                  f"{st['wall_s']:.1f} s = {st['records_per_s']:,.0f} records/s; acked {st['records_acked']:,}, "
-                  f"dropped {st['records_dropped']}; per worker: simulator build {st['build_s_max']:.1f} s, "
-                  f"encode+append {st['encode_append_s_max']:.1f} s, waiting on the collector "
-                  f"{st['backpressure_s_max']:.1f} s; collector CPU {st['collector_cpu_s']} s; errors {st['errors']}")
-            res.update(stream_agents=st["agents"], stream_procs=st["procs"], stream_records=st["records"],
-                       stream_records_per_s=st["records_per_s"], stream_wall_s=st["wall_s"],
-                       stream_records_acked=st["records_acked"], stream_backpressure_s=st["backpressure_s_max"],
-                       stream_build_s=st["build_s_max"], stream_encode_append_s=st["encode_append_s_max"],
-                       stream_collector_cpu_s=st["collector_cpu_s"], stream_errors=st["errors"])
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    key = f"seconds_{8192 if not args.quick else 1024}x{big[2]}_tp1"
-    res["seconds_8192x100"] = res.get(key) if not args.quick else None
-    res["goal_met"] = bool(res["seconds_8192x100"] is not None and res["seconds_8192x100"] < GOAL_SECONDS)
-    print(json.dumps(res))
-    return 0
+    sink = FileSink(cfg, tmp, ("steps",))
+    t0 = time.perf_counter()
+    simulate(cfg, [parse_fault(x, cfg.topology()) for x in specs], sink)
+    sink.close()
+    s = time.perf_counter() - t0
+    print(f"simulate + write steps.jsonl ({sink.counts['steps']:,} rows, "
+          f"{os.path.getsize(os.path.join(tmp, 'steps.jsonl')) / 1e6:.0f} MB)  {s:6.2f} s")
+    res["seconds_with_steps_output"] = round(s, 2)
 
+
+def print_stream(st: dict, res: dict) -> None:
+    store = st["store"]
+    exact = (store["records"] == st["records"] and store["batches"] == st["batches"]
+             and not store["seq_not_contiguous"] and st["collector_batches_duplicate"] == 0)
+    wait, busy = st["wait_on_collector_s_max"], st["emulator_busy_s_max"]
+    bottleneck = "collector" if wait > busy else "emulator"
+    print(f"stream    {st['agent_kind']} agents: {st['collector_connected']:,} of {st['agents']:,} connected "
+          f"(collector's count) in {st['connect_s']:.1f} s ({st['procs']} worker processes; collector CPU "
+          f"{st['collector_connect_cpu_percent']:.0f}% meanwhile)")
+    print(f"stream    {st['gpus']:,} GPUs x {st['iterations']} it: {st['records']:,} records in {st['batches']:,} "
+          f"batches sent; collector stored {store['records']:,} in {store['batches']:,} batches "
+          f"({'each exactly once' if exact else 'MISMATCH'}) in {st['stream_s']:.1f} s = "
+          f"{st['stored_records_per_s']:,.0f} records/s stored")
+    print(f"stream    CPU over the streaming phase: collector {st['collector_cpu_percent']:.0f}%, emulator "
+          f"{st['emulator_cpu_percent']:.0f}% (100% = one core); per worker: waited on the collector "
+          f"{wait:.1f} s (backlog full {st['backpressure_s_max']:.1f} s + final drain {st['drain_s_max']:.1f} s) vs "
+          f"own build {st['build_s_max']:.1f} s + encode {st['encode_s_max']:.1f} s -> bottleneck: {bottleneck}; "
+          f"reconnects {st['reconnects']} {st['reconnect_errors'] or ''}; collector warnings {st['collector_warnings']} "
+          f"{st['collector_warning_sample'] or ''}; errors {st['errors'] or 'none'}")
+    res.update(stream_agent_kind=st["agent_kind"], stream_agents=st["agents"], stream_procs=st["procs"],
+               stream_agents_connected=st["collector_connected"], stream_connect_s=st["connect_s"],
+               stream_gpus=st["gpus"], stream_iterations=st["iterations"],
+               stream_records=st["records"], stream_records_stored=store["records"],
+               stream_stored_exactly_once=exact, stream_s=st["stream_s"],
+               stream_records_per_s=st["stored_records_per_s"],
+               stream_collector_cpu_percent=st["collector_cpu_percent"],
+               stream_emulator_cpu_percent=st["emulator_cpu_percent"],
+               stream_backpressure_s=wait, stream_backlog_full_s=st["backpressure_s_max"],
+               stream_drain_s=st["drain_s_max"], stream_build_s=st["build_s_max"],
+               stream_encode_s=st["encode_s_max"], stream_bottleneck=bottleneck,
+               stream_reconnects=st["reconnects"], stream_errors=st["errors"])
 
 if __name__ == "__main__":
     sys.exit(main())

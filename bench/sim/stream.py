@@ -1,5 +1,13 @@
-"""Stream a simulated job live through the real gRPC path: N emulated agents, each a real Spool and a
-real StreamClient (agent_id `sim-node-<k>`), sending what a node's agent would send.
+"""Stream a simulated job live through the real gRPC path: N emulated agents (agent_id `sim-node-<k>`),
+sending what a node's agent would send, to one collector.
+
+Two kinds of emulated agent (`agent_kind`):
+  light  bench/sim/lightagent.py: the Ingest wire protocol on asyncio, no spool. Thousands of streams per
+         event loop over a few shared channels (`agents_per_channel`), one loop per worker process. What it
+         leaves out (durability, replay beyond what is in memory, commands, TLS) is listed in its docstring;
+         the collector side is the real thing under test. Use it for scale (1,250+ agents).
+  real   each agent a real Spool (SQLite) plus a real StreamClient (agent/transport/client.py: 2 threads and a
+         gRPC stream each). Faithful down to the spool, but ~250 agents is the most 2 cores start in time.
 
 Per agent (nodes are dealt round-robin: node n belongs to agent n % N):
   Metric sim_step_seconds / sim_comm_wait_seconds, entity rank<r>, at each step's end
@@ -10,10 +18,13 @@ mono_ns = mono_base + simulated ns, with mono_base = now - job length (so every 
 the collector's 'not ahead of the send time' check holds) or, with pace='realtime', now (records are
 appended when their simulated time comes).
 
-Scale: one StreamClient is 2 threads plus its gRPC stream, so agents are spread over `procs` worker
-processes; each worker re-runs the (deterministic, ~2 µs per rank-iteration) simulation and builds only its
-own agents' records, so no records cross processes. A worker keeps each spool's backlog at or below
-`max_backlog` batches (waiting otherwise, counted as `backpressure_s`: time the collector was the bottleneck).
+Phases: every worker connects all its agents (waiting for each HelloAck), reports, and waits until the
+parent says go, so `connect_s` (time until every agent of every worker has its HelloAck) and the streaming
+figures do not mix. Each worker then re-runs the (deterministic, ~2 µs per rank-iteration) simulation and
+builds only its own agents' records, so no records cross processes. A worker keeps each agent's
+unacknowledged backlog at or below `max_backlog` batches, waiting otherwise; that wait is `backpressure_s`
+(time the collector was the bottleneck), against `build_s` (building records) and `encode_s` (encoding and
+handing batches over): the simulator side.
 """
 
 from __future__ import annotations
@@ -24,10 +35,13 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from .faults import Fault
 from .model import Iteration, ModelConfig, simulate
 from .output import Rows
+
+AGENT_KINDS = ("light", "real")
 
 
 @dataclass
@@ -35,33 +49,126 @@ class StreamConfig:
     collector: str
     agents: int = 0            # 0: one per node
     procs: int = 1
-    state_dir: str = ""
+    state_dir: str = ""        # real agents' spools (light agents have none)
     batch_records: int = 2000
     max_backlog: int = 16
     pace: str = "none"         # none | realtime
     drain_timeout_s: float = 120.0
     connect_timeout_s: float = 60.0
-    connect_wave: int = 25     # agents a worker starts at once, waiting for their HelloAck before the next
+    connect_wave: int = 25     # real agents a worker starts at once, waiting for their HelloAck before the next
     insecure: bool = True
+    agent_kind: str = "real"   # light | real
+    agents_per_channel: int = 100  # light: streams sharing one channel (one TCP connection)
+    window_batches: int = 8    # unacknowledged batches per agent on the wire (the real client's default)
 
     def validate(self, nodes: int) -> None:
         if self.pace not in ("none", "realtime"):
             raise ValueError("pace must be none or realtime")
+        if self.agent_kind not in AGENT_KINDS:
+            raise ValueError(f"agent_kind must be one of {', '.join(AGENT_KINDS)}")
         if self.agents < 0 or self.procs < 1:
             raise ValueError("agents >= 0 and procs >= 1")
         if (self.agents or nodes) < self.procs:
             raise ValueError(f"more worker processes ({self.procs}) than agents ({self.agents or nodes})")
+        if self.agents_per_channel < 1 or self.window_batches < 1 or self.max_backlog < 1:
+            raise ValueError("agents_per_channel, window_batches and max_backlog must be >= 1")
 
 
+class _Builder:
+    """Builds the records of this worker's agents from the simulation (a sink for model.simulate) and hands
+    each agent's records to `emit(k, items)` in batches of `batch_records`."""
+
+    def __init__(self, cfg: ModelConfig, sc: StreamConfig, agent_ids: list[int], n_agents: int, mono_base: int,
+                 emit: Callable[[int, list], None]) -> None:
+        self.cfg, self.sc = cfg, sc
+        self.topo = cfg.topology()
+        self.mine = set(agent_ids)
+        self.n_agents = n_agents
+        self.mono_base = mono_base
+        self.emit = emit
+        self.items: dict[int, list] = {k: [] for k in agent_ids}
+        self.rows = Rows(cfg)
+        self.build_s = 0.0
+        self.pace_wait_s = 0.0
+        self.records = 0
+        self.batches = 0
+
+    def flush(self, k: int, force: bool) -> None:
+        items = self.items[k]
+        if not items or (not force and len(items) < self.sc.batch_records):
+            return
+        self.items[k] = []
+        self.records += len(items)
+        self.batches += 1
+        self.emit(k, items)
+
+    def finish(self) -> None:
+        for k in self.items:
+            self.flush(k, True)
+
+    def __call__(self, it: Iteration) -> None:
+        from steplens.agent.records import Flow, Metric
+        t0 = time.perf_counter()
+        cfg, topo, rows, mine, items = self.cfg, self.topo, self.rows, self.mine, self.items
+        gpn = topo.gpus_per_node
+        n_agents = self.n_agents
+        one_node = n_agents >= topo.nodes
+        mono_base, base = self.mono_base, cfg.base_ns
+        for r, i, a_ns, b_ns, comp, wait, stall in rows.steps(it):
+            k = (r // gpn) % n_agents
+            if k not in mine:
+                continue
+            mono = mono_base + (b_ns - base)
+            items[k] += [("sim", Metric(mono, "sim_step_seconds", f"rank{r}", (b_ns - a_ns) / 1e9)),
+                         ("sim", Metric(mono, "sim_comm_wait_seconds", f"rank{r}", wait / 1e9))]
+        for ts, r, util, clock, power in rows.telemetry(it):
+            k = (r // gpn) % n_agents
+            if k not in mine:
+                continue
+            mono = mono_base + (ts - base)
+            ent = f"gpu{r % gpn}" if one_node else f"node{r // gpn}.gpu{r % gpn}"
+            items[k] += [("sim", Metric(mono, "gpu_utilization_percent", ent, util)),
+                         ("sim", Metric(mono, "gpu_sm_clock_mhz", ent, clock)),
+                         ("sim", Metric(mono, "gpu_power_watts", ent, power))]
+        ip = topo.ip
+        for st, src, dst, nb, dur, _path in rows.flows(it):
+            k = (src // gpn) % n_agents
+            if k not in mine:
+                continue
+            smono = mono_base + (st - base)
+            emono = smono + max(1, int(dur * 1e9))
+            items[k].append(("sim", Flow(emono, smono, ip(src), 40000 + src % 20000, ip(dst), 29500,
+                                         nb, max(1, nb // 4096))))
+        self.build_s += time.perf_counter() - t0
+        if self.sc.pace == "realtime":
+            due = mono_base + int(max(it.end))
+            t1 = time.perf_counter()
+            while time.monotonic_ns() < due:
+                time.sleep(min(0.05, (due - time.monotonic_ns()) / 1e9))
+            self.pace_wait_s += time.perf_counter() - t1
+        for k in items:
+            self.flush(k, False)
+
+
+def _mono_base(sc: StreamConfig, job_ns: float) -> int:
+    now = time.monotonic_ns()
+    return now if sc.pace == "realtime" else now - int(job_ns) - 10**9
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+# -- real agents: Spool + StreamClient ------------------------------------------------------------
 class _Agent:
     def __init__(self, k: int, state_dir: str, sc: StreamConfig) -> None:
         from steplens.agent.spool import Spool
         from steplens.agent.transport.client import StreamClient, TransportConfig
         self.agent_id = f"sim-node-{k}"
         self.spool = Spool(os.path.join(state_dir, self.agent_id, "spool.db"), max_bytes=64 << 20)
-        self.items: list = []
-        self.last_mono = 0
         self.client = StreamClient(TransportConfig(sc.collector, self.agent_id, insecure=sc.insecure,
+                                                   window_batches=sc.window_batches,
                                                    reconnect_min_seconds=0.2, reconnect_max_seconds=2.0),
                                    self.spool, self.status, self.command, hostname=self.agent_id,
                                    boot_id=uuid.uuid4().hex)
@@ -80,18 +187,15 @@ class _Agent:
         return ipb.CommandResult(command_id=cmd.command_id, ok=False, message="simulated agent runs no commands")
 
 
-def _worker(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: list[int], n_agents: int,
-            job_ns: float, result_q) -> None:
+def _real_worker(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: list[int], n_agents: int,
+                 job_ns: float, q, go) -> None:
     import logging
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    from steplens.agent.records import Flow, Metric
     from steplens.agent.transport.codec import encode_records
 
-    topo = cfg.topology()
-    gpn = topo.gpus_per_node
-    mine = set(agent_ids)
     agents = {k: _Agent(k, sc.state_dir, sc) for k in agent_ids}
     # connect in waves: 1,000+ simultaneous Hellos overrun the collector's hello timeout on 2 cores
+    t_conn = time.perf_counter()
     deadline = time.monotonic() + sc.connect_timeout_s
     order = list(agents.values())
     for i in range(0, len(order), sc.connect_wave):
@@ -100,107 +204,182 @@ def _worker(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: 
             a.client.start()
         while not all(a.client.connected for a in wave) and time.monotonic() < deadline:
             time.sleep(0.02)
-    stuck = [a.agent_id for a in agents.values() if not a.client.connected]
+    stuck = [a for a in agents.values() if not a.client.connected]
+    q.put({"phase": "connected", "connected": len(agents) - len(stuck), "connect_s": time.perf_counter() - t_conn,
+           "cpu_s": _cpu_s()})
     if stuck:
-        result_q.put({"error": f"{len(stuck)} agents not acknowledged in {sc.connect_timeout_s} s",
-                      "last_error": agents[int(stuck[0].rsplit('-', 1)[1])].client.last_error})
+        q.put({"error": f"{len(stuck)} agents not acknowledged in {sc.connect_timeout_s} s",
+               "last_error": stuck[0].client.last_error})
         for a in agents.values():
             a.client.drain_and_stop(1.0)
         return
-    one_node = n_agents >= topo.nodes
-    now = time.monotonic_ns()
-    mono_base = now if sc.pace == "realtime" else now - int(job_ns) - 10**9
-    rows = Rows(cfg)
-    stats = {"records": 0, "batches": 0, "build_s": 0.0, "encode_append_s": 0.0, "backpressure_s": 0.0,
-             "pace_wait_s": 0.0}
+    go.wait()
+    cpu0 = _cpu_s()
+    stats = {"backpressure_s": 0.0, "encode_s": 0.0}
 
-    def owner(rank: int) -> int:
-        return (rank // gpn) % n_agents
-
-    def flush(a: _Agent, force: bool) -> None:
-        if not a.items or (not force and len(a.items) < sc.batch_records):
-            return
+    def emit(k: int, items: list) -> None:
+        a = agents[k]
         t0 = time.perf_counter()
         while a.spool.stats().backlog_batches > sc.max_backlog:
             time.sleep(0.002)
         t1 = time.perf_counter()
-        payload = encode_records(a.items)
-        a.spool.append(payload, len(a.items), a.last_mono)
+        a.spool.append(encode_records(items), len(items), max(x[1].mono_ns for x in items))
         stats["backpressure_s"] += t1 - t0
-        stats["encode_append_s"] += time.perf_counter() - t1
-        stats["records"] += len(a.items)
-        stats["batches"] += 1
-        a.items = []
+        stats["encode_s"] += time.perf_counter() - t1
 
-    def sink(it: Iteration) -> None:
+    builder = _Builder(cfg, sc, agent_ids, n_agents, _mono_base(sc, job_ns), emit)
+    t_start = time.perf_counter()
+    simulate(cfg, faults, builder)
+    builder.finish()
+    t_gen = time.perf_counter() - t_start
+    t_drain = time.perf_counter()
+    drained = {a.agent_id: a.client.drain_and_stop(sc.drain_timeout_s) for a in agents.values()}
+    drain_s = time.perf_counter() - t_drain
+    st = {a.agent_id: a.spool.stats() for a in agents.values()}
+    for a in agents.values():
+        a.spool.close()
+    q.put(_result(agents=len(agents), generate_s=t_gen, total_s=time.perf_counter() - t_start, drain_s=drain_s,
+                  records=builder.records, batches=builder.batches, build_s=builder.build_s,
+                  pace_wait_s=builder.pace_wait_s, stream_cpu_s=_cpu_s() - cpu0, cpu_s=_cpu_s(),
+                  records_acked=sum(s.records_acked for s in st.values()),
+                  records_dropped=sum(s.records_dropped for s in st.values()),
+                  reconnects=sum(max(0, a.client.connects - 1) for a in agents.values()),
+                  reconnect_errors=sorted({a.client.last_error for a in agents.values() if a.client.last_error})[:5],
+                  not_drained=[k for k, v in drained.items() if not v], **stats))
+
+
+def _result(**kw) -> dict:
+    return {k: round(v, 3) if isinstance(v, float) else v for k, v in kw.items()}
+
+
+# -- light agents: asyncio ------------------------------------------------------------------------
+def _light_worker(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: list[int], n_agents: int,
+                  job_ns: float, q, go) -> None:
+    import asyncio
+    import logging
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    asyncio.run(_light_main(cfg, faults, sc, agent_ids, n_agents, job_ns, q, go))
+
+
+async def _light_main(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: list[int],
+                      n_agents: int, job_ns: float, q, go) -> None:
+    import asyncio
+    import threading
+
+    from steplens.agent.transport.codec import encode_records
+
+    from .lightagent import LightAgent, channel
+
+    loop = asyncio.get_running_loop()
+    progress = threading.Condition()
+
+    def on_ack(_a) -> None:  # event loop thread: wake a producer waiting for room
+        with progress:
+            progress.notify_all()
+
+    n_ch = max(1, -(-len(agent_ids) // sc.agents_per_channel))
+    channels = [channel(sc.collector) for _ in range(n_ch)]
+    agents = {k: LightAgent(f"sim-node-{k}", window_batches=sc.window_batches, on_ack=on_ack,
+                            hello_timeout_s=max(15.0, sc.connect_timeout_s / 2)) for k in agent_ids}
+    t_conn = time.perf_counter()
+    # connect the channels first: hundreds of streams started on a channel that is still connecting
+    # sometimes fail at once (CANCELLED / INTERNAL from gRPC core, nothing reaches the collector)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(ch.channel_ready() for ch in channels)), sc.connect_timeout_s)
+    except asyncio.TimeoutError:
+        pass  # the agents' own hello timeouts and reconnects take it from here
+    tasks = [asyncio.create_task(a.run(channels[i % n_ch])) for i, a in enumerate(agents.values())]
+    deadline = time.monotonic() + sc.connect_timeout_s
+    while time.monotonic() < deadline and not all(a.hello_acks for a in agents.values()):
+        await asyncio.sleep(0.02)
+    connect_s = time.perf_counter() - t_conn
+    stuck = [a for a in agents.values() if not a.hello_acks]
+    q.put({"phase": "connected", "connected": len(agents) - len(stuck), "connect_s": connect_s, "cpu_s": _cpu_s(),
+           "first_ack_s_max": max((a.first_ack_s or 0.0) for a in agents.values())})
+    if stuck:
+        q.put({"error": f"{len(stuck)} of {len(agents)} agents not acknowledged in {sc.connect_timeout_s} s",
+               "last_error": stuck[0].last_error})
+        await asyncio.gather(*(a.drain_and_close(0.5) for a in agents.values()))
+        for t in tasks:
+            t.cancel()
+        return
+    await loop.run_in_executor(None, go.wait)
+    cpu0 = _cpu_s()
+    stats = {"backpressure_s": 0.0, "encode_s": 0.0}
+
+    def emit(k: int, items: list) -> None:  # producer thread
+        a = agents[k]
         t0 = time.perf_counter()
-        base = cfg.base_ns
-        for r, i, a_ns, b_ns, comp, wait, stall in rows.steps(it):
-            k = owner(r)
-            if k not in mine:
-                continue
-            ag = agents[k]
-            mono = mono_base + (b_ns - base)
-            ag.items.append(("sim", Metric(mono, "sim_step_seconds", f"rank{r}", (b_ns - a_ns) / 1e9)))
-            ag.items.append(("sim", Metric(mono, "sim_comm_wait_seconds", f"rank{r}", wait / 1e9)))
-            ag.last_mono = max(ag.last_mono, mono)
-        for ts, r, util, clock, power in rows.telemetry(it):
-            k = owner(r)
-            if k not in mine:
-                continue
-            ag = agents[k]
-            mono = mono_base + (ts - base)
-            ent = f"gpu{r % gpn}" if one_node else f"node{r // gpn}.gpu{r % gpn}"
-            ag.items += [("sim", Metric(mono, "gpu_utilization_percent", ent, util)),
-                         ("sim", Metric(mono, "gpu_sm_clock_mhz", ent, clock)),
-                         ("sim", Metric(mono, "gpu_power_watts", ent, power))]
-            ag.last_mono = max(ag.last_mono, mono)
-        ip = topo.ip
-        for st, src, dst, nb, dur, _path in rows.flows(it):
-            k = owner(src)
-            if k not in mine:
-                continue
-            ag = agents[k]
-            smono = mono_base + (st - base)
-            emono = smono + max(1, int(dur * 1e9))
-            ag.items.append(("sim", Flow(emono, smono, ip(src), 40000 + src % 20000, ip(dst), 29500,
-                                         nb, max(1, nb // 4096))))
-            ag.last_mono = max(ag.last_mono, emono)
-        stats["build_s"] += time.perf_counter() - t0
-        if sc.pace == "realtime":
-            due = mono_base + int(max(it.end))
-            t1 = time.perf_counter()
-            while time.monotonic_ns() < due:
-                time.sleep(min(0.05, (due - time.monotonic_ns()) / 1e9))
-            stats["pace_wait_s"] += time.perf_counter() - t1
-        for ag in agents.values():
-            flush(ag, False)
+        if a.backlog >= sc.max_backlog:
+            with progress:
+                while a.backlog >= sc.max_backlog:
+                    progress.wait(0.05)
+        t1 = time.perf_counter()
+        payload = encode_records(items)
+        a.produced += 1  # counted here, so backlog holds before the loop thread runs append()
+        loop.call_soon_threadsafe(a.append, payload, len(items))
+        stats["backpressure_s"] += t1 - t0
+        stats["encode_s"] += time.perf_counter() - t1
+
+    builder = _Builder(cfg, sc, agent_ids, n_agents, _mono_base(sc, job_ns), emit)
+
+    def produce() -> None:
+        simulate(cfg, faults, builder)
+        builder.finish()
 
     t_start = time.perf_counter()
-    simulate(cfg, faults, sink)
-    for ag in agents.values():
-        flush(ag, True)
+    await loop.run_in_executor(None, produce)
     t_gen = time.perf_counter() - t_start
-    drained = {}
-    for ag in agents.values():
-        drained[ag.agent_id] = ag.client.drain_and_stop(sc.drain_timeout_s)
-    st = {ag.agent_id: ag.spool.stats() for ag in agents.values()}
-    for ag in agents.values():
-        ag.spool.close()
-    result_q.put({"agents": len(agents), "generate_s": round(t_gen, 3),
-                  "total_s": round(time.perf_counter() - t_start, 3), **{k: round(v, 3) if isinstance(v, float)
-                                                                         else v for k, v in stats.items()},
-                  "records_acked": sum(s.records_acked for s in st.values()),
-                  "records_dropped": sum(s.records_dropped for s in st.values()),
-                  "not_drained": [k for k, v in drained.items() if not v]})
+    t_drain = time.perf_counter()
+    drained = await asyncio.gather(*(a.drain_and_close(sc.drain_timeout_s) for a in agents.values()))
+    drain_s = time.perf_counter() - t_drain
+    total_s = time.perf_counter() - t_start
+    await asyncio.wait(tasks, timeout=10)
+    for t in tasks:
+        t.cancel()
+    for ch in channels:
+        await ch.close()
+    al = list(agents.values())
+    q.put(_result(agents=len(al), channels=n_ch, generate_s=t_gen, total_s=total_s, drain_s=drain_s,
+                  records=builder.records, batches=builder.batches, build_s=builder.build_s,
+                  pace_wait_s=builder.pace_wait_s, stream_cpu_s=_cpu_s() - cpu0, cpu_s=_cpu_s(),
+                  records_acked=sum(a.records_acked for a in al), records_dropped=0,
+                  reconnects=sum(max(0, a.connects - 1) for a in al),
+                  reconnect_errors=sorted({a.first_error for a in al if a.first_error})[:5],
+                  not_drained=[a.agent_id for a, ok in zip(al, drained) if not ok],
+                  stuck_sample=[a.debug_state() for a, ok in zip(al, drained) if not ok][:5], **stats))
 
 
-def stream(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig) -> dict:
-    """Run the workers, wait for them, return the summed figures."""
+class _TaggedQueue:
+    def __init__(self, w: int, q) -> None:
+        self.w, self.q = w, q
+
+    def put(self, m: dict) -> None:
+        self.q.put({**m, "worker": self.w})
+
+
+def _worker(w: int, cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_ids: list[int], n_agents: int,
+            job_ns: float, q, go) -> None:
+    tq = _TaggedQueue(w, q)
+    try:
+        target = _light_worker if sc.agent_kind == "light" else _real_worker
+        target(cfg, faults, sc, agent_ids, n_agents, job_ns, tq, go)
+    except BaseException as exc:  # report, so the parent does not wait for a dead worker
+        import traceback
+        tq.put({"error": f"worker {w} failed: {type(exc).__name__}: {exc}", "last_error": traceback.format_exc()})
+        raise
+
+
+# -- driver ---------------------------------------------------------------------------------------
+def stream(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig,
+           on_phase: Callable[[str, dict], None] | None = None) -> dict:
+    """Run the workers, wait for them, return the summed figures. `on_phase("connected", info)` is called
+    once every worker has connected its agents (before streaming starts), `on_phase("streamed", out)` at
+    the end (e.g. to sample the collector's CPU time per phase)."""
     topo = cfg.topology()
     sc.validate(topo.nodes)
     n_agents = sc.agents or topo.nodes
-    if not sc.state_dir:
+    if sc.agent_kind == "real" and not sc.state_dir:
         import tempfile
         sc.state_dir = tempfile.mkdtemp(prefix="steplens-sim-")
     # the job's length (for mono_base) from a quick pass with no sink
@@ -209,29 +388,107 @@ def stream(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig) -> dict:
     sim_s = time.perf_counter() - t0
     ctx = mp.get_context("fork" if sys.platform.startswith("linux") else "spawn")
     q = ctx.Queue()
+    go = ctx.Event()
     shares = [list(range(p, n_agents, sc.procs)) for p in range(sc.procs)]
-    procs = [ctx.Process(target=_worker, args=(cfg, faults, sc, share, n_agents, job_ns, q), daemon=True)
-             for share in shares]
+    procs = [ctx.Process(target=_worker, args=(w, cfg, faults, sc, share, n_agents, job_ns, q, go), daemon=True)
+             for w, share in enumerate(shares)]
     t0 = time.perf_counter()
     for p in procs:
         p.start()
-    results = []
-    for _ in procs:
-        results.append(q.get())
-    for p in procs:
-        p.join(10)
+    conn: dict[int, dict] = {}
+    results: dict[int, dict] = {}
+    try:
+        while len(conn) < len(procs):
+            m = q.get(timeout=sc.connect_timeout_s + 60)
+            if m.get("phase") == "connected":
+                conn[m["worker"]] = m
+            else:  # a worker that failed before it could connect anything
+                conn[m["worker"]] = {"connected": 0, "connect_s": 0.0, "cpu_s": 0.0}
+                results[m["worker"]] = m
+        connect_s = time.perf_counter() - t0
+        conn = list(conn.values())
+        connected = sum(c["connected"] for c in conn)
+        info = {"agents": n_agents, "connected": connected, "connect_s": round(connect_s, 3),
+                "worker_connect_s_max": round(max(c["connect_s"] for c in conn), 3),
+                "connect_cpu_s": round(sum(c["cpu_s"] for c in conn), 3)}
+        if on_phase is not None:
+            on_phase("connected", info)
+        t1 = time.perf_counter()
+        go.set()
+        while len(results) < len(procs):
+            m = q.get(timeout=sc.connect_timeout_s + sc.drain_timeout_s + 3600)
+            results[m["worker"]] = m
+        results = list(results.values())
+        stream_s = time.perf_counter() - t1
+    finally:
+        for p in procs:
+            p.join(10)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     wall = time.perf_counter() - t0
-    errors = [r["error"] for r in results if "error" in r]
+    errors = [f"{r['error']} ({r.get('last_error', '')})" for r in results if "error" in r]
     ok = [r for r in results if "error" not in r]
     records = sum(r["records"] for r in ok)
-    out = {"agents": n_agents, "procs": sc.procs, "simulate_s": round(sim_s, 3), "wall_s": round(wall, 3),
-           "records": records, "records_acked": sum(r["records_acked"] for r in ok),
+    out = {**info, "agent_kind": sc.agent_kind, "procs": sc.procs, "simulate_s": round(sim_s, 3),
+           "wall_s": round(wall, 3), "stream_s": round(stream_s, 3),
+           "records": records, "batches": sum(r["batches"] for r in ok),
+           "records_acked": sum(r["records_acked"] for r in ok),
            "records_dropped": sum(r["records_dropped"] for r in ok),
-           "records_per_s": round(records / wall, 1) if wall > 0 else 0.0,
+           "records_per_s": round(records / stream_s, 1) if stream_s > 0 else 0.0,
            "backpressure_s_max": max((r["backpressure_s"] for r in ok), default=0.0),
            "build_s_max": max((r["build_s"] for r in ok), default=0.0),
-           "encode_append_s_max": max((r["encode_append_s"] for r in ok), default=0.0),
+           "encode_s_max": max((r["encode_s"] for r in ok), default=0.0),
            "generate_s_max": max((r["generate_s"] for r in ok), default=0.0),
-           "not_drained": sum(len(r["not_drained"]) for r in ok), "errors": errors}
+           "emulator_stream_cpu_s": round(sum(r["stream_cpu_s"] for r in ok), 3),
+           "drain_s_max": max((r["drain_s"] for r in ok), default=0.0),
+           # per worker: time it waited on the collector (backlog full, then the final drain) against time
+           # it spent building and encoding records; the larger side is the bottleneck
+           "wait_on_collector_s_max": max((round(r["backpressure_s"] + r["drain_s"], 3) for r in ok), default=0.0),
+           "emulator_busy_s_max": max((round(r["build_s"] + r["encode_s"], 3) for r in ok), default=0.0),
+           "reconnects": sum(r["reconnects"] for r in ok),
+           "reconnect_errors": sorted({e for r in ok for e in r["reconnect_errors"]})[:5],
+           "not_drained": sum(len(r["not_drained"]) for r in ok), "errors": errors,
+           "stuck_sample": [x for r in ok for x in r.get("stuck_sample", [])][:5]}
+    if on_phase is not None:
+        on_phase("streamed", out)
     return out
 
+
+# -- the collector's side of the count ------------------------------------------------------------
+def collector_nodes(address: str, prefix: str = "sim-node-", timeout: float = 30.0) -> dict:
+    """What the collector says (Control ListNodes on a plaintext loopback collector) about the emulated
+    agents: how many are connected right now and what it stored for them."""
+    import grpc
+
+    from steplens.v1 import control_pb2 as cpb
+    from steplens.v1 import control_pb2_grpc as cgrpc
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+        reply = cgrpc.ControlStub(ch).ListNodes(cpb.ListRequest(), timeout=timeout)
+    nodes = [n for n in reply.nodes if n.node_id.startswith(prefix)]
+    return {"nodes": len(nodes), "connected": sum(1 for n in nodes if n.connected),
+            "records_stored": sum(n.records_stored for n in nodes),
+            "records_produced": sum(n.records_produced for n in nodes),  # as the agents' last status said
+            "records_rejected": sum(n.records_rejected for n in nodes),
+            "batches_stored": sum(n.batches_stored for n in nodes),
+            "batches_duplicate": sum(n.batches_duplicate for n in nodes)}
+
+
+def store_check(db_path: str, prefix: str = "sim-node-") -> dict:
+    """From the collector's store (read-only): batches and records stored per emulated agent, and whether
+    every agent's stored seqs are exactly 1..n (no gap, no duplicate)."""
+    import sqlite3
+    db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        rows = db.execute("SELECT agent_id, COUNT(*), MIN(seq), MAX(seq), SUM(n_records), SUM(n_rejected)"
+                          " FROM batches WHERE agent_id LIKE ? GROUP BY agent_id, spool_id", (prefix + "%",)).fetchall()
+        metric_rows = db.execute("SELECT COUNT(*) FROM metrics m JOIN series s ON s.id = m.series_id"
+                                 " WHERE s.agent_id LIKE ?", (prefix + "%",)).fetchone()[0]
+        flow_rows = db.execute("SELECT COUNT(*) FROM flows WHERE agent_id LIKE ?", (prefix + "%",)).fetchone()[0]
+    finally:
+        db.close()
+    return {"agents": len({r[0] for r in rows}), "spools": len(rows), "batches": sum(r[1] for r in rows),
+            "records": sum(r[4] for r in rows), "rejected": sum(r[5] for r in rows),
+            "seq_not_contiguous": [r[0] for r in rows if not (r[2] == 1 and r[3] == r[1])],
+            "metric_rows": metric_rows, "flow_rows": flow_rows}
