@@ -15,6 +15,14 @@ KINETO_IPC_SOCKET_DIR=<socket_dir> when socket_dir is set); the agent may start 
 Only one daemon can hold the abstract name "dynolog" per network namespace: start() fails (the source
 is down with the reason) when dynolog or another agent holds it.
 
+Hazard (measured, torch 2.13 CPU): a process that exits while its on-demand window is open crashes in
+libkineto's teardown (SIGSEGV or SIGABRT "double free or corruption" after the Python program finished;
+reproduced 5 of 5 times with 4 s windows handed out back to back, 0 of 2 when the window had closed
+before the exit; KINETO_USE_DAEMON alone, without any steplens bootstrap). A scheduler then sees the job
+fail. So windows are never handed out unasked: sentinel windows are off by default
+(sentinel_period_seconds = 0), and deep mode, an operator's explicit action, keeps windows short
+(deep_window_ms). Turn sentinel windows on only for long-running jobs that exit through a drain.
+
 Bad input never raises out of step(): a window whose trace never appears (the process exited, or
 tracing failed) is reported as an Event once the process is gone or trace_timeout_seconds have passed;
 a truncated/corrupt/oversized trace is reported, skipped and deleted; a malformed or unknown datagram is
@@ -47,7 +55,7 @@ class KinetoConfig(SourceConfig):
     trace_dir: str = ""                    # where processes write traces; "": <state_dir>/kineto
     deep_window_ms: int = 2000             # trace window per process in deep mode
     sentinel_window_ms: int = 500          # periodic short window in sentinel mode (0: none)
-    sentinel_period_seconds: float = 600.0  # ... this often per process (0: none)
+    sentinel_period_seconds: float = 0.0   # ... this often per process (0: none; see "Hazard" above)
     warmup_seconds: int = 0                # ACTIVITIES_WARMUP_PERIOD_SECS (GPU builds may want 1-5 s)
     trace_timeout_seconds: float = 30.0    # a trace not written this long after its window ends is missing
     max_trace_bytes: int = 256 * 1024 * 1024  # larger trace files are skipped
