@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--collector", required=True, help="HOST:PORT")
     ps.add_argument("--agents", type=int, default=0, help="emulated agents (default: one per node)")
     ps.add_argument("--procs", type=int, default=1, help="worker processes hosting the agents")
+    ps.add_argument("--agent-kind", choices=["light", "real"], default="light",
+                    help="light: asyncio agents speaking the real protocol (scales to 1,000s); real: Spool + StreamClient")
     ps.add_argument("--state-dir", default="", help="spools go here (default: a temporary directory)")
     ps.add_argument("--pace", choices=("none", "realtime"), default="none")
     ps.add_argument("--batch-records", type=int, default=2000)
@@ -88,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         if host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError("--insecure needs a loopback collector address")
         sc = StreamConfig(collector=args.collector, agents=args.agents, procs=args.procs, state_dir=args.state_dir,
-                          pace=args.pace, batch_records=args.batch_records, insecure=True)
+                          pace=args.pace, batch_records=args.batch_records, insecure=True,
+                          agent_kind=args.agent_kind)
         out = stream(cfg, faults, sc)
         if args.out:
             import os
