@@ -10,7 +10,10 @@ collector and one agent (flightrec + kineto sources, everything else as usual) r
             by the agent every second; KINETO_USE_DAEMON=1: polls the agent's IPC endpoint; no trace window)
   deep      the same, under `steplens deep start` (Kineto hands a 4 s trace window per poll); its step time is
             the median of the steps inside the traced windows (found from the traced ops), and of all steps
-The job's first 15 steps are warm-up and not counted. Medians per mode over all rounds; the last stdout line
+The job's first 15 steps are warm-up and not counted. Jobs hold before exiting until released; a deep job is
+released only after deep mode ended and its last window closed: on torch 2.13 (CPU) a process that exits
+while a Kineto on-demand window is open crashes in libkineto's teardown (SIGSEGV/SIGABRT, measured), and
+`job_exit_failures` counts any job that still exits non-zero. Medians per mode over all rounds; the last stdout line
 is one JSON object.
 
     .venv/bin/python bench/commops.py                 # 3 rounds of 250 steps
@@ -36,11 +39,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(REPO, ".venv", "bin")
 PY = sys.executable
 WARMUP = 15
+EXIT_FAILURES: list = []
 
 JOB = r'''
 import json, os, sys, time
 import torch, torch.distributed as dist
-steps = int(sys.argv[1])
+steps, release = int(sys.argv[1]), sys.argv[2]
 torch.manual_seed(0)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -65,6 +69,10 @@ for i in range(steps):
     out.append((t0, time.time_ns()))
 if rank == 0:
     print(json.dumps(out), flush=True)
+# hold until released: a process that exits while a Kineto on-demand window is open crashes in libkineto's
+# teardown (torch 2.13, measured), so the bench ends deep mode and lets the window close first
+while not os.path.exists(release):
+    time.sleep(0.05)
 dist.barrier()
 '''
 
@@ -118,29 +126,41 @@ def _traced_spans(state_dir: str, since_mono: int) -> list[tuple[int, int]]:
     return [(a, b) for a, b in spans]
 
 
-def run_job(mode: str, steps: int, script: str, env_extra: dict, tmp: str, kids: Children) -> list[tuple[int, int]]:
+def run_job(mode: str, steps: int, script: str, env_extra: dict, tmp: str, kids: Children,
+            before_exit=None) -> list[tuple[int, int]]:
     port = _free_port()
+    release = os.path.join(tmp, f"release-{port}")
     procs = []
     for rank in range(2):
         env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
                    LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", STEPLENS_JOB=f"bench-commops-{mode}")
         if mode != "off":
             env.update(env_extra)
-        procs.append(kids.start([PY, script, str(steps)], env=env, stdout=subprocess.PIPE,
+        procs.append(kids.start([PY, script, str(steps), release], env=env, stdout=subprocess.PIPE,
                                 stderr=open(os.path.join(tmp, f"{mode}-rank{rank}.err"), "ab"), text=True))
-    out = procs[0].communicate(timeout=600)[0]
+    line = procs[0].stdout.readline()
+    if before_exit is not None:
+        before_exit()
+    open(release, "w").close()
+    out = line + procs[0].communicate(timeout=600)[0]
     for p in procs[1:]:
         p.wait(timeout=120)
-    if procs[0].returncode != 0:
+    lines = out.strip().splitlines()
+    if not lines or not lines[-1].startswith("["):
         with open(os.path.join(tmp, f"{mode}-rank0.err")) as fh:
-            raise RuntimeError(f"{mode} job failed: {fh.read()[-2000:]}")
-    return [tuple(x) for x in json.loads(out.strip().splitlines()[-1])][WARMUP:]
+            raise RuntimeError(f"{mode} job failed (exit {procs[0].returncode}): {fh.read()[-2000:]}")
+    bad = [p.returncode for p in procs if p.returncode != 0]
+    if bad:  # the steps were done and logged; the exit itself failed
+        EXIT_FAILURES.append((mode, bad))
+        print(f"  {mode} job: exit status {bad} after its steps", flush=True)
+    return [tuple(x) for x in json.loads(lines[-1])][WARMUP:]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=250)
+    ap.add_argument("--modes", default="off,sentinel,deep", help="comma-separated subset, in rotation order")
     args = ap.parse_args()
     sys.path.insert(0, REPO)
     from steplens.agent.bootstrap import site_dir
@@ -185,23 +205,28 @@ enabled = false
             raise RuntimeError("the agent did not connect")
         env_extra = dict(PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=runtime,
                          KINETO_USE_DAEMON="1", KINETO_IPC_SOCKET_DIR=ksock)
-        modes = ["off", "sentinel", "deep"]
+        modes = args.modes.split(",")
         steps: dict[str, list[float]] = {m: [] for m in modes}
         in_window: list[float] = []
+        per_round: dict[str, list[float]] = {m: [] for m in modes}
         logged_s = 0.0
         ops0 = _commop_rows(state)
         for r in range(args.rounds):
-            order = modes[r % 3:] + modes[:r % 3]
+            order = modes[r % len(modes):] + modes[:r % len(modes)]
             for mode in order:
                 mono0 = time.monotonic_ns()
                 if mode == "deep":
                     _cli(collector, "deep", "start", "--duration", "600s", "--lead-ms", "200")
                 t0 = time.monotonic()
-                times = run_job(mode, args.steps + WARMUP, script, env_extra, tmp, kids)
+                def end_deep():
+                    _cli(collector, "deep", "stop")
+                    time.sleep(4.0 + 2.5)  # the open window (4 s, starting ~2 s after its hand-out) closes
+
+                times = run_job(mode, args.steps + WARMUP, script, env_extra, tmp, kids,
+                                end_deep if mode == "deep" else None)
                 if mode != "off":
                     logged_s += time.monotonic() - t0
                 if mode == "deep":
-                    _cli(collector, "deep", "stop")
                     time.sleep(1.5)  # the last trace is parsed at the next kineto step
                     spans = _traced_spans(state, mono0)
                     inside = [(b - a) / 1e6 for a, b in times if any(s <= a and b <= e for s, e in spans)]
@@ -211,6 +236,7 @@ enabled = false
                     extra = ""
                 ms = [(b - a) / 1e6 for a, b in times]
                 steps[mode] += ms
+                per_round[mode].append(statistics.median(ms))
                 print(f"round {r + 1} {mode:<9} median step {statistics.median(ms):7.2f} ms over {len(ms)} steps{extra}",
                       flush=True)
         time.sleep(2.0)
@@ -227,18 +253,25 @@ enabled = false
     # spread: the same comparison between the first and second half of the "off" steps (noise floor)
     off = steps["off"]
     noise = abs(statistics.median(off[::2]) - statistics.median(off[1::2])) / med["off"] * 100
-    result = {"step_ms_off": round(med["off"], 3), "step_ms_sentinel": round(med["sentinel"], 3),
+    # paired by round (each round ran every mode once, back to back): mean and spread of the differences
+    diffs = [100.0 * (s_ - o) / o for s_, o in zip(per_round["sentinel"], per_round["off"])]
+    paired = statistics.mean(diffs)
+    paired_sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
+    result = {"sentinel_paired_percent": round(paired, 2), "sentinel_paired_sd_percent": round(paired_sd, 2),
+              "step_ms_off": round(med["off"], 3), "step_ms_sentinel": round(med["sentinel"], 3),
               "step_ms_deep_all": round(med["deep"], 3), "step_ms_deep_in_window": round(win, 3),
               "sentinel_slowdown_percent": pct(med["sentinel"]), "deep_slowdown_percent": pct(med["deep"]),
               "deep_window_slowdown_percent": pct(win) if in_window else None,
               "noise_percent": round(noise, 2), "steps_in_window": len(in_window),
               "records_handled": handled, "records_per_s": round(handled / logged_s, 1) if logged_s else 0.0,
-              "rounds": args.rounds, "steps_per_run": args.steps, "goal_sentinel_slowdown_percent": 0.5}
+              "job_exit_failures": len(EXIT_FAILURES), "rounds": args.rounds, "steps_per_run": args.steps, "goal_sentinel_slowdown_percent": 0.5}
     print(f"step time off            {med['off']:8.2f} ms (median, {len(off)} steps)")
     print(f"step time sentinel       {med['sentinel']:8.2f} ms  {result['sentinel_slowdown_percent']:+.2f} % (goal < 0.5)")
     print(f"step time deep (all)     {med['deep']:8.2f} ms  {result['deep_slowdown_percent']:+.2f} %")
     print(f"step time in a window    {win:8.2f} ms  {result['deep_window_slowdown_percent']} % "
           f"({len(in_window)} steps)")
+    print(f"sentinel vs off, paired  {paired:+8.2f} % per round (sd {paired_sd:.2f} % over {len(diffs)} rounds: "
+          f"launch-to-launch spread)")
     print(f"noise floor              {noise:8.2f} % (odd vs even steps of 'off')")
     print(f"records handled          {handled:,} CommOps, {result['records_per_s']:,.0f} /s while a logged job ran")
     print(json.dumps(result))
