@@ -236,5 +236,23 @@ class CommSummary:
     kernels: int = 0
 
 
+@dataclass(slots=True)
+class CommMember:
+    """One rank of one NCCL communicator and where it runs (comm hash -> rank -> host/pid/GPU)."""
+
+    mono_ns: int
+    comm_id: str
+    rank: int
+    nranks: int
+    host: str
+    pid: int
+    cuda_dev: int = -1
+    nvml_dev: int = -1
+    bus_id: str = ""
+    global_rank: int = -1
+    job_key: str = ""
+    via: str = "nccl_log"
+
+
 Record = (Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary | ConnStats
-          | Flow | CommOp | KernelRec | CommSummary)
+          | Flow | CommOp | KernelRec | CommSummary | CommMember)

@@ -12,7 +12,7 @@ COMMANDS = [
     (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]), (AGENT, ["env"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
-    (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]), (STEPLENS, ["commops"]),
+    (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]), (STEPLENS, ["commops"]), (STEPLENS, ["comms"]),
     (STEPLENS, ["deep"]),
 ]
 

@@ -21,6 +21,7 @@ SOURCE_PATHS: dict[str, str] = {
     "gpuprobes": "steplens.agent.sources.gpuprobes:GpuprobesSource",
     "kineto": "steplens.agent.sources.kineto:KinetoSource",
     "flightrec": "steplens.agent.sources.flightrec:FlightrecSource",
+    "nccltopo": "steplens.agent.sources.nccltopo:NccltopoSource",
 }
 
 

@@ -285,6 +285,29 @@ def cmd_detail(stub, args) -> int:
     return 0
 
 
+def cmd_comms(stub, args) -> int:
+    reply = stub.ListComms(cpb.CommsRequest(job_key=args.job or "", comm_id=args.comm or ""), timeout=args.timeout)
+    rows = [{"comm_id": m.comm_id, "rank": m.rank, "nranks": m.nranks, "host": m.host, "pid": m.pid,
+             "cuda_dev": m.cuda_dev, "nvml_dev": m.nvml_dev, "bus_id": m.bus_id, "global_rank": m.global_rank,
+             "job_key": m.job_key, "via": m.via, "node_id": m.node_id, "seen_ns": m.seen_ns} for m in reply.members]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    by: dict[str, list] = {}
+    for r in rows:
+        by.setdefault(r["comm_id"], []).append(r)
+    for comm, members in by.items():
+        n = members[0]["nranks"]
+        seen = {m["rank"] for m in members}
+        print(f"comm {comm}: {len(seen)} of {n} ranks known" + (f" (missing {n - len(seen)})" if len(seen) < n else ""))
+        print(_table([[m["rank"], m["global_rank"] if m["global_rank"] >= 0 else "-", m["host"], m["pid"],
+                       m["cuda_dev"], m["bus_id"], m["via"], _ago(m["seen_ns"])] for m in members],
+                     ["RANK", "GLOBAL", "HOST", "PID", "GPU", "BUS", "VIA", "SEEN"]))
+    if not rows:
+        print("no communicators known (agents' nccltopo source: NCCL_DEBUG=INFO logs or NCCL RAS)")
+    return 0
+
+
 def cmd_commops(stub, args) -> int:
     now = time.time_ns()
     since = now - int(parse_duration(args.since) * 1e9) if args.since else 0
@@ -380,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--show", type=int, default=20, help="rows printed in the table (default 20, newest)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_detail)
+    sp = sub.add_parser("comms", help="NCCL communicators: comm hash -> rank -> host/pid/GPU (nccltopo source)")
+    sp.add_argument("--job", help="only communicators with a member of this job")
+    sp.add_argument("--comm", help="only this comm hash")
+    sp.add_argument("--json", action="store_true", help="one JSON list of members")
+    sp.set_defaults(func=cmd_comms)
     sp = sub.add_parser("commops", help="communication ops of a job, fetched on demand from its nodes' agents")
     sp.add_argument("job", help="the job key, as `procs --json` reports it")
     sp.add_argument("--rank", type=int, action="append", help="only these global ranks (repeatable)")

@@ -115,6 +115,17 @@ class ControlService(cgrpc.ControlServicer):
                           start_ns=r["first_ns"] or 0, end_ns=r["last_ns"] or 0, origin=",".join(r["origins"]))
         return out
 
+    async def ListComms(self, request, context):
+        await self._auth(context)
+        rows = await asyncio.to_thread(self.reader.comms, request.job_key, request.comm_id)
+        out = cpb.CommList()
+        for r in rows:
+            out.members.add(comm_id=r["comm_id"], rank=r["rank"], nranks=r["nranks"], host=r["host"], pid=r["pid"],
+                            cuda_dev=r["cuda_dev"], nvml_dev=r["nvml_dev"], bus_id=r["bus_id"],
+                            global_rank=r["global_rank"], job_key=r["job_key"], via=r["via"], node_id=r["node_id"],
+                            seen_ns=r["seen_ns"])
+        return out
+
     async def ImportFlows(self, request, context):
         await self._auth(context)
         from steplens.collector.store.writer import ImportJob

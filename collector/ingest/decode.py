@@ -40,6 +40,7 @@ class DecodedBatch:
     conns: list = field(default_factory=list)      # (mono_ns, ConnStats msg)
     flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
     comm_summaries: list = field(default_factory=list)  # (mono_ns, source, CommSummary msg)
+    comm_members: list = field(default_factory=list)    # (mono_ns, CommMember msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -117,6 +118,12 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
                 rej["comm summary with bad times or names"] += 1
                 continue
             out.comm_summaries.append((mono, rec.source, c))
+        elif kind == "comm_member":
+            c = rec.comm_member
+            if not c.comm_id or len(c.comm_id) > MAX_NAME or len(c.host) > MAX_NAME or c.rank < 0 or c.nranks <= c.rank:
+                rej["comm member with bad id, host or rank"] += 1
+                continue
+            out.comm_members.append((mono, c))
         elif kind in ("commop", "kernel"):
             rej[f"{kind} record sent upstream (node-local detail: fetched on demand, not streamed)"] += 1
         else:

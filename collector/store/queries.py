@@ -101,6 +101,22 @@ class Reader:
                         "threads": int(r["threads"] or 0)})
         return out
 
+    def comms(self, job_key: str = "", comm_id: str = "") -> list[dict]:
+        """Communicator members, newest report per (comm, rank, host, pid). A job filter keeps whole
+        communicators that have at least one member of the job (members on other hosts may carry no job)."""
+        db = self._db()
+        try:
+            if job_key:
+                rows = list(db.query("SELECT * FROM comm_members WHERE comm_id IN (SELECT comm_id FROM comm_members"
+                                     " WHERE job_key = ?) AND (? = '' OR comm_id = ?) ORDER BY comm_id, rank, seen_ns",
+                                     [job_key, comm_id, comm_id]))
+            else:
+                rows = list(db.query("SELECT * FROM comm_members WHERE (? = '' OR comm_id = ?)"
+                                     " ORDER BY comm_id, rank, seen_ns", [comm_id, comm_id]))
+        finally:
+            db.conn.close()
+        return [dict(r, node_id=r["agent_id"]) for r in rows]
+
     def gaps(self, node_id: str = "") -> list[dict]:
         db = self._db()
         try:

@@ -116,6 +116,16 @@ CREATE INDEX comm_summaries_job ON comm_summaries (job_key, end_ns);
 CREATE INDEX comm_summaries_end ON comm_summaries (end_ns);
 """))
 
+MIGRATIONS.append((5, """
+CREATE TABLE comm_members (
+  comm_id TEXT NOT NULL, rank INTEGER NOT NULL, nranks INTEGER NOT NULL, host TEXT NOT NULL, pid INTEGER NOT NULL,
+  cuda_dev INTEGER NOT NULL, nvml_dev INTEGER NOT NULL, bus_id TEXT NOT NULL, global_rank INTEGER NOT NULL,
+  job_key TEXT NOT NULL, via TEXT NOT NULL, agent_id TEXT NOT NULL, seen_ns INTEGER NOT NULL,
+  PRIMARY KEY (comm_id, rank, host, pid)
+);
+CREATE INDEX comm_members_job ON comm_members (job_key);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

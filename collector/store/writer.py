@@ -307,6 +307,18 @@ class StoreWriter:
                 [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank,
                   c.comm_id, c.op, c.step, c.calls, c.bytes, c.busy_ns, c.max_ns, c.seq_first, c.seq_last, c.timing,
                   src, c.issue_latency_ns_sum, c.kernels) for m, src, c in dec.comm_summaries])
+        if dec.comm_members:
+            # a (comm, rank, host, pid) seen again (RAS and a log, several agents) keeps its newest report
+            conn.executemany(
+                "INSERT INTO comm_members(comm_id, rank, nranks, host, pid, cuda_dev, nvml_dev, bus_id, global_rank,"
+                " job_key, via, agent_id, seen_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)"
+                " ON CONFLICT(comm_id, rank, host, pid) DO UPDATE SET nranks=excluded.nranks,"
+                " cuda_dev=excluded.cuda_dev, nvml_dev=excluded.nvml_dev, bus_id=excluded.bus_id,"
+                " global_rank=MAX(comm_members.global_rank, excluded.global_rank),"
+                " job_key=CASE WHEN excluded.job_key != '' THEN excluded.job_key ELSE comm_members.job_key END,"
+                " via=excluded.via, agent_id=excluded.agent_id, seen_ns=MAX(comm_members.seen_ns, excluded.seen_ns)",
+                [(c.comm_id, c.rank, c.nranks, c.host, c.pid, c.cuda_dev, c.nvml_dev, c.bus_id, c.global_rank,
+                  c.job_key, c.via, agent, to_cluster(m)) for m, c in dec.comm_members])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",

@@ -325,6 +325,50 @@ class CommOpsReply(_message.Message):
     offline: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, records_json: _Optional[str] = ..., messages: _Optional[_Mapping[str, str]] = ..., offline: _Optional[_Iterable[str]] = ...) -> None: ...
 
+class CommsRequest(_message.Message):
+    __slots__ = ("job_key", "comm_id")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    comm_id: str
+    def __init__(self, job_key: _Optional[str] = ..., comm_id: _Optional[str] = ...) -> None: ...
+
+class CommMemberRow(_message.Message):
+    __slots__ = ("comm_id", "rank", "nranks", "host", "pid", "cuda_dev", "nvml_dev", "bus_id", "global_rank", "job_key", "via", "node_id", "seen_ns")
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NRANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEV_FIELD_NUMBER: _ClassVar[int]
+    NVML_DEV_FIELD_NUMBER: _ClassVar[int]
+    BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    comm_id: str
+    rank: int
+    nranks: int
+    host: str
+    pid: int
+    cuda_dev: int
+    nvml_dev: int
+    bus_id: str
+    global_rank: int
+    job_key: str
+    via: str
+    node_id: str
+    seen_ns: int
+    def __init__(self, comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., cuda_dev: _Optional[int] = ..., nvml_dev: _Optional[int] = ..., bus_id: _Optional[str] = ..., global_rank: _Optional[int] = ..., job_key: _Optional[str] = ..., via: _Optional[str] = ..., node_id: _Optional[str] = ..., seen_ns: _Optional[int] = ...) -> None: ...
+
+class CommList(_message.Message):
+    __slots__ = ("members",)
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    members: _containers.RepeatedCompositeFieldContainer[CommMemberRow]
+    def __init__(self, members: _Optional[_Iterable[_Union[CommMemberRow, _Mapping]]] = ...) -> None: ...
+
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]

@@ -79,6 +79,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.CommOpsRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.CommOpsReply.FromString,
                 _registered_method=True)
+        self.ListComms = channel.unary_unary(
+                '/steplens.v1.Control/ListComms',
+                request_serializer=steplens_dot_v1_dot_control__pb2.CommsRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.CommList.FromString,
+                _registered_method=True)
         self.SetDeepMode = channel.unary_unary(
                 '/steplens.v1.Control/SetDeepMode',
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
@@ -143,6 +148,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListComms(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetDeepMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -196,6 +207,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.FetchCommOps,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.CommOpsRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.CommOpsReply.SerializeToString,
+            ),
+            'ListComms': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListComms,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.CommsRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.CommList.SerializeToString,
             ),
             'SetDeepMode': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDeepMode,
@@ -446,6 +462,33 @@ class Control:
             '/steplens.v1.Control/FetchCommOps',
             steplens_dot_v1_dot_control__pb2.CommOpsRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.CommOpsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListComms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListComms',
+            steplens_dot_v1_dot_control__pb2.CommsRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.CommList.FromString,
             options,
             channel_credentials,
             insecure,

@@ -367,8 +367,34 @@ class CommSummary(_message.Message):
     kernels: int
     def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., comm_id: _Optional[str] = ..., op: _Optional[str] = ..., step: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_ns: _Optional[int] = ..., max_ns: _Optional[int] = ..., seq_first: _Optional[int] = ..., seq_last: _Optional[int] = ..., timing: _Optional[str] = ..., issue_latency_ns_sum: _Optional[int] = ..., kernels: _Optional[int] = ...) -> None: ...
 
+class CommMember(_message.Message):
+    __slots__ = ("comm_id", "rank", "nranks", "host", "pid", "cuda_dev", "nvml_dev", "bus_id", "global_rank", "job_key", "via")
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NRANKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    CUDA_DEV_FIELD_NUMBER: _ClassVar[int]
+    NVML_DEV_FIELD_NUMBER: _ClassVar[int]
+    BUS_ID_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    comm_id: str
+    rank: int
+    nranks: int
+    host: str
+    pid: int
+    cuda_dev: int
+    nvml_dev: int
+    bus_id: str
+    global_rank: int
+    job_key: str
+    via: str
+    def __init__(self, comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., cuda_dev: _Optional[int] = ..., nvml_dev: _Optional[int] = ..., bus_id: _Optional[str] = ..., global_rank: _Optional[int] = ..., job_key: _Optional[str] = ..., via: _Optional[str] = ...) -> None: ...
+
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +410,7 @@ class Record(_message.Message):
     COMMOP_FIELD_NUMBER: _ClassVar[int]
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     COMM_SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    COMM_MEMBER_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -399,7 +426,8 @@ class Record(_message.Message):
     commop: CommOp
     kernel: KernelRec
     comm_summary: CommSummary
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ...) -> None: ...
+    comm_member: CommMember
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)
