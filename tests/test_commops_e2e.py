@@ -129,6 +129,16 @@ def test_four_rank_gloo_job_comm_ops_reach_the_fetch_path(tmp_path):
             return rows if all(ar[r] >= N_AR for r in range(4)) and p2p == {0, 1, 2, 3} else None
 
         rows = wait_for(fetched, 90, interval=2.0, what="collectives and P2P ops of all 4 ranks")
+
+        def summarized():  # the per-step summaries streamed upstream and stored by the collector
+            got = collector.cli("commops", "e2e-commops", "--summary", "--since", "10m")
+            calls = Counter()
+            for r in got:
+                if r["source"] == "flightrec" and r["op"] == "all_reduce" and r["comm_id"] == "pg:0":
+                    calls[r["rank"]] += r["calls"]
+            return got if all(calls[r] == N_AR for r in range(4)) else None
+
+        summaries = wait_for(summarized, 30, interval=1.0, what="stored comm summaries")
         (sync / "stop").touch()
         wall1 = time.time_ns()
     finally:
@@ -145,6 +155,7 @@ def test_four_rank_gloo_job_comm_ops_reach_the_fetch_path(tmp_path):
         collector.stop()
         request_cleanup()
 
+    assert all(wall0 - 10**9 < r["end_ns"] < wall1 + 10**9 and r["node_id"] == "node-a" for r in summaries)
     ops = [r for r in rows if r["kind"] == "commop"]
     for r in ops:  # the documented JSON fields
         for key in ("rank", "comm_id", "op", "seq", "bytes", "start_ns", "end_ns", "source", "node_id"):

@@ -308,9 +308,30 @@ def cmd_comms(stub, args) -> int:
     return 0
 
 
+def _cmd_comm_summaries(stub, args, since: int) -> int:
+    reply = stub.ListCommSummaries(cpb.SummariesRequest(job_key=args.job, ranks=args.rank or [], since_ns=since,
+                                                        limit=min(args.limit, 100000)), timeout=args.timeout)
+    rows = json.loads(reply.rows_json or "[]")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    table = [[r["rank"], r["comm_id"] or "-", r["op"], r["step"] if r["step"] >= 0 else "-", r["calls"], r["bytes"],
+              _us(r["busy_ns"]), _us(r["max_ns"]),
+              f"{r['seq_first']}..{r['seq_last']}" if r["seq_first"] >= 0 else "-",
+              _us(r["issue_latency_ns_sum"] // r["kernels"]) if r["kernels"] else "-", r["source"], _ago(r["end_ns"])]
+             for r in rows[-args.show:]]
+    print(_table(table, ["RANK", "COMM", "OP", "STEP", "CALLS", "BYTES", "BUSY", "MAX", "SEQ", "ISSUE_LAT", "SOURCE",
+                         "END"]))
+    if not rows:
+        print(f"no comm summaries stored for job {args.job!r} (sources: kineto, flightrec)")
+    return 0
+
+
 def cmd_commops(stub, args) -> int:
     now = time.time_ns()
     since = now - int(parse_duration(args.since) * 1e9) if args.since else 0
+    if args.summary:
+        return _cmd_comm_summaries(stub, args, since)
     kinds = ["commops"] + (["kernels"] if args.kernels else [])
     reply = stub.FetchCommOps(cpb.CommOpsRequest(job_key=args.job, ranks=args.rank or [], since_ns=since,
                                                  limit=args.limit, kinds=kinds), timeout=args.timeout + 35)
@@ -414,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--since", default="5m", help="from this long ago (default 5m; '' for all kept)")
     sp.add_argument("--limit", type=int, default=100000, help="records per node at most")
     sp.add_argument("--kernels", action="store_true", help="also fetch GPU kernels (KernelRec)")
+    sp.add_argument("--summary", action="store_true", help="the stored per-step summaries instead (no fetch from "
+                                                            "the nodes): calls, bytes, busy/max time, seq range")
     sp.add_argument("--show", type=int, default=40, help="rows printed in the table (default 40, newest)")
     sp.add_argument("--json", action="store_true", help="one JSON list: rank, comm_id, op, seq, bytes, start_ns, "
                                                          "end_ns, source, ... (cluster times)")

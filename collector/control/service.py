@@ -115,6 +115,14 @@ class ControlService(cgrpc.ControlServicer):
                           start_ns=r["first_ns"] or 0, end_ns=r["last_ns"] or 0, origin=",".join(r["origins"]))
         return out
 
+    async def ListCommSummaries(self, request, context):
+        await self._auth(context)
+        if not request.job_key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens procs --json`)")
+        rows = await asyncio.to_thread(self.reader.comm_summaries, request.job_key, list(request.ranks),
+                                       request.since_ns, request.limit or 5000)
+        return cpb.SummariesReply(rows_json=json.dumps(rows))
+
     async def ListComms(self, request, context):
         await self._auth(context)
         rows = await asyncio.to_thread(self.reader.comms, request.job_key, request.comm_id)

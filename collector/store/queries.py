@@ -101,6 +101,21 @@ class Reader:
                         "threads": int(r["threads"] or 0)})
         return out
 
+    def comm_summaries(self, job_key: str, ranks: list[int] | None = None, since_ns: int = 0,
+                       limit: int = 5000) -> list[dict]:
+        """The newest `limit` CommSummary rows of a job (optionally some ranks), oldest first."""
+        db = self._db()
+        try:
+            cond, args = ["job_key = ?", "end_ns >= ?"], [job_key, since_ns]
+            if ranks:
+                cond.append("rank IN (%s)" % ",".join("?" * len(ranks)))
+                args += list(ranks)
+            rows = list(db.query(f"SELECT * FROM comm_summaries WHERE {' AND '.join(cond)} ORDER BY end_ns DESC"
+                                 f" LIMIT ?", args + [limit]))
+        finally:
+            db.conn.close()
+        return [dict(r, node_id=r.pop("agent_id")) for r in reversed(rows)]
+
     def comms(self, job_key: str = "", comm_id: str = "") -> list[dict]:
         """Communicator members, newest report per (comm, rank, host, pid). A job filter keeps whole
         communicators that have at least one member of the job (members on other hosts may carry no job)."""

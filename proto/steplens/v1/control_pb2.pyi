@@ -369,6 +369,24 @@ class CommList(_message.Message):
     members: _containers.RepeatedCompositeFieldContainer[CommMemberRow]
     def __init__(self, members: _Optional[_Iterable[_Union[CommMemberRow, _Mapping]]] = ...) -> None: ...
 
+class SummariesRequest(_message.Message):
+    __slots__ = ("job_key", "ranks", "since_ns", "limit")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    since_ns: int
+    limit: int
+    def __init__(self, job_key: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., since_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SummariesReply(_message.Message):
+    __slots__ = ("rows_json",)
+    ROWS_JSON_FIELD_NUMBER: _ClassVar[int]
+    rows_json: str
+    def __init__(self, rows_json: _Optional[str] = ...) -> None: ...
+
 class NodeList(_message.Message):
     __slots__ = ("nodes",)
     NODES_FIELD_NUMBER: _ClassVar[int]

@@ -84,6 +84,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.CommsRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.CommList.FromString,
                 _registered_method=True)
+        self.ListCommSummaries = channel.unary_unary(
+                '/steplens.v1.Control/ListCommSummaries',
+                request_serializer=steplens_dot_v1_dot_control__pb2.SummariesRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.SummariesReply.FromString,
+                _registered_method=True)
         self.SetDeepMode = channel.unary_unary(
                 '/steplens.v1.Control/SetDeepMode',
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
@@ -154,6 +159,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListCommSummaries(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetDeepMode(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -212,6 +223,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListComms,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.CommsRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.CommList.SerializeToString,
+            ),
+            'ListCommSummaries': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCommSummaries,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.SummariesRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.SummariesReply.SerializeToString,
             ),
             'SetDeepMode': grpc.unary_unary_rpc_method_handler(
                     servicer.SetDeepMode,
@@ -489,6 +505,33 @@ class Control:
             '/steplens.v1.Control/ListComms',
             steplens_dot_v1_dot_control__pb2.CommsRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.CommList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCommSummaries(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListCommSummaries',
+            steplens_dot_v1_dot_control__pb2.SummariesRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.SummariesReply.FromString,
             options,
             channel_credentials,
             insecure,
