@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import textwrap
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -109,19 +108,20 @@ def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
         with open(path, "w") as fh:
             fh.write("1")
         s0 = _prog_stats()
-        transfer(seconds)
+        _, nbytes, _ = transfer(seconds)
         s1 = _prog_stats()
     finally:
         with open(path, "w") as fh:
             fh.write(was)
         agent.stdin.write("stop\n"); agent.stdin.flush()
         agent.communicate(timeout=60)
-    out = {}
+    out, total_ns = {}, 0
     for name, (t1, c1) in s1.items():
         t0, c0 = s0.get(name, (0, 0))
+        total_ns += t1 - t0
         if c1 > c0:
             out[name.removeprefix("steplens_nf_")] = round((t1 - t0) / (c1 - c0), 1)
-    return out
+    return out, total_ns / 1e6 / (nbytes * 8 / 1e9)  # ms of BPF time per Gbit transferred
 
 
 def main() -> int:
@@ -161,7 +161,7 @@ def main() -> int:
         print(f"pair {i + 1}: without {without[-1]:6.2f} Gbit/s   with {with_[-1]:6.2f} Gbit/s   "
               f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
               flush=True)
-    cost = bpf_cost(args.seconds, env)
+    cost, bpf_ms_per_gbit = bpf_cost(args.seconds, env)
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
     gbit = with_bytes * 8 / 1e9
@@ -176,6 +176,7 @@ def main() -> int:
         "seconds_per_run": args.seconds,
         "goal_slowdown_percent": 2,
         "bpf_ns_per_run": cost,
+        "bpf_cpu_ms_per_gbit": round(bpf_ms_per_gbit, 3),
     }
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
     print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2)")
@@ -184,6 +185,8 @@ def main() -> int:
           f"({result['agent_cpu_percent']:.3f} % of one core)")
     print("BPF time per program run   " + ", ".join(f"{k} {v:.0f} ns" for k, v in cost.items())
           + " (separate run with kernel.bpf_stats_enabled)")
+    print(f"BPF CPU                    {bpf_ms_per_gbit:.2f} ms per Gbit counted (both ends of each packet here; "
+          f"{bpf_ms_per_gbit:.2f} ms/Gbit = {bpf_ms_per_gbit:.1f} % of a core per 10 Gbit/s)")
     print(json.dumps(result))
     return 0
 
