@@ -187,3 +187,128 @@ def test_down_after_a_crash_mid_fault(bed):
     assert res["namespaces_left"] == [] and res["cgroups_left"] == [] and netns.list_namespaces() == []
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and netns._start_time(p) is not None]
     assert netns.down(bed)["namespaces_removed"] == []  # idempotent
+
+
+# ---------------------------------------------------------------- TP within a host: DP=1 x PP=2 x TP=2 on 2 hosts
+# Rank r = (stage * dp + replica) * tp + tp_index: ranks 0/1 are stage 0's TP group in h0, ranks 2/3 stage 1's
+# in h1; 0 sends to 2 and 1 to 3. These run after the DP=2 x PP=2 bed is down (the namespace names are shared,
+# so the fixture's first `down` also removes that bed if a test selection left it up).
+
+def tb_cli(state_dir: str, *args: str, timeout: float = 120, check: bool = True):
+    out = subprocess.run([sys.executable, "-m", "bench.testbed.cli", "--state-dir", state_dir, *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert out.returncode == 0, (args, out.stdout[-2000:], out.stderr[-2000:])
+    return json.loads(out.stdout) if out.stdout.strip() else {}
+
+
+def lo_rx_bytes(ns: str) -> int:
+    out = subprocess.run(["ip", "-n", ns, "-s", "-j", "link", "show", "lo"], capture_output=True, text=True)
+    return json.loads(out.stdout)[0]["stats64"]["rx"]["bytes"]
+
+
+@pytest.fixture(scope="module")
+def tp_bed(tmp_path_factory):
+    layout = netns.Layout(state_dir=str(tmp_path_factory.mktemp("testbed-tp")), hosts=2)
+    netns.down(layout)
+    try:
+        up = tb_cli(layout.state_dir, "up", "--hosts", "2", "--no-agents")
+        assert sorted(up["namespaces"].values()) == ["sltb-h0", "sltb-h1"]
+        tb_cli(layout.state_dir, "run", "--dp", "1", "--pp", "2", "--tp", "2", "--steps", "0", "--detach")
+        faults.wait_steps(layout, 5, timeout=240)
+        yield layout
+    finally:
+        res = tb_cli(layout.state_dir, "down", check=False)
+        print("\nmeasured (TP):", json.dumps({k: v for k, v in RESULTS.items() if k.startswith("tp ")}, indent=1))
+        assert res.get("namespaces_left") == [] and res.get("cgroups_left") == [], res
+
+
+def tp_phase(layout, t0, t1) -> dict[int, dict]:
+    return {r: faults.summarize([s for s in faults.read_steps(layout, r) if s["start_ns"] >= t0 and s["end_ns"] <= t1])
+            for r in range(4)}
+
+
+def test_tp_placement_and_step_log_column(tp_bed):
+    job = netns.load_job(tp_bed)
+    assert job["tp"] == 2 and [r["host"] for r in job["ranks"]] == ["h0", "h0", "h1", "h1"]
+    netns_of = {r["rank"]: os.stat(f"/proc/{r['pid']}/ns/net").st_ino for r in job["ranks"]}
+    assert netns_of[0] == netns_of[1] != netns_of[2] == netns_of[3]  # a TP group shares its host namespace
+    assert netns_of[0] == os.stat("/run/netns/sltb-h0").st_ino
+    lo0 = lo_rx_bytes("sltb-h0")
+    n = faults.wait_steps(tp_bed, 10)
+    assert n >= 14
+    # TP peers talk to their host's eth0 address, which the kernel delivers over lo: ~4 x 2 x 64 KB per step
+    assert lo_rx_bytes("sltb-h0") - lo0 > 10 * 256_000
+    old = {"step", "rank", "stage", "replica", "pid", "start_ns", "end_ns", "start_mono_ns", "end_mono_ns",
+           "step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds", "gc_seconds", "sync_seconds",
+           "gc_storm", "extra_sync", "fwd_seconds", "bwd_seconds", "opt_seconds", "compute_cpu_seconds", "cpu_seconds"}
+    for r in range(4):
+        steps = faults.read_steps(tp_bed, r)
+        assert len(steps) >= 14 and old | {"tp_allreduce_seconds", "tp", "tp_index"} <= set(steps[-1])
+        assert (steps[-1]["stage"], steps[-1]["replica"], steps[-1]["tp_index"]) == (r // 2, 0, r % 2)
+        s = faults.summarize(steps[-10:])
+        assert s["tp_allreduce_seconds"] > 0 and s["allreduce_seconds"] >= 0
+        # the TP time is taken out of compute: the parts do not add up to more than the step
+        assert s["compute_seconds"] + s["tp_allreduce_seconds"] + s["pipe_wait_seconds"] < 1.2 * s["step_seconds"]
+
+
+def test_tp_cpu_quota_on_rank1_shows_as_peer_tp_wait(tp_bed):
+    t0 = time.time_ns()
+    faults.wait_steps(tp_bed, 8)
+    base = tp_phase(tp_bed, t0, time.time_ns())
+    entry = faults.inject(tp_bed, "cpu", "rank1", 3.0, cpu_share=0.1)
+    assert entry["target"] == "rank1"
+    faults.wait_steps(tp_bed, 2)
+    f = tp_phase(tp_bed, entry["start_ns"], entry["end_ns"])
+    RESULTS["tp cpu 10% rank1"] = {r: {"step_x": round(ratio(f[r], base[r]), 2), **{
+        f"{k}_ms quiet/fault": [round(1e3 * base[r][f"{k}_seconds"], 1), round(1e3 * f[r][f"{k}_seconds"], 1)]
+        for k in ("step", "compute", "pipe_wait", "tp_allreduce")}} for r in range(4)}
+    assert f[1]["steps"] >= 2, f
+    # its TP peer (same host, same stage) waits in the TP all-reduce: the propagation a detector relies on
+    assert ratio(f[0], base[0], "tp_allreduce_seconds") > 2, (f[0], base[0])
+    grew = {k: f[0][k] - base[0][k] for k in ("compute_seconds", "pipe_wait_seconds", "allreduce_seconds",
+                                              "tp_allreduce_seconds")}
+    assert max(grew, key=grew.get) == "tp_allreduce_seconds", grew
+    # ... and waits longer than the throttled rank itself. The quota (10 ms per 100 ms period) stalls rank 1
+    # wherever it happens to run: in some steps in compute, in others in its own side of the TP all-reduce,
+    # so its compute is up on average but not in every step (the median can stay near the baseline).
+    tp_grew = {r: f[r]["tp_allreduce_seconds"] - base[r]["tp_allreduce_seconds"] for r in (0, 1)}
+    assert tp_grew[0] > tp_grew[1] * 1.2, (tp_grew, f[0], f[1])
+
+    def mean_compute(t0, t1):
+        xs = [s["compute_seconds"] for s in faults.read_steps(tp_bed, 1)
+              if s["start_ns"] >= t0 and s["end_ns"] <= t1]
+        return sum(xs) / len(xs)
+    c_base, c_fault = mean_compute(t0, entry["start_ns"]), mean_compute(entry["start_ns"], entry["end_ns"])
+    assert c_fault > 1.5 * c_base, (c_base, c_fault)
+    for r in (2, 3):  # the next stage waits for activations (rank 3 on rank 1, rank 2 on rank 0, stalled by 1)
+        assert ratio(f[r], base[r], "pipe_wait_seconds") > 2, (r, f[r], base[r])
+    assert all(ratio(f[r], base[r]) > 1.8 for r in range(4)), RESULTS
+    assert netns.cgroups_left() == []
+
+
+def test_tp_link_throttle_on_h1_spares_tp(tp_bed):
+    t0 = time.time_ns()
+    faults.wait_steps(tp_bed, 8)
+    base = tp_phase(tp_bed, t0, time.time_ns())
+    entry = faults.inject(tp_bed, "link", "rank2", 3.0, rate="50mbit")  # rank 2's host: h1
+    assert entry["target"] == "h1"
+    faults.wait_steps(tp_bed, 2)
+    f = tp_phase(tp_bed, entry["start_ns"], entry["end_ns"])
+    RESULTS["tp link 50mbit h1"] = {r: {"step_x": round(ratio(f[r], base[r]), 2)} for r in range(4)}
+    assert all(f[r]["steps"] >= 2 and ratio(f[r], base[r]) > 1.5 for r in range(4)), (RESULTS, f)
+    for r in range(4):  # the stage traffic crosses the link and waits; the TP all-reduce stays on lo
+        grew_pipe = f[r]["pipe_wait_seconds"] - base[r]["pipe_wait_seconds"]
+        grew_tp = f[r]["tp_allreduce_seconds"] - base[r]["tp_allreduce_seconds"]
+        assert grew_pipe > 2 * max(grew_tp, 0.0) and grew_pipe > 0.02, (r, f[r], base[r])
+
+
+def test_tp_down_cleans_everything(tp_bed):
+    pids = [r["pid"] for r in netns.load_job(tp_bed)["ranks"]] + [e["pid"] for e in netns.recorded(tp_bed)]
+    res = tb_cli(tp_bed.state_dir, "down")
+    assert res["namespaces_left"] == [] and res["cgroups_left"] == []
+    assert not [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                if ns.startswith(netns.PREFIX)]
+    assert not [p for p in pids if netns._start_time(p) is not None]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert tp_bed.state_dir not in ps  # no rank (its command line names the state dir) survived

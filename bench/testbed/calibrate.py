@@ -25,8 +25,9 @@ import time
 
 from . import faults, netns
 
-COLUMNS = ("step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds", "gc_seconds",
-           "sync_seconds", "fwd_seconds", "bwd_seconds", "opt_seconds", "compute_cpu_seconds", "cpu_seconds")
+COLUMNS = ("step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds", "tp_allreduce_seconds",
+           "gc_seconds", "sync_seconds", "fwd_seconds", "bwd_seconds", "opt_seconds", "compute_cpu_seconds",
+           "cpu_seconds")
 
 # name -> (inject kind, target, duration s, inject kwargs); rank 1 = stage 0, replica 1 in DP=2 x PP=2
 PLAN = {

@@ -28,9 +28,9 @@ def cmd_run(layout: netns.Layout, a) -> int:
     for spec in a.gc_storm_rank or []:
         env.setdefault(spec, {})["STEPLENS_TESTBED_GC_STORM"] = "1"
     if a.extra_sync:
-        for r in range(a.dp * a.pp):
+        for r in range(a.dp * a.pp * a.tp):
             env.setdefault(r, {})["STEPLENS_TESTBED_EXTRA_SYNC"] = "1"
-    ranks = netns.start_job(layout, a.dp, a.pp, a.steps, a.schedule, a.timeout_seconds, env_faults=env)
+    ranks = netns.start_job(layout, a.dp, a.pp, a.steps, a.schedule, a.timeout_seconds, env_faults=env, tp=a.tp)
     if a.detach:
         _out({"ranks": ranks})
         return 0
@@ -54,7 +54,7 @@ def cmd_status(layout: netns.Layout, a) -> int:
                  "ground_truth": faults.ground_truth(layout)}
     try:
         job = netns.load_job(layout)
-        out["job"] = {"dp": job["dp"], "pp": job["pp"], "ranks": job["ranks"],
+        out["job"] = {"dp": job["dp"], "pp": job["pp"], "tp": job.get("tp", 1), "ranks": job["ranks"],
                       "last_step": faults.last_step(layout),
                       "recent": {r["rank"]: faults.summarize(faults.read_steps(layout, r["rank"])[-10:])
                                  for r in job["ranks"]}}
@@ -76,7 +76,8 @@ def cmd_down(layout: netns.Layout, a) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="steplens-testbed", description="emulated hosts (network namespaces), "
-                                 "steplens agents, a real gloo DP x PP job, and real faults with ground truth")
+                                 "steplens agents, a real gloo DP x PP x TP job (TP within a host), "
+                                 "and real faults with ground truth")
     ap.add_argument("--state-dir", default=netns.DEFAULT_STATE_DIR, help="PIDs, logs, PKI, step logs, ground truth")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -85,9 +86,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-agents", action="store_true", help="collector only")
     p.set_defaults(fn=cmd_up)
 
-    p = sub.add_parser("run", help="start the DP x PP training job, one rank per host")
+    p = sub.add_parser("run", help="start the DP x PP x TP training job: dp x pp hosts, tp ranks per host")
     p.add_argument("--dp", type=int, default=2)
     p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=1, help="TP ranks per host (one TP group per host namespace)")
     p.add_argument("--steps", type=int, default=100, help="0 = until `down`")
     p.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     p.add_argument("--timeout-seconds", type=float, default=30.0, help="gloo timeout")
@@ -98,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inject", help="apply one fault for a while and log its ground truth")
     p.add_argument("kind", choices=faults.KINDS)
-    p.add_argument("--target", default="1", help="host or rank: h1, rank1 or 1 (`all` for extra_sync)")
+    p.add_argument("--target", default="1", help="cpu/stop/gc_storm: a rank (rank3 or 3); link/noisy: a host "
+                   "(h1 or 1, or rank3 = its host); `all` for extra_sync")
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument("--rate", default="200mbit", help="link: tbf rate")
     p.add_argument("--cpu-share", type=float, default=0.1, help="cpu: fraction of one core")

@@ -2,6 +2,9 @@
 
 Kinds (`inject(layout, kind, target, duration_seconds, ...)`; each call blocks for the duration, reverts, and
 appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <state>/ground_truth.jsonl):
+Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm; a host (`h1`, `1`, or `rank3` = the host of rank 3)
+for link / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic, not TP,
+which stays on the host's loopback path.
 - `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
   directions of its link); the qdiscs also vanish with the namespaces on `down`.
 - `cpu`: CPU quota (default 10 % of a core) for the target rank's process, cgroup v1 `cpu` controller
@@ -68,9 +71,9 @@ def summarize(steps: list[dict]) -> dict:
     if not steps:
         return {"steps": 0}
     out = {"steps": len(steps), "max_step_seconds": max(s["step_seconds"] for s in steps)}
-    for k in ("step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds", "gc_seconds",
-              "sync_seconds"):
-        out[k] = statistics.median(s[k] for s in steps)
+    for k in ("step_seconds", "compute_seconds", "pipe_wait_seconds", "allreduce_seconds",
+              "tp_allreduce_seconds", "gc_seconds", "sync_seconds"):
+        out[k] = statistics.median(s.get(k, 0.0) for s in steps)  # logs from before TP lack tp_allreduce
     return out
 
 
@@ -97,9 +100,43 @@ def _rank_pid(layout: netns.Layout, rank: int) -> int:
     raise ValueError(f"no rank {rank} in the job")
 
 
-def _host_index(target: str) -> int:
-    """'h1', 'rank1' or '1' -> 1 (one rank per host)."""
-    return int(target.lstrip("hrank") or "x")
+def _number(target: str, prefix: str) -> int | None:
+    t = target.strip()
+    if t.startswith(prefix):
+        t = t[len(prefix):]
+    return int(t) if t.isdigit() else None
+
+
+def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
+    """The rank (cpu, stop, gc_storm) or host index (link, noisy) a target names.
+
+    Ranks: 'rank3' or '3'; a host 'h1' only while it holds one rank (tp = 1). Hosts: 'h1' or '1', or
+    'rank3' for the host that rank 3 runs on (with tp > 1 that is rank 3 // tp)."""
+    try:
+        ranks = netns.load_job(layout)["ranks"]
+    except RuntimeError:
+        ranks = []
+    host_of = {r["rank"]: int(r["host"].lstrip("h")) for r in ranks}
+    if kind in ("cpu", "stop", "gc_storm"):
+        if target.strip().startswith("h"):
+            i = _number(target, "h")
+            on = [r for r, h in host_of.items() if h == i]
+            if i is None or len(on) != 1:
+                raise ValueError(f"{kind} targets a rank; host {target!r} holds ranks {on}: name one as rank<r>")
+            return on[0]
+        r = _number(target, "rank")
+        if r is None or (host_of and r not in host_of):
+            raise ValueError(f"no rank {target!r} in the job (ranks {sorted(host_of)})")
+        return r
+    if target.strip().startswith("rank"):
+        r = _number(target, "rank")
+        if r not in host_of:
+            raise ValueError(f"no rank {target!r} in the job (ranks {sorted(host_of)})")
+        return host_of[r]
+    i = _number(target, "h")
+    if i is None:
+        raise ValueError(f"bad host target {target!r}: h<i>, <i> or rank<r>")
+    return i
 
 
 def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool) -> None:
@@ -208,7 +245,7 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
                      end_ns=max(s["end_ns"] for s in marked), params=params)
         return _log(layout, entry)
 
-    i = _host_index(target)
+    i = resolve_target(layout, kind, target)
     entry["target"] = f"rank{i}" if kind in ("cpu", "stop", "gc_storm") else netns.node_id(i)
     if kind == "link":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]

@@ -383,17 +383,40 @@ def down(layout: Layout) -> dict:
 
 # ---------------------------------------------------------------- the job
 
+def placement(dp: int, pp: int, tp: int = 1) -> list[dict]:
+    """Rank -> coordinates and host: rank r = (stage * dp + replica) * tp + tp_index, host r // tp.
+
+    The tp ranks of a TP group share one host (namespace), as TP shares a node's NVLink domain on GPUs;
+    DP peers and pipeline neighbours sit on different hosts. With tp = 1: rank r on host r, stage r // dp,
+    replica r % dp (the original layout)."""
+    if min(dp, pp, tp) < 1:
+        raise ValueError(f"dp, pp, tp must be >= 1, got {dp}, {pp}, {tp}")
+    out = []
+    for r in range(dp * pp * tp):
+        g, k = divmod(r, tp)
+        stage, replica = divmod(g, dp)
+        out.append({"rank": r, "stage": stage, "replica": replica, "tp_index": k, "host_index": g})
+    return out
+
+
 def start_job(layout: Layout, dp: int = 2, pp: int = 2, steps: int = 100, schedule: str = "gpipe",
               timeout_seconds: float = 30.0, extra_args: list[str] | None = None,
-              env_faults: dict[int, dict[str, str]] | None = None, port: int = 29577) -> list[dict]:
-    """Launch one `job.py` rank per host (rank r on host r; DP x PP must equal the host count: no TP yet).
-    Returns and writes <state>/job.json: rank, host, ip, pid. Step logs go to <state>/steps/rank<r>.jsonl."""
+              env_faults: dict[int, dict[str, str]] | None = None, port: int = 29577, tp: int = 1) -> list[dict]:
+    """Launch the `job.py` ranks: tp ranks per host (one TP group per host namespace), dp x pp hosts, which
+    must equal the testbed's host count. Returns and writes <state>/job.json: rank, host, ip, pid and the
+    rank's stage / replica / tp_index. Step logs go to <state>/steps/rank<r>.jsonl."""
     state = load_state(layout)
-    world = dp * pp
-    if world != state["hosts"]:
-        raise ValueError(f"dp x pp = {world} but the testbed has {state['hosts']} hosts (one rank per host)")
-    kill_recorded(layout, {f"rank{r}" for r in range(world)})
-    for r in range(world):  # a fresh run starts fresh logs and no leftover run-time faults
+    world = dp * pp * tp
+    if dp * pp != state["hosts"]:
+        raise ValueError(f"dp x pp = {dp * pp} but the testbed has {state['hosts']} hosts "
+                         f"(one host per stage replica, its {tp} TP rank(s) inside it)")
+    prev = []
+    try:
+        prev = [r["rank"] for r in load_job(layout)["ranks"]]
+    except RuntimeError:
+        pass
+    kill_recorded(layout, {f"rank{r}" for r in set(range(world)) | set(prev)})
+    for r in set(range(world)) | set(prev):  # a fresh run starts fresh logs and no leftover run-time faults
         for p in (layout.path("steps", f"rank{r}.jsonl"), layout.path("faults", f"rank{r}.json")):
             if os.path.exists(p):
                 os.remove(p)
@@ -401,17 +424,23 @@ def start_job(layout: Layout, dp: int = 2, pp: int = 2, steps: int = 100, schedu
         os.remove(layout.path("faults", "all.json"))
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "job.py")
     ranks = []
-    for r in range(world):
+    for pl in placement(dp, pp, tp):
+        r, h = pl["rank"], pl["host_index"]
+        # GLOO_SOCKET_IFNAME=eth0 for every group: TP peers reach each other at their host's eth0 address,
+        # which the kernel delivers over `lo` (a local address never leaves through the veth), so TP traffic
+        # stays inside the host and a link fault (tbf on eth0) does not touch it, like NVLink vs the NIC.
         env = dict(os.environ, MASTER_ADDR=host_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE=str(world),
                    RANK=str(r), **(env_faults or {}).get(r, {}))
         p = spawn(layout, f"rank{r}", [sys.executable, job, "--rank", str(r), "--dp", str(dp), "--pp", str(pp),
-                                       "--steps", str(steps), "--schedule", schedule, "--timeout-seconds",
-                                       str(timeout_seconds), "--state-dir", layout.state_dir, *(extra_args or [])],
-                  ns=host_ns(r), env=env)
-        ranks.append({"rank": r, "host": node_id(r), "ip": host_ip(r), "pid": p.pid})
+                                       "--tp", str(tp), "--steps", str(steps), "--schedule", schedule,
+                                       "--timeout-seconds", str(timeout_seconds), "--state-dir", layout.state_dir,
+                                       *(extra_args or [])],
+                  ns=host_ns(h), env=env)
+        ranks.append({"rank": r, "host": node_id(h), "ip": host_ip(h), "pid": p.pid, "stage": pl["stage"],
+                      "replica": pl["replica"], "tp_index": pl["tp_index"]})
     with open(layout.path("job.json"), "w") as fh:
-        json.dump({"dp": dp, "pp": pp, "steps": steps, "schedule": schedule, "ranks": ranks,
+        json.dump({"dp": dp, "pp": pp, "tp": tp, "steps": steps, "schedule": schedule, "ranks": ranks,
                    "start_ns": time.time_ns()}, fh, indent=1)
     return ranks
 
