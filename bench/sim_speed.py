@@ -7,7 +7,8 @@ over worker processes, through one real collector (a child process) on loopback.
                                         [--stream-iterations 5] [--stream-batch-records 250]
                                         [--no-stream | --stream-only] [--quick]
 
-The simulation figure is the model alone (no sink); the output figure writes step summaries for the same
+The simulation figure is the model alone (no sink), dense (TP=1, TP=8) and with expert parallelism (EP=8,
+`ep_rank_iterations_per_s`); the output figure writes step summaries for the same
 run to a temporary directory. Streaming prints: agents connected (the collector's Control ListNodes count,
 taken once every worker has its HelloAcks, before any batch), the time to connect all of them, records/s
 stored by the collector (its own counts, checked against the store: every agent's seqs 1..n, no duplicate)
@@ -172,6 +173,16 @@ def simulate_figures(big: tuple, specs: list[str], tmp: str, res: dict) -> None:
         res[f"seconds_{cfg.gpus}x{cfg.iterations}_{name}"] = round(s, 2)
         res.setdefault("rank_iterations_per_s", round(rate))
         res["rank_iterations_per_s"] = min(res["rank_iterations_per_s"], round(rate))
+    # expert parallelism: the same GPUs as tp8 with EP=8 inside DP, 4 MoE layers per stage (every layer):
+    # 16 all-to-alls per micro-batch per stage (dispatch + combine, forward + backward) + the expert ring
+    dp, pp, tp, ep = big[0] // 8, 8, 8, 8
+    cfg = ModelConfig(dp=dp, pp=pp, tp=tp, ep=ep, iterations=big[2], seed=1)
+    s = timed_sim(cfg, specs)
+    rate = cfg.gpus * cfg.iterations / s
+    print(f"simulate  {cfg.gpus:>6} GPUs x {cfg.iterations:>3} it  {s:6.2f} s  {rate:>10,.0f} rank-iterations/s"
+          f"  (DP={dp} PP={pp} TP={tp} EP={ep}, {len(cfg.moe_layers())} MoE layers/stage, 6 faults)")
+    res[f"seconds_{cfg.gpus}x{cfg.iterations}_ep{ep}"] = round(s, 2)
+    res["ep_rank_iterations_per_s"] = round(rate)
     cfg = ModelConfig(dp=big[0] // 8, pp=8, tp=8, iterations=big[2], seed=1)
     sink = FileSink(cfg, tmp, ("steps",))
     t0 = time.perf_counter()

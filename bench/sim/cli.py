@@ -1,6 +1,7 @@
 """`steplens-sim`: run the cluster simulator to files (`run`) or stream it through a collector (`stream`).
 
     steplens-sim run --gpus 64 --dp 4 --pp 4 --tp 4 --iterations 20 --fault slow_gpu:5:5:10 --seed 1 --out DIR
+    steplens-sim run --gpus 64 --dp 8 --pp 2 --tp 4 --ep 4 --moe-every 2 --iterations 20 --out DIR   (MoE, EP=4)
     steplens-sim stream --gpus 64 --dp 4 --pp 4 --tp 4 --iterations 20 --agents 8 --collector 127.0.0.1:7070
 A thin layer over model.simulate / output.FileSink / stream.stream. Prints one JSON summary to stdout.
 """
@@ -23,6 +24,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dp", type=int, required=True)
     p.add_argument("--pp", type=int, required=True)
     p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert parallel size, divides --dp (EP groups inside DP, Megatron's layout; 1 = dense)")
+    p.add_argument("--layers-per-stage", type=int, default=None, help="layers per pipeline stage (default 4; EP only)")
+    p.add_argument("--moe-every", type=int, default=None,
+                   help="every k-th layer is MoE: layers 0, k, 2k, ... (default 1; EP only)")
+    p.add_argument("--moe-fraction", type=float, default=None,
+                   help="instead of --moe-every: this fraction of each stage's layers is MoE (EP only)")
     p.add_argument("--iterations", type=int, required=True)
     p.add_argument("--micro-batches", type=int, default=None, help="micro-batches per step (default 8; testbed 4)")
     p.add_argument("--preset", choices=("default", "testbed"), default="default",
@@ -37,7 +45,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args) -> tuple[ModelConfig, list]:
+    moe = (args.layers_per_stage, args.moe_every, args.moe_fraction)
+    if (args.ep or 1) == 1 and any(v is not None for v in moe):
+        raise ValueError("--layers-per-stage / --moe-every / --moe-fraction need --ep > 1 (MoE layers are modelled "
+                         "with expert parallelism only)")
+    if args.moe_every is not None and args.moe_fraction is not None:
+        raise ValueError("give --moe-every or --moe-fraction, not both")
     over = {k: v for k, v in (("dp", args.dp), ("pp", args.pp), ("tp", args.tp), ("iterations", args.iterations),
+                              ("ep", args.ep), ("layers_per_stage", args.layers_per_stage),
+                              ("moe_every", args.moe_every), ("moe_fraction", args.moe_fraction),
                               ("seed", args.seed), ("micro_batches", args.micro_batches),
                               ("gpus_per_node", args.gpus_per_node), ("nodes_per_leaf", args.nodes_per_leaf),
                               ("spines", args.spines), ("jitter_cv", args.jitter_cv)) if v is not None}

@@ -11,6 +11,8 @@ Kinds and what VALUE means (defaults in DEFAULT_VALUE):
                     (a rank: compute; a link or switch: bandwidth), iterations [START, END)
   degradation       persistent: factor ramps linearly from 1 at START to VALUE at END, then stays to the end
 TARGET is a global rank (an integer), a link id or a switch id.
+A link or switch fault slows every collective whose traffic crosses it: PP send/recv, the DP ring, and with
+expert parallelism the EP all-to-alls and the expert-gradient rings (model.Network indexes them all).
 """
 
 from __future__ import annotations

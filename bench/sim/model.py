@@ -10,6 +10,20 @@ dependencies allow:
   DP all-reduce of stage s, TP index t = max over replicas of the last backward end + ring time, where the
   ring time is set by the slowest hop (NIC bandwidth / fault factor, every switch on the path)
   next iteration of a rank starts where its all-reduce + optimizer ended.
+Expert parallelism (ep > 1, Megatron's layout): EP divides DP; the ranks with the same (pp, tp) coordinates
+and consecutive DP indices d in [e*E, (e+1)*E) form EP group e. Each stage has `layers_per_stage` layers,
+of which the MoE ones are every `moe_every`-th (layers 0, k, 2k, ...; or `moe_fraction` of them, evenly
+spread). An op's compute is cut into segments at its MoE layers: forward runs attention, a dispatch
+all-to-all, the expert MLP (`moe_mlp_share` of the layer), a combine all-to-all; backward the same in
+reverse (combine's gradient first). Each all-to-all of EP group (s, e) completes at
+  max over its members of their arrival (their TP group's, as the dispatcher gathers over TP first)
+  + the all-to-all time, p2p latency + (E-1)/E * a2a_bytes over the slowest ordered pair's bandwidth
+    (NIC / fault factor, every switch on the path, NVLink inside a node), the slowest TP index's,
+so a slow GPU in one EP group shows up as its group members waiting in all_to_all, and from there on their
+DP and PP peers as before. Gradients: the dense share (1 - expert_grad_share) of grad_bytes is ring
+all-reduced over all DP replicas as before, then the expert share over the DP/E replicas that hold the same
+experts (d = j, j+E, j+2E, ... for EP index j) on the same stream. With ep == 1 there are no MoE layers and
+none of this runs: results are bit-identical to the dense model.
 So one slow device shows up as waiting on every rank that depends on it. Cost: O(P * 2M) list operations
 of length DP per iteration plus O(ranks) for the per-rank jitter and bookkeeping: ~1-2 µs per
 rank-iteration on this machine. Per-rank detail (ops, flows) is handed to a sink per iteration and never
@@ -53,6 +67,13 @@ class ModelConfig:
                                      # after the last arrival (the testbed's `extra_sync` fault)
     send_rendezvous: bool = False    # a send completes only once its receiver has taken it (gloo), and a stage
                                      # waits for all its sends before the DP all-reduce (the testbed's job)
+    ep: int = 1                      # expert parallel size (divides dp); 1 = dense model, no MoE layers
+    layers_per_stage: int = 4        # transformer layers per pipeline stage (used when ep > 1)
+    moe_every: int = 1               # every k-th layer is MoE (Megatron's --moe-layer-freq): layers 0, k, 2k...
+    moe_fraction: float = 0.0        # > 0: instead, this fraction of the stage's layers is MoE (evenly spread)
+    moe_mlp_share: float = 0.6       # share of an MoE layer's compute in its expert MLP (between the all-to-alls)
+    a2a_bytes: int = 8 << 20         # per rank per all-to-all (dispatch or combine), split evenly over E peers
+    expert_grad_share: float = 0.5   # share of grad_bytes that are expert weights (all-reduced over DP/E ranks)
     collective_timeout_s: float = 600.0
     base_ns: int = 1_767_225_600_000_000_000  # cluster time of the job start (2026-01-01T00:00:00Z)
     seed: int = 0
@@ -79,6 +100,22 @@ class ModelConfig:
         for name in ("fwd_ms", "bwd_ms", "nic_gbps", "switch_gbps", "nvlink_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.ep < 1:
+            raise ValueError("ep must be >= 1")
+        if self.dp % self.ep:
+            raise ValueError(f"ep={self.ep} must divide dp={self.dp} (EP groups are formed inside DP)")
+        if self.ep > 1:
+            if self.layers_per_stage < 1 or self.moe_every < 1:
+                raise ValueError("layers_per_stage and moe_every must be >= 1")
+            if not 0.0 <= self.moe_fraction <= 1.0:
+                raise ValueError("moe_fraction must be in [0, 1]")
+            for name in ("moe_mlp_share", "expert_grad_share"):
+                if not 0.0 <= getattr(self, name) <= 1.0:
+                    raise ValueError(f"{name} must be in [0, 1]")
+            if self.a2a_bytes < 0:
+                raise ValueError("a2a_bytes must be >= 0")
+            if not self.moe_layers():
+                raise ValueError("ep > 1 needs at least one MoE layer per stage (moe_every / moe_fraction)")
 
     def rank(self, s: int, d: int, t: int) -> int:
         """Megatron order: TP fastest, then DP, then PP."""
@@ -90,7 +127,66 @@ class ModelConfig:
         return s, d, t
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.ep == 1:  # a dense job's config reads as before EP existed
+            for k in EP_FIELDS:
+                del d[k]
+        return d
+
+    # -- expert parallelism -------------------------------------------------------------------
+    def moe_layers(self) -> list[int]:
+        """Indices (within a stage) of the MoE layers; [] when ep == 1."""
+        if self.ep == 1:
+            return []
+        L = self.layers_per_stage
+        if self.moe_fraction > 0:
+            n = min(L, max(1, round(self.moe_fraction * L)))
+            return sorted({i * L // n for i in range(n)})
+        return list(range(0, L, self.moe_every))
+
+    def ep_segments(self) -> tuple[list[float], list[float]]:
+        """Forward and backward compute cut at the all-to-alls, as fractions of fwd_ms / bwd_ms:
+        [before a2a 0, before a2a 1, ..., after the last a2a]; 2 all-to-alls per MoE layer."""
+        L, moe, ms = self.layers_per_stage, set(self.moe_layers()), self.moe_mlp_share
+        fwd, acc = [], 0.0
+        for layer in range(L):
+            if layer in moe:
+                fwd += [acc + (1 - ms) / L, ms / L]   # attention, dispatch | expert MLP, combine
+                acc = 0.0
+            else:
+                acc += 1.0 / L
+        fwd.append(acc)
+        bwd, acc = [], 0.0
+        for layer in reversed(range(L)):
+            if layer in moe:
+                bwd += [acc, ms / L]                  # combine's grad | expert MLP's, dispatch's grad
+                acc = (1 - ms) / L
+            else:
+                acc += 1.0 / L
+        bwd.append(acc)
+        return fwd, bwd
+
+    def ep_group(self, r: int) -> list[int]:
+        """The ranks of rank r's EP group (same stage and TP index, consecutive DP indices)."""
+        s, d, t = self.coords(r)
+        b = d // self.ep * self.ep
+        return [self.rank(s, x, t) for x in range(b, b + self.ep)]
+
+    def expert_dp_group(self, r: int) -> list[int]:
+        """The ranks holding the same experts as rank r (its expert-gradient all-reduce): DP/EP of them."""
+        s, d, t = self.coords(r)
+        return [self.rank(s, x, t) for x in range(d % self.ep, self.dp, self.ep)]
+
+    def grad_split(self) -> tuple[int, int]:
+        """(dense, expert) gradient bytes per rank; (grad_bytes, 0) when ep == 1."""
+        if self.ep == 1:
+            return self.grad_bytes, 0
+        dense = int(round(self.grad_bytes * (1.0 - self.expert_grad_share)))
+        return dense, self.grad_bytes - dense
+
+
+EP_FIELDS = ("ep", "layers_per_stage", "moe_every", "moe_fraction", "moe_mlp_share", "a2a_bytes",
+             "expert_grad_share")
 
 
 def testbed_like(**over) -> ModelConfig:
@@ -137,6 +233,14 @@ class Iteration:
     net: dict[str, float] = field(default_factory=dict)  # link/switch -> bandwidth divisor in force
     sync_ns: list[list[float]] | None = None  # [s][d] time in per-micro-batch barriers (cfg.barrier_us > 0)
     send_wait_ns: list[list[float]] | None = None  # [s][d] waiting for sends after the last op (send_rendezvous)
+    # ep > 1 only: a2a_calls[s][k] = the all-to-alls of ops[s][k], each (seg_start[d], done_at[e]): when the
+    # TP group (s, d) began the compute before it, and when EP group e's last member arrived;
+    # a2a_ns[s][e * tp + t] the all-to-all time of EP group (s, e, t) in force, a2a_grp_ns[s][e] its max over t;
+    # ear_ns[s][t * ep + j] the expert-gradient ring time of the ranks holding expert shard j.
+    a2a_calls: list[list[list[tuple]]] | None = None
+    a2a_ns: list[list[float]] | None = None
+    a2a_grp_ns: list[list[float]] | None = None
+    ear_ns: list[list[float]] | None = None
 
 
 @dataclass
@@ -178,12 +282,21 @@ class Network:
         self.nv_bps = cfg.nvlink_gbps * 1e9
         self.p2p_lat = cfg.p2p_latency_us * 1e3
         self.hop_lat = cfg.hop_latency_us * 1e3
-        self.index: dict[str, list[tuple]] = {}   # resource -> [("pp", s, d) | ("dp", s, t)]
+        # resource -> [("pp", s, d) | ("dp", s, t) | ("ep", s, e * T + t) | ("edp", s, t * E + j)]
+        self.index: dict[str, list[tuple]] = {}
         self.path_cache: dict[tuple[int, int], tuple[str, ...]] = {}
+        self.dense_bytes, self.expert_bytes = cfg.grad_split()
         self.base_xfer = [[self._xfer(s, d, {}, register=True) for d in range(D)] for s in range(P - 1)]
         self.base_ar = [[self._ar(s, t, {}, register=True) for t in range(T)] for s in range(P)]
+        self.ep = E = cfg.ep
+        if E > 1:
+            self.base_a2a = [[self._a2a(s, x, {}, register=True) for x in range(D // E * T)] for s in range(P)]
+            self.base_ear = [[self._ear(s, x, {}, register=True) for x in range(T * E)] for s in range(P)]
+        else:
+            self.base_a2a = self.base_ear = None
         self._key: tuple = ()
         self.xfer, self.ar = self.base_xfer, self.base_ar
+        self.a2a, self.ear = self.base_a2a, self.base_ear
 
     def path(self, a: int, b: int) -> tuple[str, ...]:
         p = self.path_cache.get((a, b))
@@ -227,7 +340,47 @@ class Network:
             if register:
                 self._register(("dp", s, t), a, b)
             bw = min(bw, self.pair_bps(a, b, net))
-        return 2 * (D - 1) * self.hop_lat + 2 * (D - 1) / D * cfg.grad_bytes * 8e9 / bw
+        return 2 * (D - 1) * self.hop_lat + 2 * (D - 1) / D * self.dense_bytes * 8e9 / bw
+
+    def ep_members(self, s: int, x: int) -> list[int]:
+        """Ranks of EP group x = e * tp + t of stage s."""
+        e, t = divmod(x, self.cfg.tp)
+        E = self.cfg.ep
+        return [self.cfg.rank(s, d, t) for d in range(e * E, (e + 1) * E)]
+
+    def edp_members(self, s: int, x: int) -> list[int]:
+        """Ranks of expert-gradient ring x = t * ep + j of stage s."""
+        t, j = divmod(x, self.cfg.ep)
+        return [self.cfg.rank(s, d, t) for d in range(j, self.cfg.dp, self.cfg.ep)]
+
+    def _a2a(self, s: int, x: int, net: dict, register: bool = False) -> float:
+        """All-to-all of EP group x: every member sends a2a_bytes / E to each other member at once; the
+        slowest ordered pair (NIC, switches on its path, NVLink inside a node) sets the time."""
+        cfg = self.cfg
+        members = self.ep_members(s, x)
+        E = len(members)
+        bw = float("inf")
+        for a in members:
+            for b in members:
+                if a != b:
+                    if register:
+                        self._register(("ep", s, x), a, b)
+                    bw = min(bw, self.pair_bps(a, b, net))
+        return self.p2p_lat + (E - 1) / E * cfg.a2a_bytes * 8e9 / bw
+
+    def _ear(self, s: int, x: int, net: dict, register: bool = False) -> float:
+        """Ring all-reduce of the expert gradients over the DP/EP ranks holding the same experts."""
+        members = self.edp_members(s, x)
+        n = len(members)
+        if n == 1:
+            return 0.0
+        bw = float("inf")
+        for i, a in enumerate(members):
+            b = members[(i + 1) % n]
+            if register:
+                self._register(("edp", s, x), a, b)
+            bw = min(bw, self.pair_bps(a, b, net))
+        return 2 * (n - 1) * self.hop_lat + 2 * (n - 1) / n * self.expert_bytes * 8e9 / bw
 
     def update(self, net: dict[str, float]) -> None:
         key = tuple(sorted(net.items()))
@@ -236,18 +389,27 @@ class Network:
         self._key = key
         if not net:
             self.xfer, self.ar = self.base_xfer, self.base_ar
+            self.a2a, self.ear = self.base_a2a, self.base_ear
             return
         xfer = [row[:] for row in self.base_xfer]
         ar = [row[:] for row in self.base_ar]
+        ep = self.ep > 1
+        a2a = [row[:] for row in self.base_a2a] if ep else None
+        ear = [row[:] for row in self.base_ear] if ep else None
         touched = set()
         for res in net:
             touched.update(self.index.get(res, ()))
         for kind, s, x in touched:
             if kind == "pp":
                 xfer[s][x] = self._xfer(s, x, net)
-            else:
+            elif kind == "dp":
                 ar[s][x] = self._ar(s, x, net)
+            elif kind == "ep":
+                a2a[s][x] = self._a2a(s, x, net)
+            else:
+                ear[s][x] = self._ear(s, x, net)
         self.xfer, self.ar = xfer, ar
+        self.a2a, self.ear = a2a, ear
 
 
 def nominal_step_ns(cfg: ModelConfig) -> float:
@@ -256,7 +418,12 @@ def nominal_step_ns(cfg: ModelConfig) -> float:
     ar = max(max(r) for r in net.base_ar) if net else 0.0
     xf = max((max(r) for r in net.base_xfer), default=0.0) if net else 0.0
     op = (cfg.fwd_ms + cfg.bwd_ms + 2 * cfg.tp_collective_ms) * 1e6
-    return (cfg.micro_batches + cfg.pp - 1) * op + 2 * (cfg.pp - 1) * xf + ar + cfg.optimizer_ms * 1e6
+    est = (cfg.micro_batches + cfg.pp - 1) * op + 2 * (cfg.pp - 1) * xf + ar + cfg.optimizer_ms * 1e6
+    if cfg.ep > 1 and net:
+        a2a = max(max(r) for r in net.base_a2a)
+        est += (cfg.micro_batches + cfg.pp - 1) * 4 * len(cfg.moe_layers()) * a2a
+        est += max(max(r) for r in net.base_ear)
+    return est
 
 
 def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], None] | None = None,
@@ -279,6 +446,13 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
     net_faults = [f for f in faults if f.resource in ("link", "switch")]
     end = [0.0] * R
     res = Result(cfg, faults, 0, 0.0)
+    E = cfg.ep
+    ep_on = E > 1
+    if ep_on:
+        NB = D // E                              # EP groups per (stage, TP index)
+        seg_f, seg_b = cfg.ep_segments()
+        n_a2a = len(seg_f) - 1
+        blocks = [(b * E, (b + 1) * E) for b in range(NB)]
     for it in range(cfg.iterations):
         # per-rank compute multiplier: jitter x active compute faults
         if cv > 0:
@@ -308,6 +482,9 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
                 netf[k] = netf.get(k, 1.0) * f.factor(it)
         net.update(netf)
         xfer, ar = net.xfer, net.ar
+        if ep_on:
+            a2a, ear = net.a2a, net.ear
+            a2ag = [[max(row[b * T:(b + 1) * T]) for b in range(NB)] for row in a2a]
         # group (s, d) compute multiplier = its slowest TP member; group start = its latest member's end + stall
         if T == 1:
             gfac = factor
@@ -319,8 +496,15 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
             else:
                 gstart = [max(end[g * T:(g + 1) * T]) for g in range(D * P)]
         cur = [gstart[s * D:(s + 1) * D] for s in range(P)]
-        fdur = [[fwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
-        bdur = [[bwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
+        if ep_on:  # per stage, per segment: [d] durations; the last segment carries the TP collective
+            fseg = [[[fwd * f * x for x in gfac[s * D:(s + 1) * D]] for f in seg_f[:-1]]
+                    + [[fwd * seg_f[-1] * x + tpc for x in gfac[s * D:(s + 1) * D]]] for s in range(P)]
+            bseg = [[[bwd * f * x for x in gfac[s * D:(s + 1) * D]] for f in seg_b[:-1]]
+                    + [[bwd * seg_b[-1] * x + tpc for x in gfac[s * D:(s + 1) * D]]] for s in range(P)]
+            calls: list[list[list[tuple]]] = [[] for _ in range(P)]
+        else:
+            fdur = [[fwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
+            bdur = [[bwd * x + tpc for x in gfac[s * D:(s + 1) * D]] for s in range(P)]
         fend = [[None] * M for _ in range(P)]
         bend = [[None] * M for _ in range(P)]
         ops: list[list[tuple]] = [[] for _ in range(P)]
@@ -350,7 +534,10 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
                             st = [a if a > b + x else b + x for a, b, x in zip(c, dep, xfer[s - 1])]
                         else:
                             st = c
-                        en = [a + b for a, b in zip(st, fdur[s])]
+                        if ep_on:
+                            en = _moe_op(st, fseg[s], a2ag[s], blocks, E, n_a2a, calls[s])
+                        else:
+                            en = [a + b for a, b in zip(st, fdur[s])]
                         fend[s][m] = en
                     else:
                         if s < P - 1:
@@ -360,7 +547,10 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
                             st = [a if a > b + x else b + x for a, b, x in zip(c, dep, xfer[s])]
                         else:
                             st = c
-                        en = [a + b for a, b in zip(st, bdur[s])]
+                        if ep_on:
+                            en = _moe_op(st, bseg[s], a2ag[s], blocks, E, n_a2a, calls[s])
+                        else:
+                            en = [a + b for a, b in zip(st, bdur[s])]
                         bend[s][m] = en
                     ops[s].append((kind, m, c, st, en))
                     cur[s] = en
@@ -397,15 +587,43 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
         last_b = [max(cur[s]) for s in range(P)]
         start = end
         end = [0.0] * R
-        for s in range(P):
-            for t in range(T):
-                e = last_b[s] + ar[s][t] + opt
-                for d in range(D):
-                    end[(s * D + d) * T + t] = e
+        if ep_on:  # dense ring over all DP, then the expert ring over the DP/EP ranks holding the same experts
+            for s in range(P):
+                for t in range(T):
+                    e = last_b[s] + ar[s][t] + opt
+                    er = ear[s][t * E:(t + 1) * E]
+                    for d in range(D):
+                        end[(s * D + d) * T + t] = e + er[d % E]
+        else:
+            for s in range(P):
+                for t in range(T):
+                    e = last_b[s] + ar[s][t] + opt
+                    for d in range(D):
+                        end[(s * D + d) * T + t] = e
         if keep_steps:
             res.step_ns.append([b - a for a, b in zip(start, end)])
         if sink is not None:
-            sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait))
+            if ep_on:
+                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait,
+                               calls, a2a, a2ag, ear))
+            else:
+                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait))
         res.iterations_done = it + 1
     res.end_ns = max(end) if end else 0.0
     return res
+
+
+def _moe_op(st: list[float], seg: list[list[float]], a2ag: list[float], blocks: list[tuple[int, int]], E: int,
+            n_a2a: int, calls: list) -> list[float]:
+    """One forward/backward op with all-to-alls over DP replicas: compute segment i, then all-to-all i, which
+    completes for every member of EP group e at its last member's arrival + the group's all-to-all time.
+    Appends this op's [(seg_start[d], last_arrival[e]), ...] to calls; returns the op's end per replica."""
+    x = st
+    rec = []
+    for i in range(n_a2a):
+        arr = [a + b for a, b in zip(x, seg[i])]
+        amax = [max(arr[lo:hi]) for lo, hi in blocks]
+        rec.append((x, amax))
+        x = [v for a, g in zip(amax, a2ag) for v in (a + g,) * E]
+    calls.append(rec)
+    return [a + b for a, b in zip(x, seg[n_a2a])]

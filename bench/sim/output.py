@@ -8,6 +8,11 @@ share them. Files (JSON lines, one object a line, keys in a fixed order, integer
   flows.jsonl      start (ns), src, dst, switches, bytes, duration (s) -- the collector's flow import schema
   telemetry.jsonl  ts_ns, node, gpu, rank, utilization_percent, sm_clock_mhz, power_watts
   truth.json       config, topology, faults with the ranks / links / switches / communicators they touch
+Communicator ids: `tp.s<s>.d<d>`, `pp.s<a>-<b>.d<d>.t<t>`, `dp.s<s>.t<t>`; with EP (ep > 1) also
+`ep.s<s>.e<e>.t<t>` (op all_to_all, one per dispatch / combine per MoE layer per micro-batch, forward and
+backward) and `edp.s<s>.t<t>.x<j>` (the expert-gradient all_reduce over the DP/EP ranks holding expert
+shard j); flows of an all-to-all go from every member to every other one (a2a_bytes / E each) over the
+collective's time, like the DP ring's hops.
 Cost: JSON text is built with f-strings (~1 µs per row); a 64-GPU x 20-iteration run writes ~100k rows.
 """
 
@@ -36,6 +41,15 @@ class Rows:
         self.sec_next: list[int] | None = None  # per rank: next whole second (cluster) to sample telemetry
         self._pair_net: dict | None = None      # network faults the cached pair times were computed under
         self._pair_s: dict[tuple[int, int], float] = {}
+        if cfg.ep > 1:
+            E = cfg.ep
+            self.seg = dict(zip("FB", cfg.ep_segments()))
+            self.dense_bytes, self.expert_bytes = self.net.dense_bytes, self.net.expert_bytes
+            # per (stage, EP group x): the ordered member pairs that cross the network, with their path
+            self._a2a_pairs = [[[(a, b, self.net.path(a, b)) for a in m for b in m
+                                 if a != b and self.net.path(a, b)]
+                                for m in (self.net.ep_members(s, x) for x in range(cfg.dp // E * cfg.tp))]
+                               for s in range(cfg.pp)]
 
     def ns(self, t: float) -> int:
         return self.base + int(round(t))
@@ -60,6 +74,9 @@ class Rows:
         fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
         act, tp_bytes = cfg.activation_bytes, cfg.activation_bytes
         factor, ns = it.factor, self.ns
+        if cfg.ep > 1:
+            yield from self._commops_ep(it)
+            return
         for s in range(P):
             for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
                 comp = fwd if kind == "F" else bwd
@@ -90,6 +107,63 @@ class Rows:
                         yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, cfg.grad_bytes, ns(last[d]),
                                ns(it.last_b[s] + it.ar_ns[s][t]))
 
+    def _commops_ep(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
+        """commops() with expert parallelism: per op recv, its all-to-alls, the TP all-reduce, send; per step
+        the dense DP all-reduce, then the expert one."""
+        cfg = self.cfg
+        D, P, T, M, E = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches, cfg.ep
+        fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
+        act, tp_bytes, a2a_bytes = cfg.activation_bytes, cfg.activation_bytes, cfg.a2a_bytes
+        factor, ns = it.factor, self.ns
+        seg = self.seg
+        n_a2a = len(seg["F"]) - 1
+        a2a_ns, a2ag = it.a2a_ns, it.a2a_grp_ns
+        for s in range(P):
+            for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
+                comp = fwd if kind == "F" else bwd
+                fr = seg[kind]
+                calls = it.a2a_calls[s][k]
+                last_x, last_amax = calls[-1]
+                seq0 = (it.it * 2 * M + k) * n_a2a
+                for d in range(D):
+                    g = s * D + d
+                    e = d // E
+                    tail = last_amax[e] + a2ag[s][e]  # the TP group resumes after its last all-to-all
+                    for t in range(T):
+                        r = g * T + t
+                        if kind == "F" and s > 0:
+                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "recv", it.it * 2 * M + m, act,
+                                   ns(posted[d]), ns(start[d]))
+                        elif kind == "B" and s < P - 1:
+                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "recv", it.it * 2 * M + M + m, act,
+                                   ns(posted[d]), ns(start[d]))
+                        cid = f"ep.s{s}.e{e}.t{t}"
+                        took = a2a_ns[s][e * T + t]
+                        f = comp * factor[r]
+                        for i, (x, amax) in enumerate(calls):
+                            yield (r, cid, "all_to_all", seq0 + i, a2a_bytes, ns(x[d] + fr[i] * f),
+                                   ns(amax[e] + took))
+                        if T > 1:
+                            yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
+                                   ns(tail + fr[n_a2a] * f), ns(end[d]))
+                        if kind == "F" and s < P - 1:
+                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
+                                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
+                        elif kind == "B" and s > 0:
+                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
+                                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+            last = it.ops[s][-1][4]
+            for t in range(T):
+                dense_end = it.last_b[s] + it.ar_ns[s][t]
+                for d in range(D):
+                    r = (s * D + d) * T + t
+                    if D > 1:
+                        yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, self.dense_bytes, ns(last[d]), ns(dense_end))
+                    if D > E:
+                        j = d % E
+                        yield (r, f"edp.s{s}.t{t}.x{j}", "all_reduce", it.it, self.expert_bytes, ns(dense_end),
+                               ns(dense_end + it.ear_ns[s][t * E + j]))
+
     # -- flows (inter-node traffic only: NVLink is invisible to the network) ----------------------
     def flows(self, it: Iteration) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
         """(start_ns, src rank, dst rank, bytes, duration_s, switches)."""
@@ -99,6 +173,7 @@ class Rows:
         if it.net != self._pair_net:
             self._pair_net, self._pair_s = dict(it.net), {}
         pair_s = self._pair_s
+        ep = cfg.ep > 1
         for s in range(P):
             for kind, m, posted, start, end in it.ops[s]:
                 nxt = s + 1 if kind == "F" else s - 1
@@ -114,8 +189,10 @@ class Rows:
                             if dur is None:
                                 dur = pair_s[key] = (net.p2p_lat + act_bits / net.pair_bps(a, b, it.net)) / 1e9
                             yield (self.ns(end[d]), a, b, cfg.activation_bytes, dur, path)
+            if ep:
+                yield from self._a2a_flows(it, s)
             if D > 1:
-                nbytes = int(2 * (D - 1) / D * cfg.grad_bytes)
+                nbytes = int(2 * (D - 1) / D * (self.dense_bytes if ep else cfg.grad_bytes))
                 for t in range(T):
                     dur = it.ar_ns[s][t] / 1e9
                     st = self.ns(it.last_b[s])
@@ -124,6 +201,44 @@ class Rows:
                         path = net.path(a, b)
                         if path:
                             yield (st, a, b, nbytes, dur, path)
+            if ep and D > cfg.ep:
+                yield from self._edp_flows(it, s)
+
+    def _a2a_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
+        """Every all-to-all of stage s: a flow from each member to each other member across the network,
+        starting when the group's last member arrived, lasting the collective's time."""
+        cfg = self.cfg
+        T = cfg.tp
+        nb = cfg.a2a_bytes // cfg.ep
+        ns = self.ns
+        pairs = self._a2a_pairs[s]
+        a2a_ns = it.a2a_ns[s]
+        for calls in it.a2a_calls[s]:
+            for _x, amax in calls:
+                for e, st in enumerate(amax):
+                    st_ns = ns(st)
+                    for t in range(T):
+                        x = e * T + t
+                        dur = a2a_ns[x] / 1e9
+                        for a, b, path in pairs[x]:
+                            yield (st_ns, a, b, nb, dur, path)
+
+    def _edp_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
+        cfg, net = self.cfg, self.net
+        E, T = cfg.ep, cfg.tp
+        for t in range(T):
+            st = it.last_b[s] + it.ar_ns[s][t]
+            for j in range(E):
+                x = t * E + j
+                members = net.edp_members(s, x)
+                n = len(members)
+                nbytes = int(2 * (n - 1) / n * self.expert_bytes)
+                dur = it.ear_ns[s][x] / 1e9
+                for i, a in enumerate(members):
+                    b = members[(i + 1) % n]
+                    path = net.path(a, b)
+                    if path:
+                        yield (self.ns(st), a, b, nbytes, dur, path)
 
     # -- telemetry: one sample per GPU per whole second of cluster time ----------------------------
     def telemetry(self, it: Iteration) -> Iterator[tuple[int, int, float, float, float]]:
@@ -234,11 +349,15 @@ def truth(res: Result) -> dict:
             for kind, s, x in users:
                 if kind == "pp":
                     ranks.update(cfg.rank(ss, x, t) for ss in (s, s + 1) for t in range(cfg.tp))
-                else:
+                elif kind == "dp":
                     ranks.update(cfg.rank(s, d, x) for d in range(cfg.dp))
+                elif kind == "ep":
+                    ranks.update(net.ep_members(s, x))
+                else:
+                    ranks.update(net.edp_members(s, x))
             entry.update(ranks=sorted(ranks), links=[f.link] if f.link else [],
                          switches=[f.switch] if f.switch else [],
-                         comms=sorted(f"pp.s{s}-{s + 1}.d{x}" if k == "pp" else f"dp.s{s}.t{x}" for k, s, x in users))
+                         comms=sorted(_comm_name(cfg, k, s, x) for k, s, x in users))
             if f.link:
                 r = topo.rank_of_link(f.link)
                 entry.update(node=f"node{topo.node_of(r)}", device=topo.device_of(r), nic_of_rank=r)
@@ -246,6 +365,19 @@ def truth(res: Result) -> dict:
     return {"config": cfg.to_json(), "topology": topo.to_json(), "iterations_done": res.iterations_done,
             "aborted_at_iteration": res.aborted_at if res.aborted_at >= 0 else None,
             "end_ns": cfg.base_ns + int(round(res.end_ns)), "faults": out}
+
+
+def _comm_name(cfg: ModelConfig, kind: str, s: int, x: int) -> str:
+    """truth.json's name of a Network.index user (pp: a stage boundary of replica d, all TP indices)."""
+    if kind == "pp":
+        return f"pp.s{s}-{s + 1}.d{x}"
+    if kind == "dp":
+        return f"dp.s{s}.t{x}"
+    if kind == "ep":
+        e, t = divmod(x, cfg.tp)
+        return f"ep.s{s}.e{e}.t{t}"
+    t, j = divmod(x, cfg.ep)
+    return f"edp.s{s}.t{t}.x{j}"
 
 
 def _comms_of(cfg: ModelConfig, s: int, d: int, t: int) -> list[str]:
@@ -256,6 +388,10 @@ def _comms_of(cfg: ModelConfig, s: int, d: int, t: int) -> list[str]:
         out.append(f"pp.s{s - 1}-{s}.d{d}.t{t}")
     if s < cfg.pp - 1:
         out.append(f"pp.s{s}-{s + 1}.d{d}.t{t}")
+    if cfg.ep > 1:
+        out.append(f"ep.s{s}.e{d // cfg.ep}.t{t}")
+        if cfg.dp > cfg.ep:
+            out.append(f"edp.s{s}.t{t}.x{d % cfg.ep}")
     return out
 
 
