@@ -16,6 +16,11 @@ while a Kineto on-demand window is open crashes in libkineto's teardown (SIGSEGV
 `job_exit_failures` counts any job that still exits non-zero. Medians per mode over all rounds; the last stdout line
 is one JSON object.
 
+Separate launches differ by a few percent from launch to launch (placement, caches), more than the 0.5 % goal,
+so the logger's run-time part is also measured inside one sentinel job: the agent is paused (SIGSTOP) and
+resumed in alternating 1.5 s segments, and step times are compared segment pair by segment pair. What only a
+launch can switch (Flight Recorder recording in the job, the bootstrap thread) is in the launch comparison.
+
     .venv/bin/python bench/commops.py                 # 3 rounds of 250 steps
     .venv/bin/python bench/commops.py --rounds 2 --steps 150
 """
@@ -31,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from benchutil import Children
@@ -127,7 +133,7 @@ def _traced_spans(state_dir: str, since_mono: int) -> list[tuple[int, int]]:
 
 
 def run_job(mode: str, steps: int, script: str, env_extra: dict, tmp: str, kids: Children,
-            before_exit=None) -> list[tuple[int, int]]:
+            before_exit=None, during=None) -> list[tuple[int, int]]:
     port = _free_port()
     release = os.path.join(tmp, f"release-{port}")
     procs = []
@@ -138,7 +144,14 @@ def run_job(mode: str, steps: int, script: str, env_extra: dict, tmp: str, kids:
             env.update(env_extra)
         procs.append(kids.start([PY, script, str(steps), release], env=env, stdout=subprocess.PIPE,
                                 stderr=open(os.path.join(tmp, f"{mode}-rank{rank}.err"), "ab"), text=True))
+    if during is not None:
+        stop = threading.Event()
+        th = threading.Thread(target=during, args=(stop,), daemon=True)
+        th.start()
     line = procs[0].stdout.readline()
+    if during is not None:
+        stop.set()
+        th.join()
     if before_exit is not None:
         before_exit()
     open(release, "w").close()
@@ -160,7 +173,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=250)
-    ap.add_argument("--modes", default="off,sentinel,deep", help="comma-separated subset, in rotation order")
+    ap.add_argument("--toggle-steps", type=int, default=1200, help="steps of the sentinel job whose agent is "
+                                                                      "paused and resumed every 1.5 s")
     args = ap.parse_args()
     sys.path.insert(0, REPO)
     from steplens.agent.bootstrap import site_dir
@@ -192,7 +206,7 @@ enabled = false
 [sources.gpuprobes]
 enabled = false
 """)
-        kids.start([os.path.join(VENV, "steplens-agent"), "run", "--config", toml, "--collector", collector,
+        agent = kids.start([os.path.join(VENV, "steplens-agent"), "run", "--config", toml, "--collector", collector,
                     "--insecure", "--node-id", "bench", "--state-dir", state, "--metrics-listen", ""],
                    stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "agent.log"), "ab"))
         deadline = time.monotonic() + 60
@@ -205,7 +219,7 @@ enabled = false
             raise RuntimeError("the agent did not connect")
         env_extra = dict(PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=runtime,
                          KINETO_USE_DAEMON="1", KINETO_IPC_SOCKET_DIR=ksock)
-        modes = args.modes.split(",")
+        modes = ["off", "sentinel", "deep"]
         steps: dict[str, list[float]] = {m: [] for m in modes}
         in_window: list[float] = []
         per_round: dict[str, list[float]] = {m: [] for m in modes}
@@ -239,6 +253,35 @@ enabled = false
                 per_round[mode].append(statistics.median(ms))
                 print(f"round {r + 1} {mode:<9} median step {statistics.median(ms):7.2f} ms over {len(ms)} steps{extra}",
                       flush=True)
+        # the logger's run-time cost inside one sentinel job: the agent (Flight Recorder polls, Kineto IPC answers)
+        # paused and running in alternating 1.5 s segments; steps compared by segment, pair by pair
+        segments: list[tuple[str, int, int]] = []
+
+        def toggle(stop: threading.Event) -> None:
+            import signal
+            time.sleep(2.0)  # past warm-up
+            state_ = "running"
+            try:
+                while not stop.is_set():
+                    state_ = "paused" if state_ == "running" else "running"
+                    os.kill(agent.pid, signal.SIGSTOP if state_ == "paused" else signal.SIGCONT)
+                    t0 = time.time_ns()
+                    stop.wait(1.5)
+                    segments.append((state_, t0, time.time_ns()))
+            finally:
+                os.kill(agent.pid, signal.SIGCONT)
+
+        times = run_job("sentinel", args.toggle_steps, script, env_extra, tmp, kids, during=toggle)
+        seg_med = {"running": [], "paused": []}
+        for st, a, b in segments:
+            ms = [(e - s_) / 1e6 for s_, e in times if a <= s_ and e <= b]
+            if len(ms) >= 10:
+                seg_med[st].append(statistics.median(ms))
+        n = min(len(seg_med["running"]), len(seg_med["paused"]))
+        seg_diffs = [100.0 * (r_ - p_) / p_ for r_, p_ in zip(seg_med["running"][:n], seg_med["paused"][:n])]
+        print(f"sentinel job, agent running vs paused: {n} segment pairs, median steps "
+              f"{statistics.median(seg_med['running'] or [0]):.2f} vs {statistics.median(seg_med['paused'] or [0]):.2f} ms",
+              flush=True)
         time.sleep(2.0)
         handled = _commop_rows(state) - ops0
     finally:
@@ -257,7 +300,11 @@ enabled = false
     diffs = [100.0 * (s_ - o) / o for s_, o in zip(per_round["sentinel"], per_round["off"])]
     paired = statistics.mean(diffs)
     paired_sd = statistics.stdev(diffs) if len(diffs) > 1 else float("nan")
-    result = {"sentinel_paired_percent": round(paired, 2), "sentinel_paired_sd_percent": round(paired_sd, 2),
+    seg = statistics.mean(seg_diffs) if seg_diffs else float("nan")
+    seg_sd = statistics.stdev(seg_diffs) if len(seg_diffs) > 1 else float("nan")
+    result = {"sentinel_runtime_percent": round(seg, 2), "sentinel_runtime_sd_percent": round(seg_sd, 2),
+              "sentinel_runtime_segment_pairs": len(seg_diffs),
+              "sentinel_paired_percent": round(paired, 2), "sentinel_paired_sd_percent": round(paired_sd, 2),
               "step_ms_off": round(med["off"], 3), "step_ms_sentinel": round(med["sentinel"], 3),
               "step_ms_deep_all": round(med["deep"], 3), "step_ms_deep_in_window": round(win, 3),
               "sentinel_slowdown_percent": pct(med["sentinel"]), "deep_slowdown_percent": pct(med["deep"]),
@@ -272,6 +319,8 @@ enabled = false
           f"({len(in_window)} steps)")
     print(f"sentinel vs off, paired  {paired:+8.2f} % per round (sd {paired_sd:.2f} % over {len(diffs)} rounds: "
           f"launch-to-launch spread)")
+    print(f"sentinel run-time cost   {seg:+8.2f} % (agent running vs paused inside one job; sd {seg_sd:.2f} % "
+          f"over {len(seg_diffs)} segment pairs; mean error {seg_sd / max(1, len(seg_diffs)) ** 0.5:.2f} %)")
     print(f"noise floor              {noise:8.2f} % (odd vs even steps of 'off')")
     print(f"records handled          {handled:,} CommOps, {result['records_per_s']:,.0f} /s while a logged job ran")
     print(json.dumps(result))
