@@ -4,7 +4,8 @@ Kineto deep window, and the records/s the agent handled.
 One run, interleaved: rounds of three job launches in rotating order (off, sentinel, deep / sentinel, deep,
 off / ...), each a fresh 2-rank torch.distributed gloo data-parallel job (2 x Linear(1024) per rank, batch 64,
 a manual flat-gradient all_reduce and 3 broadcasts per step, 1 ms pause) logging its own step times. One
-collector and one agent (flightrec + kineto sources, everything else as usual) run throughout:
+collector and one agent run throughout, with only the logger's sources (flightrec, kineto) and procs (which
+finds the workloads they need); the others (host, pystacks, eBPF, ...) have their own benchmarks:
   off       the job is launched plainly: the logger never touches it
   sentinel  launched with `steplens-agent env` variables (bootstrap: Flight Recorder worker server, polled
             by the agent every second; KINETO_USE_DAEMON=1: polls the agent's IPC endpoint; no trace window)
@@ -204,6 +205,14 @@ enabled = false
 [sources.sched]
 enabled = false
 [sources.gpuprobes]
+enabled = false
+[sources.pystacks]
+enabled = false
+[sources.host]
+enabled = false
+[sources.gpu]
+enabled = false
+[sources.nccltopo]
 enabled = false
 """)
         agent = kids.start([os.path.join(VENV, "steplens-agent"), "run", "--config", toml, "--collector", collector,
