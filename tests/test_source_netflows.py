@@ -299,7 +299,8 @@ def test_quiet_connection_burst_reported_once():
 
 @pytest.mark.privileged
 @pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
-def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close():
+@pytest.mark.parametrize("btf", [True, False], ids=["btf_tracepoints", "raw_tracepoints"])
+def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
     """A connection made before the programs were loaded has no entry in the socket cache: its first
     packets are keyed by parsing headers, its first send() by reading struct sock. Counts must be the same
     as for a fresh one, and closing the socket removes its cache entry."""
@@ -326,8 +327,11 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close():
     th = threading.Thread(target=drain)
     th.start()
     cl = socket.create_connection(("127.0.0.1", port))  # before the programs exist
-    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True))
+    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True, btf_tracepoints=btf))
     src.start()
+    kinds = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
+    tx_kind = re.search(r"^\d+: (\w+)\s+name steplens_nf_tx", kinds, re.M).group(1)
+    assert tx_kind == ("tracing" if btf else "raw_tracepoint") and (src.btf_reason == "") == btf, src.btf_reason
     try:
         src.step()
         for _ in range(20):

@@ -13,6 +13,7 @@ headers, so a field that moved between versions is still read right.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib.util
 import os
@@ -168,6 +169,90 @@ def _btf_refs() -> dict[int, int]:
             if t:
                 refs[int(m.group(1))] = int(t.group(1))
     return refs
+
+
+@functools.lru_cache(maxsize=None)
+def btf_tracepoint_id(tp: str) -> int | None:
+    """BTF type id of `btf_trace_<tp>` (the typedef a BTF raw tracepoint program attaches to), or None."""
+    want = f"btf_trace_{tp}"
+    for line in _btf_dump():
+        m = _TYPE_RE.match(line)
+        if m and m.group(2) == "TYPEDEF" and m.group(3) == want:
+            return int(m.group(1))
+    return None
+
+
+class _ProgLoadAttr(ctypes.Structure):
+    """union bpf_attr, the BPF_PROG_LOAD member (include/uapi/linux/bpf.h), up to attach_btf_obj_fd."""
+    _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32), ("insns", ctypes.c_uint64),
+                ("license", ctypes.c_uint64), ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
+                ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32), ("prog_flags", ctypes.c_uint32),
+                ("prog_name", ctypes.c_char * 16), ("prog_ifindex", ctypes.c_uint32),
+                ("expected_attach_type", ctypes.c_uint32), ("prog_btf_fd", ctypes.c_uint32),
+                ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
+                ("func_info_cnt", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
+                ("line_info", ctypes.c_uint64), ("line_info_cnt", ctypes.c_uint32),
+                ("attach_btf_id", ctypes.c_uint32), ("attach_btf_obj_fd", ctypes.c_uint32),
+                ("_rest", ctypes.c_char * 64)]
+
+
+class _RawTpOpenAttr(ctypes.Structure):
+    """union bpf_attr, the BPF_RAW_TRACEPOINT_OPEN member."""
+    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_rest", ctypes.c_char * 60)]
+
+
+_SYS_BPF = 321  # x86-64
+_BPF_PROG_LOAD, _BPF_RAW_TRACEPOINT_OPEN = 5, 17
+_BPF_PROG_TYPE_TRACING, _BPF_TRACE_RAW_TP = 26, 23
+
+
+class BtfRawTracepoint:
+    """A bcc-compiled function loaded and attached as a BTF raw tracepoint ("tp_btf"): its arguments are
+    typed, so kernel memory read through them is a plain load the verifier checks against BTF, not a
+    bpf_probe_read_kernel() call (measured: ~35 % of a packet hook's time here). bcc 0.26 cannot load this
+    program type itself, so the bytecode bcc compiled (map fds already in it) goes through the bpf()
+    syscall. The program lives as long as the two fds: close() (or process exit) detaches it."""
+
+    def __init__(self, bpf, fn_name: str, tp: str, prog_name: str) -> None:
+        if platform.machine() != "x86_64":
+            raise EbpfUnavailable("BTF raw tracepoints are loaded by syscall number only on x86-64 here")
+        btf_id = btf_tracepoint_id(tp)
+        if btf_id is None:
+            raise EbpfUnavailable(f"no btf_trace_{tp} in kernel BTF")
+        bcc = load_bcc()
+        lib = bcc.lib
+        fn = fn_name.encode()
+        start, size = lib.bpf_function_start(bpf.module, fn), lib.bpf_function_size(bpf.module, fn)
+        if not start or not size:
+            raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
+        insns = ctypes.create_string_buffer(ctypes.string_at(start, size), size)
+        license_ = ctypes.create_string_buffer(b"GPL")
+        log = ctypes.create_string_buffer(256 * 1024)
+        attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),
+                             license=ctypes.addressof(license_), log_level=1, log_size=len(log),
+                             log_buf=ctypes.addressof(log), prog_name=prog_name.encode()[:15],
+                             expected_attach_type=_BPF_TRACE_RAW_TP, attach_btf_id=btf_id)
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.prog_fd = libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+        if self.prog_fd < 0:
+            err = os.strerror(ctypes.get_errno())
+            tail = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-4:])
+            raise EbpfUnavailable(f"loading {fn_name} as BTF raw tracepoint {tp} failed: {err}: {tail}")
+        ra = _RawTpOpenAttr(name=0, prog_fd=self.prog_fd)
+        self.link_fd = libc.syscall(_SYS_BPF, _BPF_RAW_TRACEPOINT_OPEN, ctypes.byref(ra), ctypes.sizeof(ra))
+        if self.link_fd < 0:
+            err = os.strerror(ctypes.get_errno())
+            os.close(self.prog_fd)
+            raise EbpfUnavailable(f"attaching {fn_name} to BTF raw tracepoint {tp} failed: {err}")
+
+    def close(self) -> None:
+        for fd in (getattr(self, "link_fd", -1), getattr(self, "prog_fd", -1)):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.link_fd = self.prog_fd = -1
 
 
 _COMPILE_LOCK = threading.Lock()

@@ -32,6 +32,7 @@
 #define FILTER_IFACES {{FILTER_IFACES}}
 #define INCLUDE_LOOPBACK {{INCLUDE_LOOPBACK}}
 #define FLOW_RX {{FLOW_RX}}
+#define BTF_TP {{BTF_TP}}  /* 1: the packet hooks are BTF raw tracepoints (typed args, plain loads) */
 #define SRTT_EVERY_NS 100000000ULL  /* 100 ms */
 
 #define DIR_TX 0
@@ -151,6 +152,19 @@ static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
 struct skb_fields { unsigned char *head; unsigned char *data; void *sk; void *dev; u32 len; u16 nh; u16 mh; u16 proto; };
 
 static __always_inline int read_skb(void *skb, struct skb_fields *f) {
+#if BTF_TP
+    /* skb is a BTF-typed pointer: plain loads, checked by the verifier against the kernel's struct */
+    unsigned char *p = skb;
+    f->head = *(unsigned char **)(p + OFF_SKB_HEAD);
+    f->data = *(unsigned char **)(p + OFF_SKB_DATA);
+    f->sk = *(void **)(p + OFF_SKB_SK);
+    f->dev = *(void **)(p + OFF_SKB_DEV);
+    f->len = *(u32 *)(p + OFF_SKB_LEN);
+    f->nh = *(u16 *)(p + OFF_SKB_NETWORK_HEADER);
+    f->mh = *(u16 *)(p + OFF_SKB_MAC_HEADER);
+    f->proto = *(u16 *)(p + OFF_SKB_PROTOCOL);
+    return 0;
+#else
     u8 b[SKB_READ_LEN];
     /* one read of the struct's head (every field a packet hook uses lies in it) */
     if (bpf_probe_read_kernel(b, sizeof(b), skb)) return -1;
@@ -163,7 +177,16 @@ static __always_inline int read_skb(void *skb, struct skb_fields *f) {
     __builtin_memcpy(&f->mh, b + OFF_SKB_MAC_HEADER, sizeof(f->mh));
     __builtin_memcpy(&f->proto, b + OFF_SKB_PROTOCOL, sizeof(f->proto));
     return 0;
+#endif
 }
+
+#if BTF_TP
+#define PKT_ARGS u64 *ctx
+#define PKT_ARG(i) ((void *)ctx[i])
+#else
+#define PKT_ARGS struct bpf_raw_tracepoint_args *ctx
+#define PKT_ARG(i) ((void *)ctx->args[i])
+#endif
 
 /* IPv4 + TCP ports, read in one go when the IP header has no options (the common case). */
 static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
@@ -196,10 +219,10 @@ static __always_inline int dev_wanted(void *dev) {
 }
 
 /* net_dev_start_xmit(skb, dev): skb->data is at the MAC header, skb->len is what the device counts. */
-int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
-    void *dev = (void *)ctx->args[1];
+int steplens_nf_tx(PKT_ARGS) {
+    void *dev = PKT_ARG(1);
     struct skb_fields f = {};
-    if (read_skb((void *)ctx->args[0], &f)) return 0;
+    if (read_skb(PKT_ARG(0), &f)) return 0;
     /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
     if (!f.sk || !dev_wanted(dev)) return 0;
     u64 skp = (u64)f.sk;
@@ -219,9 +242,9 @@ int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
 }
 
 /* netif_receive_skb(skb): MAC header already pulled; add it back so bytes match rx_bytes. */
-int steplens_nf_rx(struct bpf_raw_tracepoint_args *ctx) {
+int steplens_nf_rx(PKT_ARGS) {
     struct skb_fields f = {};
-    if (read_skb((void *)ctx->args[0], &f)) return 0;
+    if (read_skb(PKT_ARG(0), &f)) return 0;
     if (!f.dev || !dev_wanted(f.dev)) return 0;
     u32 saddr, daddr; u16 sport, dport;
     if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
