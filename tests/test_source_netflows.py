@@ -353,3 +353,30 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
     theirs = [c for c in records if isinstance(c, ConnStats) and c.sport == port]
     assert sum(c.rx_payload_bytes for c in theirs) == 2_000_000
     assert cached >= 2 and left <= cached - 2, (cached, left)  # both ends cached while open, gone at close
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_btf_raw_tracepoint_failures_say_why():
+    """No BTF for the tracepoint, or a program the verifier refuses: EbpfUnavailable with the reason (the
+    source then falls back to classic raw tracepoints)."""
+    from steplens.agent import ebpf
+    b = ebpf.compile_program("""
+int ok_prog(u64 *ctx) { return 0; }
+int bad_prog(u64 *ctx) { unsigned char *skb = (unsigned char *)ctx[0]; return *(u32 *)(skb + 100000); }
+""")
+    try:
+        with pytest.raises(ebpf.EbpfUnavailable, match="no btf_trace_no_such_tracepoint"):
+            ebpf.BtfRawTracepoint(b, "ok_prog", "no_such_tracepoint", "steplens_t")
+        with pytest.raises(ebpf.EbpfUnavailable, match="failed: Permission denied|failed: Invalid argument"):
+            ebpf.BtfRawTracepoint(b, "bad_prog", "net_dev_start_xmit", "steplens_t")
+        link = ebpf.BtfRawTracepoint(b, "ok_prog", "net_dev_start_xmit", "steplens_t")
+        assert "steplens_t" in subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
+        link.close()
+        link.close()  # idempotent
+        deadline = time.monotonic() + 5  # the kernel frees a detached program after an RCU grace period
+        while "steplens_t" in subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout:
+            assert time.monotonic() < deadline, "program still loaded 5 s after close()"
+            time.sleep(0.1)
+    finally:
+        b.cleanup()
