@@ -337,6 +337,9 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
         for _ in range(20):
             cl.sendall(b"z" * 100_000)
         socks = src._bpf[b"socks"]
+        deadline = time.monotonic() + 5  # the receiving thread caches its end at its first recv()
+        while len(list(socks.keys())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
         cached = len(list(socks.keys()))
         cl.close()
         th.join(timeout=5)
