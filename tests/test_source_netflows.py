@@ -301,9 +301,10 @@ def test_quiet_connection_burst_reported_once():
 @pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
 @pytest.mark.parametrize("btf", [True, False], ids=["btf_tracepoints", "raw_tracepoints"])
 def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
-    """A connection made before the programs were loaded has no entry in the socket cache: its first
-    packets are keyed by parsing headers, its first send() by reading struct sock. Counts must be the same
-    as for a fresh one, and closing the socket removes its cache entry."""
+    """A connection made before the programs were loaded. Classic raw tracepoints: it has no entry in the
+    socket cache, so its first packets are keyed by parsing headers and its first send() by reading struct
+    sock; closing the socket removes its cache entry. BTF raw tracepoints read the key from the typed socket
+    and keep no cache. Counts must be exact either way."""
     import socket
     import threading
 
@@ -338,7 +339,7 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
             cl.sendall(b"z" * 100_000)
         socks = src._bpf[b"socks"]
         deadline = time.monotonic() + 5  # the receiving thread caches its end at its first recv()
-        while len(list(socks.keys())) < 2 and time.monotonic() < deadline:
+        while not btf and len(list(socks.keys())) < 2 and time.monotonic() < deadline:
             time.sleep(0.02)
         cached = len(list(socks.keys()))
         cl.close()
@@ -355,7 +356,8 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
     assert 2_000_000 < sum(c.tx_bytes for c in mine) < 2_000_000 * 1.02  # payload + headers
     theirs = [c for c in records if isinstance(c, ConnStats) and c.sport == port]
     assert sum(c.rx_payload_bytes for c in theirs) == 2_000_000
-    assert cached >= 2 and left <= cached - 2, (cached, left)  # both ends cached while open, gone at close
+    if not btf:  # (BTF mode fills the cache only from the rare retransmit/state hooks: nothing to check)
+        assert cached >= 2 and left <= cached - 2, (cached, left)  # both ends cached while open, gone at close
 
 
 @pytest.mark.privileged

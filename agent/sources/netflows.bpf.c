@@ -23,6 +23,7 @@
 #define OFF_SKC_DPORT {{OFF_SKC_DPORT}}
 #define OFF_SKC_NUM {{OFF_SKC_NUM}}
 #define OFF_SKC_FAMILY {{OFF_SKC_FAMILY}}
+#define OFF_SKC_STATE {{OFF_SKC_STATE}}
 #define OFF_SK_PROTOCOL {{OFF_SK_PROTOCOL}}
 #define OFF_TCP_SRTT_US {{OFF_TCP_SRTT_US}}
 
@@ -188,6 +189,25 @@ static __always_inline int read_skb(void *skb, struct skb_fields *f) {
 #define PKT_ARG(i) ((void *)ctx->args[i])
 #endif
 
+#if BTF_TP
+/* The 4-tuple of a BTF-typed struct sock * by plain loads. 0: IPv4 TCP; -1: not wanted (another family or
+   protocol, or loopback when excluded); -2: a request or time-wait sock, which has only the sock_common part
+   (its sk_protocol would be read past the object). */
+static __always_inline int sock_key_btf(void *skp, struct conn_key *k) {
+    unsigned char *sk = skp;
+    if (*(u16 *)(sk + OFF_SKC_FAMILY) != 2 /* AF_INET */) return -1;
+    u8 state = *(u8 *)(sk + OFF_SKC_STATE);
+    if (state == 12 /* TCP_NEW_SYN_RECV */ || state == 6 /* TCP_TIME_WAIT */) return -2;
+    if (*(u16 *)(sk + OFF_SK_PROTOCOL) != 6 /* IPPROTO_TCP */) return -1;
+    k->raddr = *(u32 *)(sk + OFF_SKC_DADDR);
+    k->laddr = *(u32 *)(sk + OFF_SKC_RCV_SADDR);
+    k->lport = *(u16 *)(sk + OFF_SKC_NUM);
+    k->rport = ntohs(*(u16 *)(sk + OFF_SKC_DPORT));
+    if (!INCLUDE_LOOPBACK && loopback_addr(k->raddr)) return -1;
+    return 0;
+}
+#endif
+
 /* IPv4 + TCP ports, read in one go when the IP header has no options (the common case). */
 static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
     if (f->proto != htons(0x0800) || !f->head || f->nh == 0xffff) return -1;
@@ -225,6 +245,17 @@ int steplens_nf_tx(PKT_ARGS) {
     if (read_skb(PKT_ARG(0), &f)) return 0;
     /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
     if (!f.sk || !dev_wanted(dev)) return 0;
+#if BTF_TP
+    {  /* the sending socket is a BTF-typed pointer: its 4-tuple is four plain loads */
+        struct conn_key k = {};
+        int r = sock_key_btf(f.sk, &k);
+        if (r == 0) {
+            account(&k, DIR_TX, f.len);
+            return 0;
+        }
+        if (r == -1) return 0;  /* not IPv4 TCP (or loopback, excluded) */
+    }   /* -2: a request or time-wait sock (SYN-ACK, RST): no struct sock behind it, parse the headers */
+#endif
     u64 skp = (u64)f.sk;
     struct conn_key *known = socks.lookup(&skp);
     if (known) {  /* a socket that sent or received before: no header parse */
@@ -281,13 +312,14 @@ static __always_inline int sock_key(void *sk, struct conn_key *k) {
 }
 
 /* sock_send_length / sock_recv_length(sk, ret, flags): payload bytes and the owning process. */
-static __always_inline void payload(struct bpf_raw_tracepoint_args *ctx, u32 dir) {
-    void *sk = (void *)ctx->args[0];
-    int ret = (int)ctx->args[1];
-    int flags = (int)ctx->args[2];
+static __always_inline void payload(void *sk, int ret, int flags, u32 dir) {
     if (ret <= 0 || (dir == DIR_RX && (flags & 2 /* MSG_PEEK */))) return;
     struct conn_key k = {};
+#if BTF_TP
+    if (sock_key_btf(sk, &k)) return;
+#else
     if (sock_key(sk, &k)) return;
+#endif
     u64 now = bpf_ktime_get_ns();
     struct conn_val *v = get_conn(&k, now);
     if (!v) return;
@@ -311,8 +343,8 @@ static __always_inline void payload(struct bpf_raw_tracepoint_args *ctx, u32 dir
     }
 }
 
-int steplens_nf_snd(struct bpf_raw_tracepoint_args *ctx) { payload(ctx, DIR_TX); return 0; }
-int steplens_nf_rcv(struct bpf_raw_tracepoint_args *ctx) { payload(ctx, DIR_RX); return 0; }
+int steplens_nf_snd(PKT_ARGS) { payload(PKT_ARG(0), (int)(u64)PKT_ARG(1), (int)(u64)PKT_ARG(2), DIR_TX); return 0; }
+int steplens_nf_rcv(PKT_ARGS) { payload(PKT_ARG(0), (int)(u64)PKT_ARG(1), (int)(u64)PKT_ARG(2), DIR_RX); return 0; }
 
 /* tcp_retransmit_skb(sk, skb, ...) */
 int steplens_nf_rtx(struct bpf_raw_tracepoint_args *ctx) {

@@ -47,21 +47,22 @@ sender's TX flow again (on one host, over lo or between namespaces, both ends ar
 burst would appear twice with the same src/dst, as Flow has no direction field). `rx_flows = true`
 adds receive-direction bursts, for peers that run no agent.
 
-A socket cache (LRU hash, struct sock * -> key, filled at a socket's first send/recv, deleted at close)
-lets the per-call hooks and TX packets of known sockets skip the struct sock reads and the header parse;
-RX packets are parsed (skb->sk is not set yet at netif_receive_skb).
-
-The two per-packet programs are loaded as BTF raw tracepoints ("tp_btf", agent/ebpf BtfRawTracepoint) when
-the kernel has BTF for the tracepoint: their sk_buff reads are then plain loads instead of a
-bpf_probe_read_kernel() call; otherwise (or with btf_tracepoints = false) they are classic raw tracepoints.
-The reason for a fallback is kept in `btf_reason`.
+The per-packet and per-call programs (tx, rx, send, recv) are loaded as BTF raw tracepoints ("tp_btf",
+agent/ebpf BtfRawTracepoint) when the kernel has BTF for the tracepoint: sk_buff and sock fields are then
+plain loads (the sending socket's 4-tuple too, so TX packets need no header parse) instead of
+bpf_probe_read_kernel() calls. Otherwise (or with btf_tracepoints = false) they are classic raw tracepoints,
+and a socket cache (LRU hash, struct sock * -> key, filled at a socket's first send/recv, deleted at close)
+lets the per-call hooks and TX packets of known sockets skip the struct sock reads and the header parse.
+RX packets are parsed either way (skb->sk is not set yet at netif_receive_skb). A fallback's reason is kept
+in `btf_reason`.
 
 Cost (bench/ebpf.py, 2-core VM, loopback at ~36-38 Gbit/s with 64 KiB skbs, both programs of every packet on
-the sender's CPU): 5.7 % lower throughput with the probes (6.7 % with classic raw tracepoints and the socket
-cache, 14.8 % before it); BPF time per run tx ~280 ns, rx ~210 ns, send() ~700 ns, recv() ~230 ns; 1.6 ms of
-BPF CPU per Gbit counted at both ends (between two hosts each end pays about half). An empty program on the
-same tracepoints costs ~80 ns per run here (with the kernel's run-time statistics on): what remains is the
+the sender's CPU): 5.7-6.2 % lower throughput with the probes (6.7 % with classic raw tracepoints and the
+socket cache, 14.8 % before it); BPF time per run tx ~240 ns, rx ~215 ns, send() ~570 ns, recv() ~210 ns;
+1.5 ms of BPF CPU per Gbit counted at both ends (between two hosts each end pays about half). An empty
+program on the same tracepoints costs ~80 ns per run here (with the kernel's run-time statistics on): what remains is the
 hash-map update, the clock read for bursts and, on RX, the IP header read, paid per skb.
+
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
 
@@ -95,6 +96,7 @@ OFFSETS: dict[str, tuple[str, str]] = {
     "OFF_SKC_DPORT": ("sock_common", "skc_dport"),
     "OFF_SKC_NUM": ("sock_common", "skc_num"),
     "OFF_SKC_FAMILY": ("sock_common", "skc_family"),
+    "OFF_SKC_STATE": ("sock_common", "skc_state"),
     "OFF_SK_PROTOCOL": ("sock", "sk_protocol"),
     "OFF_TCP_SRTT_US": ("tcp_sock", "srtt_us"),
 }
@@ -141,7 +143,8 @@ class NetflowsConfig(SourceConfig):
                 raise ConfigError(f"interfaces: {name!r} is not an interface name")
 
 
-BTF_HOOKS = ("steplens_nf_tx", "steplens_nf_rx")  # the per-packet programs, loaded as BTF raw tracepoints
+# the per-packet and per-call programs, loaded as BTF raw tracepoints (rtx, st are rare: classic)
+BTF_HOOKS = ("steplens_nf_tx", "steplens_nf_rx", "steplens_nf_snd", "steplens_nf_rcv")
 
 
 def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False) -> str:
