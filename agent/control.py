@@ -138,17 +138,17 @@ class CommandHandler:
         """CommOp / KernelRec records kept as serialized Records: re-wrapped into a RecordList unparsed.
         Rank filter: a record's own rank (set by the source from the workload's environment) or a pid
         of a workload with that rank."""
-        from steplens.agent.detail import DetailStore
+        from steplens.agent.detail import open_shared, release_shared
         from steplens.agent.transport.codec import records_payload
         f = cmd.fetch
         limit = min(f.limit or 100_000, MAX_FETCH_ROWS)
-        store = DetailStore(path)
+        store = open_shared(path)  # the sources' own store: no second connection, no row count per fetch
         try:
             blobs = store.records([_RECORD_KINDS[k] for k in kinds], f.since_mono_ns, f.until_mono_ns or (1 << 63) - 1,
                                   pids=pids if f.ranks else None, ranks=set(f.ranks) if f.ranks else None,
                                   limit=limit + 1)
         finally:
-            store.close()
+            release_shared(store)
         truncated = len(blobs) > limit
         blobs = blobs[:limit]
         size = 0
@@ -202,13 +202,13 @@ class CommandHandler:
         f = cmd.fetch
         if f.ranks and not pids:
             return "no workload with those ranks", b""
-        from steplens.agent.detail import DetailStore
-        store = DetailStore(path)
+        from steplens.agent.detail import open_shared, release_shared
+        store = open_shared(path)
         try:
             limit = min(f.limit or 10_000, MAX_FETCH_ROWS)
             rows = store.stack_samples(f.since_mono_ns, f.until_mono_ns or (1 << 63) - 1, 0, limit + 1)
         finally:
-            store.close()
+            release_shared(store)
         if pids is not None:
             rows = [r for r in rows if r["pid"] in pids]
         truncated = len(rows) > limit

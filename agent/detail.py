@@ -33,18 +33,25 @@ _SHARED: dict[str, list] = {}  # realpath -> [store, users]
 _SHARED_LOCK = threading.Lock()
 
 
-def open_shared(path: str, max_stack_samples: int = 2_000_000, max_records: int = 2_000_000) -> "DetailStore":
+def open_shared(path: str, max_stack_samples: int | None = None, max_records: int | None = None) -> "DetailStore":
     """The agent process's one DetailStore for `path`: every source writes through the same connection, so
-    there is one SQLite writer and one bound per kind (the largest any user asked for). Release with
-    `release_shared()`; the last release closes it."""
+    there is one SQLite writer and one bound per kind (the largest any source asked for; a reader such as the
+    fetch handler passes no bounds and changes none). Release with `release_shared()`; the last release
+    closes it."""
     key = os.path.realpath(path)
     with _SHARED_LOCK:
         entry = _SHARED.get(key)
         if entry is None:
-            entry = _SHARED[key] = [DetailStore(path, max_stack_samples, max_records), 0]
-        store = entry[0]
-        store.max_stack_samples = max(store.max_stack_samples, max_stack_samples)
-        store.max_records = max(store.max_records, max_records)
+            entry = _SHARED[key] = [DetailStore(path, max_stack_samples or 2_000_000, max_records or 2_000_000), 0,
+                                    {"stack": max_stack_samples is not None, "records": max_records is not None}]
+        store, _, asked = entry
+        if max_stack_samples is not None:
+            store.max_stack_samples = max(store.max_stack_samples, max_stack_samples) if asked["stack"] \
+                else max_stack_samples
+            asked["stack"] = True
+        if max_records is not None:
+            store.max_records = max(store.max_records, max_records) if asked["records"] else max_records
+            asked["records"] = True
         entry[1] += 1
         return store
 
@@ -115,23 +122,20 @@ class DetailStore:
 
     def records(self, kinds: list[str], since_mono_ns: int = 0, until_mono_ns: int = (1 << 63) - 1,
                 pids: set | None = None, ranks: set | None = None, limit: int = 100_000) -> list[bytes]:
-        """Serialized Record messages of those kinds in the time range, oldest first."""
-        q = ("SELECT record, pid, rank FROM records WHERE kind IN (%s) AND mono_ns BETWEEN ? AND ? ORDER BY mono_ns"
-             % ",".join("?" * len(kinds)))
-        out = []
+        """Serialized Record messages of those kinds in the time range, oldest first. With both pids and ranks,
+        a record matches either (a source may know a process's rank, or only its pid)."""
+        cond = ["kind IN (%s)" % ",".join("?" * len(kinds)), "mono_ns BETWEEN ? AND ?"]
+        args: list = [*kinds, since_mono_ns, until_mono_ns]
+        who = []
+        for col, vals in (("pid", pids), ("rank", ranks)):
+            if vals is not None:
+                who.append(f"{col} IN (%s)" % ",".join("?" * len(vals)) if vals else "0")
+                args += sorted(vals)
+        if who:
+            cond.append("(" + " OR ".join(who) + ")")
+        q = f"SELECT record FROM records WHERE {' AND '.join(cond)} ORDER BY mono_ns LIMIT ?"
         with self._lock:
-            for blob, pid, rank in self._db.execute(q, (*kinds, since_mono_ns, until_mono_ns)):
-                if pids is not None and ranks is not None:
-                    if pid not in pids and rank not in ranks:
-                        continue
-                elif pids is not None and pid not in pids:
-                    continue
-                elif ranks is not None and rank not in ranks:
-                    continue
-                out.append(blob)
-                if len(out) >= limit:
-                    break
-        return out
+            return [blob for (blob,) in self._db.execute(q, (*args, limit))]
 
     def flush(self) -> int:
         """Write what is pending in one transaction, then enforce the bounds. Returns rows written."""

@@ -82,3 +82,30 @@ def test_sources_share_one_store_per_file(tmp_path):
     c = CommLog(str(tmp_path), "kineto")
     assert c.store is not st and len(c.store.records(["commop"])) == 2
     c.close()
+
+
+def test_record_filter_by_pid_or_rank(tmp_path):
+    log = CommLog(str(tmp_path), "flightrec", max_records=1000)
+    log.add([r.CommOp(10 + i, "cpu_enqueue", 100 + i % 3, "pg:0", "all_reduce", rank=i % 3 if i % 2 else -1)
+             for i in range(30)])
+
+    def got(**kw):
+        return [rec for _, rec in decode_records(records_payload(log.store.records(["commop"], **kw)))]
+
+    assert {x.pid for x in got(pids={101})} == {101}
+    assert {x.rank for x in got(ranks={2})} == {2}
+    both = got(pids={100}, ranks={2})
+    assert both and all(x.pid == 100 or x.rank == 2 for x in both)
+    assert len(both) == len([x for x in got() if x.pid == 100 or x.rank == 2])
+    assert got(pids=set()) == [] and len(got(limit=7)) == 7
+    assert [x.mono_ns for x in got(since_mono_ns=20, until_mono_ns=22)] == [20, 21, 22]
+    log.close()
+
+
+def test_a_reader_opening_the_shared_store_first_sets_no_bound(tmp_path):
+    from steplens.agent.detail import open_shared, release_shared
+    reader = open_shared(str(tmp_path / "detail.db"))  # the fetch handler, before any source
+    log = CommLog(str(tmp_path), "kineto", max_records=1000)
+    assert log.store is reader and reader.max_records == 1000
+    release_shared(reader)
+    log.close()
