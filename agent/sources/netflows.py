@@ -59,9 +59,10 @@ in `btf_reason`.
 Cost (bench/ebpf.py, 2-core VM, loopback at ~36-38 Gbit/s with 64 KiB skbs, both programs of every packet on
 the sender's CPU): 4.6 % lower throughput with the probes over 8 pairs (5.7-9.3 % in other runs of the same
 code: the VM's spread is about +-2 %; 6.7 % with classic raw tracepoints and the socket cache, 14.8 % before
-it); BPF time per run tx ~210 ns, rx ~190 ns, send() ~340 ns, recv() ~180 ns; 1.3 ms of BPF CPU per Gbit counted at both ends (between two hosts each end pays about half). An empty
-program on the same tracepoints costs ~80 ns per run here (with the kernel's run-time statistics on): what remains is the
-hash-map update, the clock read for bursts and, on RX, the IP header read, paid per skb.
+it); BPF time per run tx ~210 ns, rx ~190 ns, send() ~340 ns, recv() ~180 ns; 1.3 ms of BPF CPU per Gbit
+counted at both ends (between two hosts each end pays about half). An empty program on the same tracepoints
+costs ~80 ns per run here (with the kernel's run-time statistics on): what remains is the hash-map update, the
+clock read for bursts and, on RX, the IP header read, paid per skb.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
