@@ -27,7 +27,7 @@ the ring, not to what is new. Hence one dump per process every 5 s in sentinel m
 mode; a job that records more than TORCH_FR_BUFFER_SIZE entries between two dumps loses the oldest ones
 (counted as lost_entries, reported). bench/commops.py (2-core VM, 2-rank gloo job using both cores): the
 agent (procs + flightrec + kineto) running vs paused inside one job +1.6 % +- 1.2 % at 1 s polling and
-+0.6 % +- 2.6 % at 5 s; separate launches with and without the logger differ by -1.8 .. +3.5 % across runs,
++0.6 % +- 2.6 % and +1.8 % +- 0.9 % (two runs) at 5 s; separate launches with and without the logger differ by -1.8 .. +3.5 % across runs,
 launch-to-launch spread being of that size: the 0.5 % goal is below what this machine can resolve.
 """
 
