@@ -48,7 +48,11 @@ def _overrides(args) -> dict:
 
 
 def cmd_run(args) -> int:
+    import faulthandler
+
     from steplens.agent.main import Agent
+    # a crash inside a C library (bcc, sqlite, grpc) leaves every thread's Python stack in the log (journal)
+    faulthandler.enable()
     cfg = agent_config.load(args.config, _overrides(args))
     logging.basicConfig(level=cfg.agent.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent = Agent(cfg)
