@@ -255,15 +255,33 @@ class BtfRawTracepoint:
         self.link_fd = self.prog_fd = -1
 
 
-_COMPILE_LOCK = threading.Lock()
+# libbcc keeps the tables of every module of the process in one shared storage: building a module (compile),
+# destroying one (cleanup) and resolving a table by name all walk or change it, and doing two at once on
+# different threads crashes inside libbcc (seen: SIGSEGV in ebpf::TableStorage::iterator when one source
+# stopped while another resolved a table). The agent runs each source on its own thread, so all three go
+# through this one lock; a table resolved once is cached by bcc and later reads are map syscalls only.
+BCC_LOCK = threading.RLock()
 
 
-def compile_program(text: str):
-    """bcc.BPF(text=...) under one process-wide lock: the agent starts its sources on separate
-    threads, and concurrent bcc/LLVM compilations in one process fail (headers not found)."""
+def compile_program(text: str, tables: tuple[str, ...] = ()):
+    """bcc.BPF(text=...) under the process-wide lock (concurrent bcc/LLVM compilations in one process also
+    fail: headers not found), with `tables` resolved while it is held."""
     bcc = load_bcc()
-    with _COMPILE_LOCK:
-        return bcc.BPF(text=text.encode() if isinstance(text, str) else text)
+    with BCC_LOCK:
+        b = bcc.BPF(text=text.encode() if isinstance(text, str) else text)
+        try:
+            for name in tables:
+                b[name.encode()]
+        except Exception:
+            b.cleanup()
+            raise
+        return b
+
+
+def cleanup(b) -> None:
+    """Detach and free a bcc module under the process-wide lock."""
+    with BCC_LOCK:
+        b.cleanup()
 
 
 def render(template: str, **values) -> str:

@@ -199,14 +199,14 @@ class GpuprobesSource(Source):
     def start(self) -> None:
         from steplens.agent.ebpf import load_bcc
 
-        bcc = load_bcc()
+        load_bcc()
         with open(BPF_FILE) as fh:
             text = render_program(fh.read(), self.config)
-        b = ebpf.compile_program(text)
+        b = ebpf.compile_program(text, tables=("calls", "emit", "counts", "overflow", "watched"))
         try:
             b[b"calls"].open_ring_buffer(self._on_call)
         except Exception:
-            b.cleanup()
+            ebpf.cleanup(b)
             raise
         self._bpf = b
         self._watched, self._maps, self._attached, self._pending = {}, {}, {}, []
@@ -217,7 +217,7 @@ class GpuprobesSource(Source):
     def stop(self) -> None:
         b, self._bpf = self._bpf, None
         if b is not None:
-            b.cleanup()
+            ebpf.cleanup(b)
         self._attached, self._maps, self._watched, self._pending = {}, {}, {}, []
         self.reason = "stopped"
 
@@ -334,7 +334,8 @@ class GpuprobesSource(Source):
         for sym, fn, required in LIBRARIES[kind][1]:
             before = set(b.uprobe_fds)
             try:
-                b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn.encode(), pid=-1)
+                with ebpf.BCC_LOCK:  # loads the function from the module: not while another source builds one
+                    b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn.encode(), pid=-1)
             except Exception:
                 missing.append(sym)
                 if required:
@@ -349,7 +350,8 @@ class GpuprobesSource(Source):
         _, path, events = self._attached.pop(inode)
         for ev in events:
             try:
-                self._bpf.detach_uprobe_event(ev)
+                with ebpf.BCC_LOCK:
+                    self._bpf.detach_uprobe_event(ev)
             except Exception:
                 self.errors += 1
         self.missing_symbols.pop(path, None)

@@ -144,6 +144,8 @@ class NetflowsConfig(SourceConfig):
                 raise ConfigError(f"interfaces: {name!r} is not an interface name")
 
 
+TABLES = ("conns", "ifaces", "socks", "counters", "flows")  # resolved at compile time (see ebpf.BCC_LOCK)
+
 # the per-packet and per-call programs, loaded as BTF raw tracepoints (rtx, st are rare: classic)
 BTF_HOOKS = ("steplens_nf_tx", "steplens_nf_rx", "steplens_nf_snd", "steplens_nf_rcv")
 
@@ -216,24 +218,26 @@ class NetflowsSource(Source):
         self.btf_reason = "disabled by config" if not self.config.btf_tracepoints else ""
         b = None
         if self.config.btf_tracepoints:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True))
+            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True), tables=TABLES)
             try:
-                for fn in BTF_HOOKS:
-                    self._btf_links.append(ebpf.BtfRawTracepoint(b, fn, ATTACH[fn], fn))
+                with ebpf.BCC_LOCK:
+                    for fn in BTF_HOOKS:
+                        self._btf_links.append(ebpf.BtfRawTracepoint(b, fn, ATTACH[fn], fn))
             except ebpf.EbpfUnavailable as exc:  # an older kernel or verifier: the probe-read programs
                 self.btf_reason = str(exc)
                 for link in self._btf_links:
                     link.close()
                 self._btf_links = []
-                b.cleanup()
+                ebpf.cleanup(b)
                 b = None
         if b is None:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config))
+            b = ebpf.compile_program(render_program(kernel_offsets(), self.config), tables=TABLES)
         try:
-            for fn, tp in ATTACH.items():
-                if fn in BTF_HOOKS and self._btf_links:
-                    continue
-                b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            with ebpf.BCC_LOCK:
+                for fn, tp in ATTACH.items():
+                    if fn in BTF_HOOKS and self._btf_links:
+                        continue
+                    b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
             if ifindexes:
                 ifaces = b[b"ifaces"]
                 for idx in ifindexes:
@@ -242,7 +246,7 @@ class NetflowsSource(Source):
         except Exception:
             for link in self._btf_links:
                 link.close()
-            b.cleanup()
+            ebpf.cleanup(b)
             raise
         self._bpf = b
         self._conns = b[b"conns"]
@@ -266,7 +270,7 @@ class NetflowsSource(Source):
             link.close()
         self._btf_links = []
         if b is not None:
-            b.cleanup()
+            ebpf.cleanup(b)
 
     # -- step ------------------------------------------------------------------------------------
 

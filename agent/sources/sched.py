@@ -132,18 +132,19 @@ class SchedSource(Source):
     def start(self) -> None:
         from steplens.agent.ebpf import btf_offset, load_bcc
 
-        bcc = load_bcc()
+        load_bcc()
         with open(BPF_FILE) as fh:
             template = fh.read()
         text = render_program(template, pid_off=btf_offset("task_struct", "pid"),
                               tgid_off=btf_offset("task_struct", "tgid"), state_off=_state_offset(),
                               prev_state_arg=prev_state_is_arg(platform.release()), config=self.config)
-        b = ebpf.compile_program(text)
+        b = ebpf.compile_program(text, tables=("deep", "offstacks", "stacks", "watched", "stats", "overflow"))
         try:
-            for tp, fn in PROGRAMS:
-                b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            with ebpf.BCC_LOCK:
+                for tp, fn in PROGRAMS:
+                    b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
         except Exception:
-            b.cleanup()
+            ebpf.cleanup(b)
             raise
         self._bpf = b
         self._watched = {}
@@ -154,7 +155,7 @@ class SchedSource(Source):
     def stop(self) -> None:
         b, self._bpf = self._bpf, None
         if b is not None:
-            b.cleanup()
+            ebpf.cleanup(b)
         self._watched = {}
         self._prev_stacks = {}
 
