@@ -1,10 +1,18 @@
 """Cost of the netflows eBPF probes: loopback TCP throughput with and without them, packets the
 programs handled per second, and the agent's user-space CPU per Gbit/s of traffic.
 
-Runs (root): interleaved pairs (ABBA order) of ~3 s loopback transfers (a sender and a receiver process, 1 MiB
-sends), once without probes and once with a netflows source loaded in a separate agent process that
-calls step() every 1 s (include_loopback = true, so lo traffic is what it counts). Medians over the
-pairs; then one more loaded transfer with the kernel's BPF statistics on gives the time per program run.
+Runs (root):
+1. Interleaved pairs (ABBA order) of ~3 s loopback transfers (a sender and a receiver process, 1 MiB
+   sends), once without probes and once with a netflows source loaded in a separate agent process that
+   calls step() every 1 s (include_loopback = true, so lo traffic is what it counts). Medians over the
+   pairs, of throughput and of the machine's busy CPU time per byte moved (/proc/stat).
+2. One long transfer during which the agent detaches and re-attaches the programs every --segment seconds
+   (NetflowsSource.pause/resume), ABBA; the slowdown is the mean over adjacent on/off pairs of segments,
+   with its standard error. On this 2-core VM throughput moves +-3-4 % between runs and between 1 s
+   segments, which is as large as the effect: the three figures are printed side by side, each with the
+   spread it has.
+3. One more loaded transfer with the kernel's BPF statistics on gives the time per program run (robust:
+   measured by the kernel per run, but it leaves out the tracepoint dispatch around each run).
 The last stdout line is one JSON object.
 
 On loopback both ends of every packet are on this host: the TX and the RX program both run, on the
@@ -24,6 +32,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -65,6 +74,10 @@ AGENT = textwrap.dedent("""
             line = sys.stdin.readline()
             if not line or line.strip() == "stop":
                 break
+            if line.strip() in ("pause", "resume"):  # toggle measurement: detach / re-attach the programs
+                getattr(s, line.strip())()
+                print("ok", flush=True)
+                continue
             time.sleep(1.0)  # the `step` command: one step after 1 s, like the runner at interval 1 s
             records += len(s.step())
             print("stepped", flush=True)
@@ -78,15 +91,33 @@ AGENT = textwrap.dedent("""
 """)
 
 
+def busy_seconds() -> float:
+    """CPU time spent by the whole machine so far, every state but idle, iowait and steal (/proc/stat)."""
+    with open("/proc/stat") as fh:
+        f = [int(x) for x in fh.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq = f[:7]
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+
+
+LAST_BUSY: list = []  # CPU seconds of each transfer() (machine-wide), in call order
+
+
 def transfer(seconds: float) -> tuple[float, int, float]:
-    """(Gbit/s, bytes, seconds) of one loopback transfer between two fresh processes."""
+    """(Gbit/s, bytes, seconds) of one loopback transfer between two fresh processes; the machine's busy CPU
+    seconds over the sender's run go to LAST_BUSY."""
     rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     port = rx.stdout.readline().strip()
+    b0 = busy_seconds()
     tx = subprocess.run([sys.executable, "-c", SENDER, port, str(seconds)], capture_output=True, text=True, check=True)
-    sent, dur = tx.stdout.split()
     got = int(rx.communicate(timeout=30)[0].strip())
+    LAST_BUSY.append(busy_seconds() - b0)
+    sent, dur = tx.stdout.split()
     assert got == int(sent), (got, sent)
     return got * 8 / float(dur) / 1e9, got, float(dur)
+
+
+def cpu_ns_per_byte(nbytes: int) -> float:
+    return LAST_BUSY[-1] * 1e9 / nbytes
 
 
 def _prog_stats() -> dict[str, tuple[int, int]]:
@@ -124,21 +155,84 @@ def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
     return out, total_ns / 1e6 / (nbytes * 8 / 1e9)  # ms of BPF time per Gbit transferred
 
 
+def lo_bytes() -> int:
+    with open("/sys/class/net/lo/statistics/tx_bytes") as fh:
+        return int(fh.read())
+
+
+def toggle_cost(seconds: float, segment: float, env: dict) -> dict:
+    """The probes' cost inside one long transfer: the programs are detached and re-attached every `segment`
+    seconds (ABBA order) and each segment's rate is read from lo's byte counter. Adjacent segments share the
+    machine's state, so the VM's slow drifts cancel in the pair ratios (separate transfers differ by 2-10 %
+    here from run to run)."""
+    agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, cwd=REPO, env=env)
+    rates = {True: [], False: []}
+    pairs = []
+    try:
+        assert agent.stdout.readline().strip() == "ready"
+        rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+        port = rx.stdout.readline().strip()
+        tx = subprocess.Popen([sys.executable, "-c", SENDER, port, str(seconds)], stdout=subprocess.PIPE, text=True)
+        time.sleep(0.5)  # past connection set-up and slow start
+        on = True
+        order = [True, False, False, True]
+        i = 0
+        end = time.monotonic() + seconds - 1.0
+        seg_rates = []
+        while time.monotonic() < end:
+            want = order[i % 4]
+            if want != on:
+                agent.stdin.write("resume\n" if want else "pause\n")
+                agent.stdin.flush()
+                assert agent.stdout.readline().strip() == "ok"
+                on = want
+            time.sleep(0.05)  # let the switch settle
+            b0, t0 = lo_bytes(), time.monotonic()
+            time.sleep(segment)
+            b1, t1 = lo_bytes(), time.monotonic()
+            r = (b1 - b0) * 8 / (t1 - t0) / 1e9
+            rates[on].append(r)
+            seg_rates.append((on, r))
+            i += 1
+        tx.wait(timeout=seconds + 30)
+        rx.communicate(timeout=30)
+    finally:
+        agent.stdin.write("stop\n")
+        agent.stdin.flush()
+        agent.communicate(timeout=60)
+    # pairs of adjacent segments, one with and one without: relative slowdown of each
+    for (a_on, a), (b_on, b) in zip(seg_rates[0::2], seg_rates[1::2]):
+        if a_on != b_on:
+            with_, without = (a, b) if a_on else (b, a)
+            pairs.append(100.0 * (without - with_) / without)
+    mean = statistics.mean(pairs)
+    sem = statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else float("nan")
+    return {"pairs": len(pairs), "slowdown_percent": mean, "sem_percent": sem,
+            "median_percent": statistics.median(pairs),
+            "gbit_s_with": statistics.median(rates[True]), "gbit_s_without": statistics.median(rates[False])}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--toggle-seconds", type=float, default=40.0, help="length of the on/off toggle transfer")
+    ap.add_argument("--segment", type=float, default=0.5, help="toggle segment length, seconds")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF)", file=sys.stderr)
         return 2
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     without, with_, with_bytes, with_secs = [], [], 0, 0.0
+    cpb_without, cpb_with = [], []  # machine CPU ns per byte moved
     cpu_s = packets = 0.0
     agent_secs = 0.0
     for i in range(args.pairs):
         if i % 2 == 0:  # ABBA order, so a drift in machine load does not favour one side
-            without.append(transfer(args.seconds)[0])
+            g, nbytes, _ = transfer(args.seconds)
+            without.append(g)
+            cpb_without.append(cpu_ns_per_byte(nbytes))
         agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                  text=True, cwd=REPO, env=env)
         try:
@@ -147,39 +241,58 @@ def main() -> int:
             agent.stdin.write("step\n" * steps); agent.stdin.flush()  # steps at 1 s during the transfer
             g, nbytes, dur = transfer(args.seconds)
             with_.append(g)
+            cpb_with.append(cpu_ns_per_byte(nbytes))
             with_bytes += nbytes
             with_secs += dur
         finally:
             agent.stdin.write("stop\n"); agent.stdin.flush()
             out = agent.communicate(timeout=60)[0].strip().splitlines()
         if i % 2 == 1:
-            without.append(transfer(args.seconds)[0])
+            g, nbytes, _ = transfer(args.seconds)
+            without.append(g)
+            cpb_without.append(cpu_ns_per_byte(nbytes))
         stats = json.loads(out[-1])
         cpu_s += stats["cpu_s"]
         packets += stats["packets"]
         agent_secs += stats["seconds"]
         print(f"pair {i + 1}: without {without[-1]:6.2f} Gbit/s   with {with_[-1]:6.2f} Gbit/s   "
+              f"CPU/byte {cpb_without[-1]:.4f} / {cpb_with[-1]:.4f} ns   "
               f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
               flush=True)
+    tog = toggle_cost(args.toggle_seconds, args.segment, env)
     cost, bpf_ms_per_gbit = bpf_cost(args.seconds, env)
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
+    cpb0, cpb1 = statistics.median(cpb_without), statistics.median(cpb_with)
+    cpu_cost = 100.0 * (cpb1 - cpb0) / cpb0
     gbit = with_bytes * 8 / 1e9
     result = {
         "throughput_gbit_s_without": round(med_without, 3),
         "throughput_gbit_s_with": round(med_with, 3),
         "slowdown_percent": round(slowdown, 2),
+        "cpu_ns_per_byte_without": round(cpb0, 5),
+        "cpu_ns_per_byte_with": round(cpb1, 5),
+        "cpu_per_byte_increase_percent": round(cpu_cost, 2),
         "events_per_s": round(packets / with_secs, 1),
         "agent_cpu_s_per_gbit": round(cpu_s / gbit, 6),
         "agent_cpu_percent": round(100.0 * cpu_s / agent_secs, 3),
         "pairs": args.pairs,
         "seconds_per_run": args.seconds,
+        "toggle_slowdown_percent": round(tog["slowdown_percent"], 2),
+        "toggle_slowdown_sem_percent": round(tog["sem_percent"], 2),
+        "toggle_slowdown_median_percent": round(tog["median_percent"], 2),
+        "toggle_pairs": tog["pairs"],
         "goal_slowdown_percent": 2,
         "bpf_ns_per_run": cost,
         "bpf_cpu_ms_per_gbit": round(bpf_ms_per_gbit, 3),
     }
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
     print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2)")
+    print(f"toggled in one transfer    {tog['gbit_s_without']:8.2f} Gbit/s off, {tog['gbit_s_with']:.2f} on: "
+          f"slowdown {tog['slowdown_percent']:.2f} % +- {tog['sem_percent']:.2f} (mean +- s.e. of {tog['pairs']} "
+          f"adjacent pairs of {args.segment} s; median {tog['median_percent']:.2f} %)")
+    print(f"machine CPU per byte       {cpb0:.4f} ns without, {cpb1:.4f} ns with probes: +{cpu_cost:.2f} % "
+          f"(the cost at saturation, less sensitive to the VM's throughput noise)")
     print(f"packets handled            {result['events_per_s']:,.0f} /s while loaded")
     print(f"agent CPU                  {result['agent_cpu_s_per_gbit'] * 1000:.3f} ms per Gbit transferred "
           f"({result['agent_cpu_percent']:.3f} % of one core)")

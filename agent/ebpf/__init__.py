@@ -206,44 +206,87 @@ _BPF_PROG_LOAD, _BPF_RAW_TRACEPOINT_OPEN = 5, 17
 _BPF_PROG_TYPE_TRACING, _BPF_TRACE_RAW_TP = 26, 23
 
 
+@functools.lru_cache(maxsize=None)
+def btf_func_id(name: str) -> int | None:
+    """BTF type id of the kernel FUNC `name` (an iterator target is `bpf_iter_<target>`), or None."""
+    for line in _btf_dump():
+        m = _TYPE_RE.match(line)
+        if m and m.group(2) == "FUNC" and m.group(3) == name:
+            return int(m.group(1))
+    return None
+
+
+_BPF_LINK_CREATE, _BPF_ITER_CREATE = 28, 33
+_BPF_TRACE_ITER = 28
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
+    """Load the bytecode bcc compiled for `fn_name` (map fds already in it) as BPF_PROG_TYPE_TRACING with this
+    expected attach type and BTF target; the program fd, or EbpfUnavailable with the verifier's last lines."""
+    if platform.machine() != "x86_64":
+        raise EbpfUnavailable("BTF tracing programs are loaded by syscall number only on x86-64 here")
+    lib = load_bcc().lib
+    fn = fn_name.encode()
+    start, size = lib.bpf_function_start(bpf.module, fn), lib.bpf_function_size(bpf.module, fn)
+    if not start or not size:
+        raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
+    insns = ctypes.create_string_buffer(ctypes.string_at(start, size), size)
+    license_ = ctypes.create_string_buffer(b"GPL")
+    log = ctypes.create_string_buffer(256 * 1024)
+    attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),
+                         license=ctypes.addressof(license_), log_level=1, log_size=len(log),
+                         log_buf=ctypes.addressof(log), prog_name=prog_name.encode()[:15],
+                         expected_attach_type=attach_type, attach_btf_id=btf_id)
+    fd = _libc().syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        err = os.strerror(ctypes.get_errno())
+        tail = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-4:])
+        raise EbpfUnavailable(f"loading {fn_name} as {what} failed: {err}: {tail}")
+    return fd
+
+
 class BtfRawTracepoint:
     """A bcc-compiled function loaded and attached as a BTF raw tracepoint ("tp_btf"): its arguments are
     typed, so kernel memory read through them is a plain load the verifier checks against BTF, not a
-    bpf_probe_read_kernel() call (measured: ~35 % of a packet hook's time here). bcc 0.26 cannot load this
-    program type itself, so the bytecode bcc compiled (map fds already in it) goes through the bpf()
-    syscall. The program lives as long as the two fds: close() (or process exit) detaches it."""
+    bpf_probe_read_kernel() call (measured: ~35 % of a packet hook's time here), and helpers that need a
+    typed socket (bpf_sk_storage_get) are allowed. bcc 0.26 cannot load this program type itself, so the
+    bytecode bcc compiled (map fds already in it) goes through the bpf() syscall. The program lives as long
+    as the two fds: close() (or process exit) detaches it."""
 
     def __init__(self, bpf, fn_name: str, tp: str, prog_name: str) -> None:
-        if platform.machine() != "x86_64":
-            raise EbpfUnavailable("BTF raw tracepoints are loaded by syscall number only on x86-64 here")
         btf_id = btf_tracepoint_id(tp)
         if btf_id is None:
             raise EbpfUnavailable(f"no btf_trace_{tp} in kernel BTF")
-        bcc = load_bcc()
-        lib = bcc.lib
-        fn = fn_name.encode()
-        start, size = lib.bpf_function_start(bpf.module, fn), lib.bpf_function_size(bpf.module, fn)
-        if not start or not size:
-            raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
-        insns = ctypes.create_string_buffer(ctypes.string_at(start, size), size)
-        license_ = ctypes.create_string_buffer(b"GPL")
-        log = ctypes.create_string_buffer(256 * 1024)
-        attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),
-                             license=ctypes.addressof(license_), log_level=1, log_size=len(log),
-                             log_buf=ctypes.addressof(log), prog_name=prog_name.encode()[:15],
-                             expected_attach_type=_BPF_TRACE_RAW_TP, attach_btf_id=btf_id)
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.prog_fd = libc.syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
-        if self.prog_fd < 0:
-            err = os.strerror(ctypes.get_errno())
-            tail = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-4:])
-            raise EbpfUnavailable(f"loading {fn_name} as BTF raw tracepoint {tp} failed: {err}: {tail}")
-        ra = _RawTpOpenAttr(name=0, prog_fd=self.prog_fd)
-        self.link_fd = libc.syscall(_SYS_BPF, _BPF_RAW_TRACEPOINT_OPEN, ctypes.byref(ra), ctypes.sizeof(ra))
-        if self.link_fd < 0:
-            err = os.strerror(ctypes.get_errno())
+        self.prog_fd = _load_tracing(bpf, fn_name, _BPF_TRACE_RAW_TP, btf_id, prog_name,
+                                     f"BTF raw tracepoint {tp}")
+        self.what = f"{fn_name} on BTF raw tracepoint {tp}"
+        self.link_fd = -1
+        try:
+            self.attach()
+        except EbpfUnavailable:
             os.close(self.prog_fd)
-            raise EbpfUnavailable(f"attaching {fn_name} to BTF raw tracepoint {tp} failed: {err}")
+            self.prog_fd = -1
+            raise
+
+    def attach(self) -> None:
+        """Attach the loaded program (again, after detach())."""
+        if self.link_fd >= 0:
+            return
+        ra = _RawTpOpenAttr(name=0, prog_fd=self.prog_fd)
+        fd = _libc().syscall(_SYS_BPF, _BPF_RAW_TRACEPOINT_OPEN, ctypes.byref(ra), ctypes.sizeof(ra))
+        if fd < 0:
+            raise EbpfUnavailable(f"attaching {self.what} failed: {os.strerror(ctypes.get_errno())}")
+        self.link_fd = fd
+
+    def detach(self) -> None:
+        """Detach, keeping the program loaded (its maps keep their contents)."""
+        if self.link_fd >= 0:
+            os.close(self.link_fd)
+            self.link_fd = -1
 
     def close(self) -> None:
         for fd in (getattr(self, "link_fd", -1), getattr(self, "prog_fd", -1)):
@@ -253,6 +296,64 @@ class BtfRawTracepoint:
                 except OSError:
                     pass
         self.link_fd = self.prog_fd = -1
+
+
+class _LinkCreateIterAttr(ctypes.Structure):
+    """union bpf_attr, the BPF_LINK_CREATE member with iter_info (include/uapi/linux/bpf.h)."""
+    _fields_ = [("prog_fd", ctypes.c_uint32), ("target_fd", ctypes.c_uint32), ("attach_type", ctypes.c_uint32),
+                ("flags", ctypes.c_uint32), ("iter_info", ctypes.c_uint64), ("iter_info_len", ctypes.c_uint32),
+                ("_rest", ctypes.c_char * 36)]
+
+
+class MapIterator:
+    """A BPF map iterator ("iter/<target>", e.g. bpf_sk_storage_map): a bcc-compiled function loaded as a
+    BPF_TRACE_ITER tracing program and linked to one map. read() runs it once over every element and returns
+    what it wrote with bpf_seq_write(). Used for maps user space cannot walk with get-next-key (socket-local
+    storage). close() (or process exit) frees it."""
+
+    def __init__(self, bpf, fn_name: str, target: str, map_fd: int, prog_name: str) -> None:
+        btf_id = btf_func_id(f"bpf_iter_{target}")
+        if btf_id is None:
+            raise EbpfUnavailable(f"no iterator target {target} (bpf_iter_{target}) in kernel BTF")
+        self.prog_fd = _load_tracing(bpf, fn_name, _BPF_TRACE_ITER, btf_id, prog_name, f"iterator {target}")
+        info = (ctypes.c_uint32 * 4)(map_fd, 0, 0, 0)  # union bpf_iter_link_info: .map.map_fd
+        attr = _LinkCreateIterAttr(prog_fd=self.prog_fd, attach_type=_BPF_TRACE_ITER,
+                                   iter_info=ctypes.addressof(info), iter_info_len=ctypes.sizeof(info))
+        self.link_fd = _libc().syscall(_SYS_BPF, _BPF_LINK_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+        if self.link_fd < 0:
+            err = os.strerror(ctypes.get_errno())
+            os.close(self.prog_fd)
+            self.prog_fd = -1
+            raise EbpfUnavailable(f"linking iterator {fn_name} to {target} failed: {err}")
+
+    def read(self) -> bytes:
+        if self.link_fd < 0:
+            raise EbpfUnavailable("iterator is closed")
+        attr = (ctypes.c_uint32 * 2)(self.link_fd, 0)
+        fd = _libc().syscall(_SYS_BPF, _BPF_ITER_CREATE, ctypes.byref(attr), ctypes.sizeof(attr))
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), f"BPF_ITER_CREATE: {os.strerror(ctypes.get_errno())}")
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        return b"".join(chunks)
+
+    close = BtfRawTracepoint.close
+
+
+def table_fd(bpf, name: str) -> int:
+    """The fd of one of a bcc module's maps, also for map types bcc's Python wrapper does not know
+    (socket-local storage)."""
+    fd = load_bcc().lib.bpf_table_fd(bpf.module, name.encode())
+    if fd < 0:
+        raise EbpfUnavailable(f"bcc module has no map {name}")
+    return fd
 
 
 # libbcc keeps the tables of every module of the process in one shared storage: building a module (compile),

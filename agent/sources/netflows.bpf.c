@@ -3,8 +3,20 @@
  * Rendered by netflows.render_program(): every double-braced placeholder is a kernel struct offset read from the
  * running kernel's BTF (OFF_*) or a config value. Kernel structs are never dereferenced through
  * the (possibly older) headers: fields are read with bpf_probe_read_kernel at BTF offsets.
- * All programs are attached explicitly as raw tracepoints and named steplens_nf_* (<= 15 chars,
- * the kernel's program-name limit) so `bpftool prog show` can find them.
+ * Two builds of one file (BTF_TP):
+ *   1: BTF raw tracepoints ("tp_btf"). TX packets, send()/recv() and the TX bursts of a socket are kept in
+ *      socket-local storage (BPF_MAP_TYPE_SK_STORAGE: found from the typed skb->sk in a few loads, no hash
+ *      of the 4-tuple); retransmits and smoothed RTT are the kernel's own tcp_sock counters, read when user
+ *      space collects. User space reads the storage with a map iterator and gets each socket's final record
+ *      through a ring buffer when it closes. RX packets are counted at netif_receive_skb by their headers in
+ *      the hash map, as the device counts them (skb->sk is not known yet there; tcp:tcp_probe, where it is,
+ *      sees ACKs the socket backlog has coalesced as one skb: measured 44 of 249 ACKs merged on lo).
+ *   0: classic raw tracepoints: a hash map keyed by the 4-tuple, parsed from headers or struct sock, with a
+ *      socket cache (kernels without BTF raw tracepoints or socket storage for tracing).
+ * Packets whose socket has no storage (request and time-wait socks: SYN-ACKs, RSTs; storage allocation
+ * failures) are counted in the hash map in both builds.
+ * All programs are named steplens_nf_* (<= 15 chars, the kernel's program-name limit) so `bpftool prog show`
+ * can find them.
  */
 #include <uapi/linux/ptrace.h>
 
@@ -17,6 +29,7 @@
 #define OFF_SKB_SK {{OFF_SKB_SK}}
 #define OFF_SKB_DEV {{OFF_SKB_DEV}}
 #define OFF_SKB_PROTOCOL {{OFF_SKB_PROTOCOL}}
+#define OFF_SKB_TSTAMP {{OFF_SKB_TSTAMP}}
 #define OFF_DEV_IFINDEX {{OFF_DEV_IFINDEX}}
 #define OFF_SKC_DADDR {{OFF_SKC_DADDR}}
 #define OFF_SKC_RCV_SADDR {{OFF_SKC_RCV_SADDR}}
@@ -26,6 +39,7 @@
 #define OFF_SKC_STATE {{OFF_SKC_STATE}}
 #define OFF_SK_PROTOCOL {{OFF_SK_PROTOCOL}}
 #define OFF_TCP_SRTT_US {{OFF_TCP_SRTT_US}}
+#define OFF_TP_TOTAL_RETRANS {{OFF_TP_TOTAL_RETRANS}}
 
 #define IDLE_GAP_NS {{IDLE_GAP_NS}}ULL
 #define MAX_CONNECTIONS {{MAX_CONNECTIONS}}
@@ -38,17 +52,24 @@
 
 #define DIR_TX 0
 #define DIR_RX 1
+/* Failure counters only: counting every packet here cost ~20 ns per packet (measured); packet totals come
+   from the connections' own counters. */
 #define CNT_RINGBUF_OVERFLOW 0
 #define CNT_MAP_FULL 1
-#define CNT_PACKETS 2
-#define CNT_SOCK_EVENTS 3
-#define N_COUNTERS 4
+#define CNT_SK_FALLBACK 2  /* full socket without storage (allocation failed): hash map instead */
+#define N_COUNTERS 3
 
 struct conn_key {
     u32 laddr;  /* network order */
     u32 raddr;
     u16 lport;  /* host order */
     u16 rport;
+};
+
+/* The open burst per direction (DIR_TX, DIR_RX): its first and last packet times and the direction's byte and
+   packet counters before its first packet (the burst's size is the counters now minus these). */
+struct bursts {
+    u64 start[2], last[2], base_bytes[2], base_packets[2];
 };
 
 struct conn_val {
@@ -58,8 +79,7 @@ struct conn_val {
     u32 srtt_us, pid;
     u32 closed, _pad;
     char comm[16];
-    /* open burst per direction (DIR_TX, DIR_RX) */
-    u64 b_start[2], b_last[2], b_bytes[2], b_packets[2];
+    struct bursts b;
 };
 
 struct flow_ev {
@@ -70,10 +90,12 @@ struct flow_ev {
 
 BPF_HASH(conns, struct conn_key, struct conn_val, MAX_CONNECTIONS);
 BPF_HASH(ifaces, u32, u8, 64);
+#if !BTF_TP
 /* struct sock * -> its connection key, filled on a socket's first send/recv (or retransmit): the
    per-call hooks and the TX packet hook then skip the 4-tuple reads and the header parse. LRU, so
    sockets that vanish without a TCP_CLOSE we saw cannot fill it; entries are also deleted at close. */
 BPF_TABLE("lru_hash", u64, struct conn_key, socks, MAX_CONNECTIONS);
+#endif
 BPF_PERCPU_ARRAY(counters, u64, N_COUNTERS);
 BPF_RINGBUF_OUTPUT(flows, RINGBUF_PAGES);
 
@@ -99,58 +121,65 @@ static __always_inline int loopback_addr(u32 a) {
     return (a & 0xff) == 127;  /* 127.0.0.0/8, network order */
 }
 
-/* One packet of `len` wire bytes in direction dir: cumulative counters and the open burst.
-   Without rx_flows the RX side keeps no burst state and reads no clock (its counters are all that is
-   used; last_ns, for idle expiry, is kept by the TX and per-call hooks, which see every live socket). */
-static __always_inline void account(struct conn_key *k, u32 dir, u64 len) {
-    struct conn_val *v = conns.lookup(k);
-    if (!v) {
-        v = get_conn(k, bpf_ktime_get_ns());
-        if (!v) return;
-    }
-    count(CNT_PACKETS, 1);
-    if (dir == DIR_TX) {
-        __sync_fetch_and_add(&v->tx_bytes, len);
-        __sync_fetch_and_add(&v->tx_packets, 1);
-    } else {
-        __sync_fetch_and_add(&v->rx_bytes, len);
-        __sync_fetch_and_add(&v->rx_packets, 1);
-        if (!FLOW_RX) return;
-    }
-    u64 now = bpf_ktime_get_ns();
-    v->last_ns = now;
-    u32 d = dir & 1;
-    u64 last = v->b_last[d];
-    if (last != 0 && now > last && now - last > IDLE_GAP_NS) {
+/* One packet of `len` bytes in direction d at `now`, after which the direction's counters are `cbytes` and
+   `cpackets`: extend the open burst (one store), or after an idle gap close it (ring buffer) and start a new one. */
+static __always_inline void burst(struct conn_key *k, u32 pid, struct bursts *b, u32 d, u64 len, u64 cbytes,
+                                  u64 cpackets, u64 now) {
+    d &= 1;
+    u64 last = b->last[d];
+    if (last == 0) {
+        b->start[d] = now;
+        b->base_bytes[d] = cbytes - len;
+        b->base_packets[d] = cpackets - 1;
+    } else if (now > last && now - last > IDLE_GAP_NS) {
         /* the burst ended at `last`: hand it to user space and start a new one with this packet */
         struct flow_ev *ev = flows.ringbuf_reserve(sizeof(struct flow_ev));
         if (ev) {
             ev->key = *k;
             ev->dir = d;
-            ev->pid = v->pid;
-            ev->start_ns = v->b_start[d];
+            ev->pid = pid;
+            ev->start_ns = b->start[d];
             ev->end_ns = last;
-            ev->bytes = v->b_bytes[d];
-            ev->packets = v->b_packets[d];
+            ev->bytes = cbytes - len - b->base_bytes[d];
+            ev->packets = cpackets - 1 - b->base_packets[d];
             flows.ringbuf_submit(ev, BPF_RB_NO_WAKEUP);  /* user space polls; no wake-ups */
         } else {
             count(CNT_RINGBUF_OVERFLOW, 1);
         }
-        v->b_start[d] = now;
-        v->b_bytes[d] = len;
-        v->b_packets[d] = 1;
-    } else {
-        if (last == 0 || v->b_bytes[d] == 0) v->b_start[d] = now;
-        __sync_fetch_and_add(&v->b_bytes[d], len);
-        __sync_fetch_and_add(&v->b_packets[d], 1);
+        b->start[d] = now;
+        b->base_bytes[d] = cbytes - len;
+        b->base_packets[d] = cpackets - 1;
     }
-    v->b_last[d] = now;
+    b->last[d] = now;
+}
+
+/* One packet of `len` wire bytes in direction dir, counted in the hash map by its 4-tuple: cumulative
+   counters and the open burst. Without rx_flows the RX side keeps no burst state and reads no clock (its
+   counters are all that is used; last_ns, for idle expiry, is kept by the TX and per-call hooks). */
+static __always_inline void account(struct conn_key *k, u32 dir, u64 len, u64 tstamp) {
+    struct conn_val *v = conns.lookup(k);
+    if (!v) {
+        v = get_conn(k, bpf_ktime_get_ns());
+        if (!v) return;
+    }
+    u64 cbytes, cpackets;
+    if (dir == DIR_TX) {
+        cbytes = __sync_fetch_and_add(&v->tx_bytes, len) + len;
+        cpackets = __sync_fetch_and_add(&v->tx_packets, 1) + 1;
+    } else {
+        cbytes = __sync_fetch_and_add(&v->rx_bytes, len) + len;
+        cpackets = __sync_fetch_and_add(&v->rx_packets, 1) + 1;
+        if (!FLOW_RX) return;
+    }
+    u64 now = tstamp ? tstamp : bpf_ktime_get_ns();
+    v->last_ns = now;
+    burst(k, v->pid, &v->b, dir, len, cbytes, cpackets, now);
 }
 
 /* IPv4/TCP 4-tuple of the packet, addresses in network order, ports in host order. */
 /* The sk_buff fields a packet hook needs, in one bpf_probe_read_kernel of the struct's head
    (one helper call instead of one per field: this runs for every packet). */
-struct skb_fields { unsigned char *head; unsigned char *data; void *sk; void *dev; u32 len; u16 nh; u16 mh; u16 proto; };
+struct skb_fields { unsigned char *head; unsigned char *data; void *sk; void *dev; u64 tstamp; u32 len; u16 nh; u16 mh; u16 proto; };
 
 static __always_inline int read_skb(void *skb, struct skb_fields *f) {
 #if BTF_TP
@@ -164,6 +193,7 @@ static __always_inline int read_skb(void *skb, struct skb_fields *f) {
     f->nh = *(u16 *)(p + OFF_SKB_NETWORK_HEADER);
     f->mh = *(u16 *)(p + OFF_SKB_MAC_HEADER);
     f->proto = *(u16 *)(p + OFF_SKB_PROTOCOL);
+    f->tstamp = *(u64 *)(p + OFF_SKB_TSTAMP);
     return 0;
 #else
     u8 b[SKB_READ_LEN];
@@ -177,17 +207,10 @@ static __always_inline int read_skb(void *skb, struct skb_fields *f) {
     __builtin_memcpy(&f->nh, b + OFF_SKB_NETWORK_HEADER, sizeof(f->nh));
     __builtin_memcpy(&f->mh, b + OFF_SKB_MAC_HEADER, sizeof(f->mh));
     __builtin_memcpy(&f->proto, b + OFF_SKB_PROTOCOL, sizeof(f->proto));
+    __builtin_memcpy(&f->tstamp, b + OFF_SKB_TSTAMP, sizeof(f->tstamp));
     return 0;
 #endif
 }
-
-#if BTF_TP
-#define PKT_ARGS u64 *ctx
-#define PKT_ARG(i) ((void *)ctx[i])
-#else
-#define PKT_ARGS struct bpf_raw_tracepoint_args *ctx
-#define PKT_ARG(i) ((void *)ctx->args[i])
-#endif
 
 #if BTF_TP
 /* The 4-tuple of a BTF-typed struct sock * by plain loads. 0: IPv4 TCP; -1: not wanted (another family or
@@ -207,6 +230,14 @@ static __always_inline int sock_key_btf(void *skp, struct conn_key *k) {
     return 0;
 }
 #endif
+
+/* The packet's time for bursts, CLOCK_MONOTONIC ns. TCP stamps every skb it sends with its departure time
+   (skb->tstamp = tcp_wstamp_ns, from the clock it reads once per transmit round), still there at
+   net_dev_start_xmit: using it saves a clock read per packet (measured ~60 ns of a ~200 ns TX program here).
+   Packets without one (0: not TCP, or cleared on the receive path) read the clock. */
+static __always_inline u64 packet_time(struct skb_fields *f) {
+    return f->tstamp ? f->tstamp : bpf_ktime_get_ns();
+}
 
 /* IPv4 + TCP ports, read in one go when the IP header has no options (the common case). */
 static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u16 *sport, u16 *dport) {
@@ -229,63 +260,244 @@ static __always_inline int parse(struct skb_fields *f, u32 *saddr, u32 *daddr, u
     return 0;
 }
 
-static __always_inline int dev_wanted(void *dev) {
-    if (INCLUDE_LOOPBACK && !FILTER_IFACES) return 1;  /* every device counts: skip the read */
-    u32 ifindex = 0;
-    bpf_probe_read_kernel(&ifindex, sizeof(ifindex), dev + OFF_DEV_IFINDEX);
+static __always_inline int ifindex_wanted(u32 ifindex) {
     if (!INCLUDE_LOOPBACK && ifindex == 1) return 0;  /* lo is ifindex 1 in every namespace */
     if (FILTER_IFACES && !ifaces.lookup(&ifindex)) return 0;
     return 1;
 }
 
-/* net_dev_start_xmit(skb, dev): skb->data is at the MAC header, skb->len is what the device counts. */
-int steplens_nf_tx(PKT_ARGS) {
-    void *dev = PKT_ARG(1);
-    struct skb_fields f = {};
-    if (read_skb(PKT_ARG(0), &f)) return 0;
-    /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
-    if (!f.sk || !dev_wanted(dev)) return 0;
+static __always_inline int dev_wanted(void *dev) {
+    if (INCLUDE_LOOPBACK && !FILTER_IFACES) return 1;  /* every device counts: skip the read */
+    u32 ifindex = 0;
 #if BTF_TP
-    {  /* the sending socket is a BTF-typed pointer: its 4-tuple is four plain loads */
+    ifindex = *(u32 *)((unsigned char *)dev + OFF_DEV_IFINDEX);  /* typed: a plain load */
+#else
+    bpf_probe_read_kernel(&ifindex, sizeof(ifindex), dev + OFF_DEV_IFINDEX);
+#endif
+    return ifindex_wanted(ifindex);
+}
+
+/* A packet whose socket is unknown or has no storage: key it by its IPv4/TCP headers (TX: source is local). */
+static __always_inline void account_parsed(struct skb_fields *f, u32 dir, u64 len) {
+    u32 saddr, daddr; u16 sport, dport;
+    if (parse(f, &saddr, &daddr, &sport, &dport)) return;
+    struct conn_key k = {};
+    if (dir == DIR_TX) {
+        k.laddr = saddr; k.raddr = daddr; k.lport = sport; k.rport = dport;
+    } else {
+        k.laddr = daddr; k.raddr = saddr; k.lport = dport; k.rport = sport;
+    }
+    account(&k, dir, len, dir == DIR_TX ? f->tstamp : 0);  /* RX stamps, if any, are CLOCK_REALTIME */
+}
+
+/* netif_receive_skb(skb), both builds: the MAC header is already pulled; add it back so bytes match the
+   device's rx_bytes. Keyed by the packet's headers (skb->sk is not set yet). */
+static __always_inline int rx_packet(void *skb) {
+    struct skb_fields f = {};
+    if (read_skb(skb, &f)) return 0;
+    if (!f.dev || !dev_wanted(f.dev)) return 0;
+    u64 wire = f.len;
+    unsigned char *mac = f.head + f.mh;
+    if (f.mh != 0xffff && f.data >= mac && f.data - mac <= 64) wire += f.data - mac;
+    account_parsed(&f, DIR_RX, wire);
+    return 0;
+}
+
+#if BTF_TP
+/* ---- BTF build: per-socket state in socket-local storage ----------------------------------------------- */
+
+#define SK_INIT 1     /* key (and, for sockets older than the agent, baselines) set */
+#define SK_SKIP 2     /* not an IPv4 TCP socket we watch (or loopback, excluded): ignored */
+#define SK_BORN 4     /* seen from its first state change (SYN_SENT / SYN_RECV): its TCP counters started at 0 */
+#define SK_CLOSED 32  /* its final record went to user space at TCP_CLOSE: the iterator skips it */
+
+struct sk_val {
+    u64 id;                      /* the struct sock address: with first_ns, names the socket to user space */
+    u64 first_ns;
+    struct conn_key key;
+    u32 flags;
+    u64 tx_bytes, tx_packets;    /* every skb at net_dev_start_xmit (skb->len, what the device counts) */
+    u64 tx_payload, rx_payload;  /* send() / recv() return values */
+    u32 base_retrans, pid;       /* total_retrans when first seen (sockets older than the agent); last PID */
+    char comm[16];
+    struct bursts b;
+};
+
+/* The kernel's live TCP counters of a socket, read when user space collects it. */
+struct sk_live {
+    u32 retrans_now, srtt_us;
+};
+
+/* What user space gets per socket: by the iterator while it lives, through `closes` when it closes. */
+struct sk_rec {
+    struct sk_val v;
+    struct sk_live l;
+};
+
+BPF_SK_STORAGE(sks, struct sk_val);
+BPF_RINGBUF_OUTPUT(closes, RINGBUF_PAGES);
+BPF_ARRAY(rec_layout, struct sk_rec, 1);  /* never used by the programs: gives user space the record layout */
+
+static __always_inline void read_live(void *sk, struct sk_live *l) {
+    bpf_probe_read_kernel(&l->retrans_now, sizeof(l->retrans_now), sk + OFF_TP_TOTAL_RETRANS);
+    u32 srtt = 0;
+    bpf_probe_read_kernel(&srtt, sizeof(srtt), sk + OFF_TCP_SRTT_US);
+    l->srtt_us = srtt >> 3;  /* stored << 3 by the kernel */
+}
+
+/* Key a socket's storage on first use. Sockets older than the agent start from their counters now. */
+static __always_inline int sk_init(void *sk, struct sk_val *v) {
+    struct conn_key k = {};
+    if (sock_key_btf(sk, &k)) {
+        v->flags |= SK_SKIP;
+        return -1;
+    }
+    v->key = k;
+    v->id = (u64)sk;
+    v->first_ns = bpf_ktime_get_ns();
+    if (!(v->flags & SK_BORN))  /* older than the agent: its retransmits count from now */
+        bpf_probe_read_kernel(&v->base_retrans, sizeof(v->base_retrans), sk + OFF_TP_TOTAL_RETRANS);
+    v->flags |= SK_INIT;
+    return 0;
+}
+
+/* The socket's storage, created on first sight; 0 when the socket is not watched (*slow = 1: it should be
+   counted in the hash map instead: storage could not be had for a full TCP socket). */
+static __always_inline struct sk_val *sk_get(void *sk, int *slow) {
+    struct sk_val *v = sks.sk_storage_get(sk, 0, 0);
+    if (!v) {
         struct conn_key k = {};
-        int r = sock_key_btf(f.sk, &k);
-        if (r == 0) {
-            account(&k, DIR_TX, f.len);
+        if (sock_key_btf(sk, &k)) return 0;  /* not watched, or a request / time-wait sock (callers check) */
+        v = sks.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+        if (!v) {
+            count(CNT_SK_FALLBACK, 1);
+            *slow = 1;
             return 0;
         }
-        if (r == -1) return 0;  /* not IPv4 TCP (or loopback, excluded) */
-    }   /* -2: a request or time-wait sock (SYN-ACK, RST): no struct sock behind it, parse the headers */
-#endif
+    }
+    if (v->flags & SK_SKIP) return 0;
+    if (!(v->flags & SK_INIT) && sk_init(sk, v)) return 0;
+    return v;
+}
+
+/* net_dev_start_xmit(skb, dev): skb->len is what the device counts. Only skbs with a socket are this host's
+   TCP (forwarded or bridged packets carry none). */
+int steplens_nf_tx(u64 *ctx) {
+    struct skb_fields f = {};
+    read_skb((void *)ctx[0], &f);
+    if (!f.sk || !dev_wanted((void *)ctx[1])) return 0;
+    int slow = 0;
+    struct sk_val *v = sk_get(f.sk, &slow);
+    if (!v) {
+        /* request and time-wait socks (SYN-ACK, RST, last ACKs) and storage failures: by the headers */
+        struct conn_key k = {};
+        if (slow || sock_key_btf(f.sk, &k) == -2) account_parsed(&f, DIR_TX, f.len);
+        return 0;
+    }
+    u64 cbytes = __sync_fetch_and_add(&v->tx_bytes, f.len) + f.len;
+    u64 cpackets = __sync_fetch_and_add(&v->tx_packets, 1) + 1;
+    burst(&v->key, v->pid, &v->b, DIR_TX, f.len, cbytes, cpackets, packet_time(&f));
+    return 0;
+}
+
+int steplens_nf_rx(u64 *ctx) { return rx_packet((void *)ctx[0]); }
+
+/* sock_send_length / sock_recv_length(sk, ret, flags): payload bytes and the owning process. */
+static __always_inline void payload(void *sk, int ret, int flags, u32 dir) {
+    if (ret <= 0 || (dir == DIR_RX && (flags & 2 /* MSG_PEEK */))) return;
+    int slow = 0;
+    struct sk_val *v = sk_get(sk, &slow);
+    if (!v) {
+        struct conn_key k = {};
+        if (!slow || sock_key_btf(sk, &k)) return;
+        struct conn_val *c = get_conn(&k, bpf_ktime_get_ns());
+        if (!c) return;
+        if (dir == DIR_TX) __sync_fetch_and_add(&c->tx_payload, (u64)ret);
+        else __sync_fetch_and_add(&c->rx_payload, (u64)ret);
+        return;
+    }
+    /* after the call returned: no socket lock, another thread may be in the same socket */
+    if (dir == DIR_TX) __sync_fetch_and_add(&v->tx_payload, (u64)ret);
+    else __sync_fetch_and_add(&v->rx_payload, (u64)ret);
+    u32 pid = bpf_get_current_pid_tgid() >> 32;
+    if (v->pid != pid) {
+        v->pid = pid;
+        bpf_get_current_comm(&v->comm, sizeof(v->comm));
+    }
+}
+
+int steplens_nf_snd(u64 *ctx) { payload((void *)ctx[0], (int)ctx[1], (int)ctx[2], DIR_TX); return 0; }
+int steplens_nf_rcv(u64 *ctx) { payload((void *)ctx[0], (int)ctx[1], (int)ctx[2], DIR_RX); return 0; }
+
+/* inet_sock_set_state(sk, oldstate, newstate): a socket's birth (fresh storage: its counters start at 0) and
+   TCP_CLOSE (its final record to user space). */
+int steplens_nf_st(u64 *ctx) {
+    void *sk = (void *)ctx[0];
+    int newstate = (int)ctx[2];
+    if (newstate == 2 /* TCP_SYN_SENT */ || newstate == 3 /* TCP_SYN_RECV */) {
+        struct conn_key k = {};
+        if (sock_key_btf(sk, &k) == -1) return 0;  /* (a SYN_SENT socket may have no local port yet) */
+        struct sk_val *v = sks.sk_storage_get(sk, 0, BPF_SK_STORAGE_GET_F_CREATE);
+        if (!v) {
+            count(CNT_SK_FALLBACK, 1);
+            return 0;
+        }
+        __builtin_memset(v, 0, sizeof(*v));  /* a socket connect()ed again after a close starts over */
+        v->flags = SK_BORN;  /* keyed at its first packet, when the local port is set */
+        return 0;
+    }
+    if (newstate != 7 /* TCP_CLOSE */) return 0;
+    struct sk_val *v = sks.sk_storage_get(sk, 0, 0);
+    if (!v || (v->flags & (SK_INIT | SK_SKIP | SK_CLOSED)) != SK_INIT) return 0;
+    struct sk_rec *r = closes.ringbuf_reserve(sizeof(struct sk_rec));
+    if (!r) {
+        count(CNT_RINGBUF_OVERFLOW, 1);  /* the iterator still shows it until the socket is freed */
+        return 0;
+    }
+    __builtin_memcpy(&r->v, v, sizeof(*v));
+    read_live(sk, &r->l);
+    closes.ringbuf_submit(r, BPF_RB_NO_WAKEUP);
+    v->flags |= SK_CLOSED;
+    return 0;
+}
+
+/* Iterator over the socket storage map: one sk_rec per watched, open socket. */
+int steplens_nf_it(u64 *ctx) {
+    void *meta = (void *)ctx[0];
+    void *sk = (void *)ctx[2];
+    struct sk_val *v = (struct sk_val *)ctx[3];
+    if (!sk || !v || (v->flags & (SK_INIT | SK_SKIP | SK_CLOSED)) != SK_INIT) return 0;
+    struct sk_live l = {};
+    read_live(sk, &l);
+    void *seq = *(void **)meta;
+    bpf_seq_write(seq, v, sizeof(*v));
+    bpf_seq_write(seq, &l, sizeof(l));
+    return 0;
+}
+
+#else
+/* ---- classic build: raw tracepoints, hash map by 4-tuple, socket cache ----------------------------------- */
+
+/* net_dev_start_xmit(skb, dev): skb->data is at the MAC header, skb->len is what the device counts. */
+int steplens_nf_tx(struct bpf_raw_tracepoint_args *ctx) {
+    struct skb_fields f = {};
+    if (read_skb((void *)ctx->args[0], &f)) return 0;
+    /* forwarded or bridged packets carry no socket: only packets this host's TCP sent are TX */
+    if (!f.sk || !dev_wanted((void *)ctx->args[1])) return 0;
     u64 skp = (u64)f.sk;
     struct conn_key *known = socks.lookup(&skp);
     if (known) {  /* a socket that sent or received before: no header parse */
         struct conn_key k = *known;
-        account(&k, DIR_TX, f.len);
+        account(&k, DIR_TX, f.len, f.tstamp);
         return 0;
     }
     /* SYNs, SYN-ACKs (skb->sk is then a request sock), RSTs, and sockets older than the agent that have not
        sent since: parse the headers */
-    u32 saddr, daddr; u16 sport, dport;
-    if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
-    struct conn_key k = {.laddr = saddr, .raddr = daddr, .lport = sport, .rport = dport};
-    account(&k, DIR_TX, f.len);
+    account_parsed(&f, DIR_TX, f.len);
     return 0;
 }
 
-/* netif_receive_skb(skb): MAC header already pulled; add it back so bytes match rx_bytes. */
-int steplens_nf_rx(PKT_ARGS) {
-    struct skb_fields f = {};
-    if (read_skb(PKT_ARG(0), &f)) return 0;
-    if (!f.dev || !dev_wanted(f.dev)) return 0;
-    u32 saddr, daddr; u16 sport, dport;
-    if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
-    u64 wire = f.len;
-    unsigned char *mac = f.head + f.mh;
-    if (f.mh != 0xffff && f.data >= mac && f.data - mac <= 64) wire += f.data - mac;
-    struct conn_key k = {.laddr = daddr, .raddr = saddr, .lport = dport, .rport = sport};
-    account(&k, DIR_RX, wire);
-    return 0;
-}
+int steplens_nf_rx(struct bpf_raw_tracepoint_args *ctx) { return rx_packet((void *)ctx->args[0]); }
 
 /* The socket's key: from the socks map, else read from struct sock (and remembered). */
 static __always_inline int sock_key(void *sk, struct conn_key *k) {
@@ -315,15 +527,11 @@ static __always_inline int sock_key(void *sk, struct conn_key *k) {
 static __always_inline void payload(void *sk, int ret, int flags, u32 dir) {
     if (ret <= 0 || (dir == DIR_RX && (flags & 2 /* MSG_PEEK */))) return;
     struct conn_key k = {};
-#if BTF_TP
-    if (sock_key_btf(sk, &k)) return;
-#else
     if (sock_key(sk, &k)) return;
-#endif
     u64 now = bpf_ktime_get_ns();
     struct conn_val *v = get_conn(&k, now);
     if (!v) return;
-    count(CNT_SOCK_EVENTS, 1);
+    v->last_ns = now;
     if (dir == DIR_TX) {
         __sync_fetch_and_add(&v->tx_payload, (u64)ret);
         /* smoothed RTT (stored << 3 by the kernel), read at most every SRTT_EVERY_NS per connection: the
@@ -343,8 +551,14 @@ static __always_inline void payload(void *sk, int ret, int flags, u32 dir) {
     }
 }
 
-int steplens_nf_snd(PKT_ARGS) { payload(PKT_ARG(0), (int)(u64)PKT_ARG(1), (int)(u64)PKT_ARG(2), DIR_TX); return 0; }
-int steplens_nf_rcv(PKT_ARGS) { payload(PKT_ARG(0), (int)(u64)PKT_ARG(1), (int)(u64)PKT_ARG(2), DIR_RX); return 0; }
+int steplens_nf_snd(struct bpf_raw_tracepoint_args *ctx) {
+    payload((void *)ctx->args[0], (int)ctx->args[1], (int)ctx->args[2], DIR_TX);
+    return 0;
+}
+int steplens_nf_rcv(struct bpf_raw_tracepoint_args *ctx) {
+    payload((void *)ctx->args[0], (int)ctx->args[1], (int)ctx->args[2], DIR_RX);
+    return 0;
+}
 
 /* tcp_retransmit_skb(sk, skb, ...) */
 int steplens_nf_rtx(struct bpf_raw_tracepoint_args *ctx) {
@@ -366,3 +580,4 @@ int steplens_nf_st(struct bpf_raw_tracepoint_args *ctx) {
     if (v) v->closed = 1;
     return 0;
 }
+#endif

@@ -2,19 +2,38 @@
 PID) and LLMPrism-style flows (bursts of one connection in one direction split by an idle gap), from
 eBPF raw tracepoints.
 
-Probes (all raw tracepoints, attached explicitly; programs named `steplens_nf_*` so `bpftool prog
-show` finds them; nothing is pinned, so the programs die with the agent's file descriptors):
-  net:net_dev_start_xmit (skb, dev)     TX wire bytes = skb->len (what the device counts), packets.
-                                        Only skbs that carry a socket (skb->sk): forwarded/bridged
-                                        packets are not this host's TCP and are not counted.
-  net:netif_receive_skb (skb)           RX wire bytes = skb->len + the already-pulled MAC header
-                                        (data - (head + mac_header), 14 on Ethernet/veth/lo).
+Two builds of netflows.bpf.c; the first is used when the kernel allows it, else the second (reason kept in
+`btf_reason`, the build in `mode`):
+
+"socket-storage" (BTF raw tracepoints, "tp_btf", agent/ebpf BtfRawTracepoint + MapIterator):
+  net:net_dev_start_xmit (skb, dev)     TX wire bytes = skb->len (what the device counts), packets and the
+                                        TX burst, kept in the sending socket's own storage
+                                        (BPF_MAP_TYPE_SK_STORAGE, reached from the typed skb->sk: no 4-tuple
+                                        hash). Burst times are the skb's departure stamp (TCP sets
+                                        skb->tstamp to its CLOCK_MONOTONIC send time), not a clock read.
+  net:netif_receive_skb (skb)           RX wire bytes = skb->len + the already-pulled MAC header, keyed by
+                                        the parsed IPv4/TCP headers in the hash map (skb->sk is not known
+                                        yet; tcp:tcp_probe, where it is, sees ACKs the socket backlog merged
+                                        into one skb: 44 of 249 ACKs on lo in one check, so not exact).
   sock:sock_send_length / sock_recv_length (sk, ret, flags)
-                                        payload bytes (ret > 0; MSG_PEEK reads skipped) and the PID
-                                        (tgid) and comm of the process that last moved bytes.
-  tcp:tcp_retransmit_skb (sk, ...)      retransmits.   srtt_us >> 3 (µs) read on the send path (per send(), not per segment).
-  sock:inet_sock_set_state (sk, old, new)  TCP_CLOSE marks the connection closed.
-Headers are parsed at skb->head + skb->network_header (valid at both hooks; at xmit skb->data
+                                        payload bytes (ret > 0; MSG_PEEK reads skipped) and the PID (tgid)
+                                        and comm of the process that last moved bytes.
+  sock:inet_sock_set_state (sk, old, new)  SYN_SENT / SYN_RECV: a new socket's storage (so its kernel counters
+                                        start at 0 for us); TCP_CLOSE: the socket's final record to a ring
+                                        buffer (`closes`).
+  iterator bpf_sk_storage_map           each step, one record per open watched socket, with the kernel's
+                                        own tcp_sock total_retrans and srtt_us read at that moment (so
+                                        retransmits and RTT cost nothing per packet).
+  Packets whose socket has no storage (request and time-wait socks: SYN-ACKs, RSTs, last ACKs; and an
+  allocation failure, counted as Event netflows_sk_storage_fallback) are counted in the hash map by their
+  headers. Sockets older than the agent get their storage at their first packet or call after the start.
+
+"raw-tracepoints" (classic raw tracepoints, probe reads at BTF offsets): every TX and RX packet in the hash
+  map by 4-tuple, with a socket cache (LRU hash, struct sock * -> key, filled at a socket's first send/recv,
+  deleted at close) so per-call hooks and TX packets of known sockets skip the header parse;
+  tcp:tcp_retransmit_skb counts retransmits; srtt is read on send() at most every 100 ms per connection.
+
+Headers are parsed at skb->head + skb->network_header (valid at both packet hooks; at xmit skb->data
 points at the Ethernet header, at netif_receive_skb at the IP header — both checked on veth and lo).
 
 Connection key: (local addr, local port, remote addr, remote port), IPv4 only. At xmit the source
@@ -26,15 +45,18 @@ on hosts where a packet crosses several devices on the receive path (a bridge in
 VLAN, tunnels) RX is counted at each receiving device: set `interfaces` to the NICs to avoid it
 (ifindexes are resolved in the agent's namespace).
 
-Counters are cumulative in the BPF hash map and never cleared from user space (FACTS: updates
-between read and clear would be lost); step() keeps the previous values and emits ConnStats deltas.
-A connection's map entry is deleted only when it is closed and did not change since the previous
-step, or idle longer than conn_idle_timeout_seconds. Flow bursts close in BPF when a packet
-arrives more than idle_gap after the previous one (ring buffer, no wake-ups, polled each step);
-bursts still open whose last packet is older than the gap are closed from user space by reading
-the map (remembered, so the later ring-buffer copy of the same burst is dropped).
-Ring-buffer reserve failures and map-insert failures are counted in a per-CPU array and reported
-as Events `netflows_ringbuf_overflow` / `netflows_map_full` (value = new failures) when they grow.
+Counters are cumulative in BPF (hash map values, socket storage) and never cleared from user space (FACTS:
+updates between read and clear would be lost); step() keeps the previous values per hash key and per socket
+(address + first-seen time) and emits ConnStats deltas per 4-tuple, summing a connection's sources. A hash
+entry is deleted only when it is closed and did not change since the previous step, or idle longer than
+conn_idle_timeout_seconds (`max_connections` bounds the hash map: RX keys and the packets above); socket
+storage dies with its socket. Flow bursts close in BPF when a packet arrives more than idle_gap after the
+previous one (ring buffer, no wake-ups, polled each step); bursts still open whose last packet is older than
+the gap, or whose socket closed, are closed from user space (remembered, so the later ring-buffer copy of the
+same burst is dropped). Ring-buffer reserve failures, map-insert failures and storage fallbacks are counted in
+a per-CPU array and reported as Events `netflows_ringbuf_overflow` / `netflows_map_full` /
+`netflows_sk_storage_fallback` (value = new failures) when they grow. Packets themselves are not counted
+there (~20 ns per packet, measured): `packets_total` sums the connections' packet deltas.
 
 Idle gap default 5 ms: gaps between DP buckets or PP micro-batches are ~10 ms to 100s of ms (the
 CPU testbed's PP sends come every ~15-30 ms), while inside one message a sender on a loaded host
@@ -45,24 +67,15 @@ LLMPrism-style analysis needs phase boundaries, not sub-ms structure, so the lar
 Flows are emitted for the TX direction only by default: the receiver's view of a burst is the
 sender's TX flow again (on one host, over lo or between namespaces, both ends are local and every
 burst would appear twice with the same src/dst, as Flow has no direction field). `rx_flows = true`
-adds receive-direction bursts, for peers that run no agent.
+adds receive-direction bursts (from the hash map), for peers that run no agent.
 
-The per-packet and per-call programs (tx, rx, send, recv) are loaded as BTF raw tracepoints ("tp_btf",
-agent/ebpf BtfRawTracepoint) when the kernel has BTF for the tracepoint: sk_buff and sock fields are then
-plain loads (the sending socket's 4-tuple too, so TX packets need no header parse) instead of
-bpf_probe_read_kernel() calls. Otherwise (or with btf_tracepoints = false) they are classic raw tracepoints,
-and a socket cache (LRU hash, struct sock * -> key, filled at a socket's first send/recv, deleted at close)
-lets the per-call hooks and TX packets of known sockets skip the struct sock reads and the header parse.
-RX packets are parsed either way (skb->sk is not set yet at netif_receive_skb). A fallback's reason is kept
-in `btf_reason`.
-
-Cost (bench/ebpf.py, 2-core VM, loopback at ~36-38 Gbit/s with 64 KiB skbs, both programs of every packet on
-the sender's CPU): 4.6 % lower throughput with the probes over 8 pairs (5.7-9.3 % in other runs of the same
-code: the VM's spread is about +-2 %; 6.7 % with classic raw tracepoints and the socket cache, 14.8 % before
-it); BPF time per run tx ~210 ns, rx ~190 ns, send() ~340 ns, recv() ~180 ns; 1.3 ms of BPF CPU per Gbit
-counted at both ends (between two hosts each end pays about half). An empty program on the same tracepoints
-costs ~80 ns per run here (with the kernel's run-time statistics on): what remains is the hash-map update, the
-clock read for bursts and, on RX, the IP header read, paid per skb.
+Cost (bench/ebpf.py, 2-core VM, loopback at ~30-37 Gbit/s with 64 KiB skbs, where both programs of every
+packet run on this host): BPF time per run tx ~120 ns (socket storage + skb stamp; ~250 ns with the hash map
+and a clock read), rx ~245 ns (header read ~65 ns + hash update ~105 ns + ~75 ns for any program here);
+1.2 ms of BPF CPU per Gbit counted at both ends (1.6-1.8 before). Throughput: 3.1 % lower over 8 ABBA
+pairs (4.6-12 % for the previous build in runs of the same week), but this VM moves +-3-4 % between runs and
+between 1 s segments of one transfer, so 2 % cannot be resolved here; bench/ebpf.py prints the separate-run,
+CPU-per-byte and in-transfer toggle figures side by side.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
@@ -91,6 +104,7 @@ OFFSETS: dict[str, tuple[str, str]] = {
     "OFF_SKB_SK": ("sk_buff", "sk"),
     "OFF_SKB_DEV": ("sk_buff", "dev"),
     "OFF_SKB_PROTOCOL": ("sk_buff", "protocol"),
+    "OFF_SKB_TSTAMP": ("sk_buff", "tstamp"),
     "OFF_DEV_IFINDEX": ("net_device", "ifindex"),
     "OFF_SKC_DADDR": ("sock_common", "skc_daddr"),
     "OFF_SKC_RCV_SADDR": ("sock_common", "skc_rcv_saddr"),
@@ -100,9 +114,10 @@ OFFSETS: dict[str, tuple[str, str]] = {
     "OFF_SKC_STATE": ("sock_common", "skc_state"),
     "OFF_SK_PROTOCOL": ("sock", "sk_protocol"),
     "OFF_TCP_SRTT_US": ("tcp_sock", "srtt_us"),
+    "OFF_TP_TOTAL_RETRANS": ("tcp_sock", "total_retrans"),
 }
 
-# function -> raw tracepoint
+# function -> raw tracepoint (classic build)
 ATTACH: dict[str, str] = {
     "steplens_nf_tx": "net_dev_start_xmit",
     "steplens_nf_rx": "netif_receive_skb",
@@ -112,7 +127,20 @@ ATTACH: dict[str, str] = {
     "steplens_nf_st": "inet_sock_set_state",
 }
 
-CNT_RINGBUF_OVERFLOW, CNT_MAP_FULL, CNT_PACKETS, CNT_SOCK_EVENTS = range(4)
+# function -> BTF raw tracepoint (BTF build; plus the iterator steplens_nf_it over the socket storage map)
+BTF_ATTACH: dict[str, str] = {
+    "steplens_nf_tx": "net_dev_start_xmit",
+    "steplens_nf_rx": "netif_receive_skb",
+    "steplens_nf_snd": "sock_send_length",
+    "steplens_nf_rcv": "sock_recv_length",
+    "steplens_nf_st": "inet_sock_set_state",
+}
+ITERATOR = ("steplens_nf_it", "bpf_sk_storage_map")
+
+CNT_RINGBUF_OVERFLOW, CNT_MAP_FULL, CNT_SK_FALLBACK = range(3)
+N_COUNTERS = 3
+# struct sk_val flags (netflows.bpf.c)
+SK_INIT, SK_SKIP, SK_BORN, SK_CLOSED = 1, 2, 4, 32
 DIR_TX, DIR_RX = 0, 1
 _FLOW_EV = struct.Struct("<IIHHII4xQQQQ")  # struct flow_ev (4 bytes of padding before start_ns)
 
@@ -144,10 +172,10 @@ class NetflowsConfig(SourceConfig):
                 raise ConfigError(f"interfaces: {name!r} is not an interface name")
 
 
-TABLES = ("conns", "ifaces", "socks", "counters", "flows")  # resolved at compile time (see ebpf.BCC_LOCK)
-
-# the per-packet and per-call programs, loaded as BTF raw tracepoints (rtx, st are rare: classic)
-BTF_HOOKS = ("steplens_nf_tx", "steplens_nf_rx", "steplens_nf_snd", "steplens_nf_rcv")
+# resolved at compile time (see ebpf.BCC_LOCK); the socket storage map `sks` is reached by fd (bcc's Python
+# has no wrapper for it)
+TABLES = ("conns", "ifaces", "socks", "counters", "flows")
+BTF_TABLES = ("conns", "ifaces", "counters", "flows", "closes", "rec_layout")
 
 
 def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False) -> str:
@@ -193,10 +221,12 @@ class NetflowsSource(Source):
         self._reset_state()
 
     def _reset_state(self) -> None:
-        self._prev: dict[tuple, tuple] = {}       # key -> (totals tuple, mono_ns of that read, changed flag)
+        self._prev: dict[tuple, tuple] = {}       # hash-map key -> (totals tuple, mono_ns of that read)
+        self._sprev: dict[tuple, tuple] = {}      # socket (id, first_ns) -> (totals tuple, mono_ns of that read)
         self._early: dict[tuple, int] = {}        # (key, dir, start_ns) closed from user space -> steps gone
         self._pending: list = []                  # Flow records from ring-buffer callbacks
-        self._counters = [0, 0, 0, 0]
+        self._closed: list = []                   # final socket records from the `closes` ring buffer
+        self._counters = [0] * N_COUNTERS
         self._steps = 0
         self.packets_total = 0                    # packets counted by the programs (bench: events/s)
 
@@ -214,44 +244,86 @@ class NetflowsSource(Source):
 
         load_bcc()
         ifindexes = self._resolve_interfaces()
-        self._btf_links = []
+        self._links: list = []
+        self._iter = None
         self.btf_reason = "disabled by config" if not self.config.btf_tracepoints else ""
         b = None
         if self.config.btf_tracepoints:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True), tables=TABLES)
+            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True), tables=BTF_TABLES)
             try:
                 with ebpf.BCC_LOCK:
-                    for fn in BTF_HOOKS:
-                        self._btf_links.append(ebpf.BtfRawTracepoint(b, fn, ATTACH[fn], fn))
-            except ebpf.EbpfUnavailable as exc:  # an older kernel or verifier: the probe-read programs
+                    for fn, tp in BTF_ATTACH.items():
+                        self._links.append(ebpf.BtfRawTracepoint(b, fn, tp, fn))
+                    self._iter = ebpf.MapIterator(b, ITERATOR[0], ITERATOR[1], ebpf.table_fd(b, "sks"), ITERATOR[0])
+                    self._links.append(self._iter)
+            except ebpf.EbpfUnavailable as exc:  # an older kernel or verifier: the classic build
                 self.btf_reason = str(exc)
-                for link in self._btf_links:
-                    link.close()
-                self._btf_links = []
+                self._close_links()
                 ebpf.cleanup(b)
                 b = None
-        if b is None:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config), tables=TABLES)
         try:
-            with ebpf.BCC_LOCK:
-                for fn, tp in ATTACH.items():
-                    if fn in BTF_HOOKS and self._btf_links:
-                        continue
-                    b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            if b is None:
+                b = ebpf.compile_program(render_program(kernel_offsets(), self.config), tables=TABLES)
+                with ebpf.BCC_LOCK:
+                    for fn, tp in ATTACH.items():
+                        b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
             if ifindexes:
                 ifaces = b[b"ifaces"]
                 for idx in ifindexes:
                     ifaces[ctypes.c_uint32(idx)] = ctypes.c_uint8(1)
             b[b"flows"].open_ring_buffer(self._on_flow)
+            if self._iter is not None:
+                self._rec_type = b[b"rec_layout"].Leaf
+                b[b"closes"].open_ring_buffer(self._on_close)
         except Exception:
-            for link in self._btf_links:
-                link.close()
-            ebpf.cleanup(b)
+            self._close_links()
+            if b is not None:
+                ebpf.cleanup(b)
             raise
         self._bpf = b
         self._conns = b[b"conns"]
         self._reset_state()
         self._start_ns = self.ctx.mono_ns()
+
+    @property
+    def mode(self) -> str:
+        """"socket-storage" (BTF build) or "raw-tracepoints" (classic build); "" when stopped."""
+        if self._bpf is None:
+            return ""
+        return "socket-storage" if self._iter is not None else "raw-tracepoints"
+
+    def pause(self) -> None:
+        """Detach the packet and per-call programs, keeping maps and state (nothing is counted meanwhile). Used
+        by bench/ebpf.py to measure the probes' cost inside one transfer."""
+        if self._bpf is None:
+            return
+        with ebpf.BCC_LOCK:
+            if self._iter is not None:
+                for link in self._links:
+                    if isinstance(link, ebpf.BtfRawTracepoint) and link.prog_fd >= 0:
+                        link.detach()
+            else:
+                for fn, tp in ATTACH.items():
+                    self._bpf.detach_raw_tracepoint(tp=tp.encode())
+
+    def resume(self) -> None:
+        """Re-attach what pause() detached."""
+        if self._bpf is None:
+            return
+        with ebpf.BCC_LOCK:
+            if self._iter is not None:
+                for link in self._links:
+                    if isinstance(link, ebpf.BtfRawTracepoint):
+                        link.attach()
+            else:
+                for fn, tp in ATTACH.items():
+                    self._bpf.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+
+    def _close_links(self) -> None:
+        for link in getattr(self, "_links", []):
+            link.close()
+        self._links = []
+        self._iter = None
 
     def _resolve_interfaces(self) -> list[int]:
         out = []
@@ -266,9 +338,7 @@ class NetflowsSource(Source):
 
     def stop(self) -> None:
         b, self._bpf = self._bpf, None
-        for link in getattr(self, "_btf_links", []):
-            link.close()
-        self._btf_links = []
+        self._close_links()
         if b is not None:
             ebpf.cleanup(b)
 
@@ -282,6 +352,9 @@ class NetflowsSource(Source):
             return  # already emitted from user space when the connection went quiet
         self._pending.append(self._flow(key, d, start, end, nbytes, packets, pid))
 
+    def _on_close(self, _cpu, data, size) -> None:
+        self._closed.append(self._rec_type.from_buffer_copy(ctypes.string_at(data, ctypes.sizeof(self._rec_type))))
+
     @staticmethod
     def _flow(key, d, start, end, nbytes, packets, pid) -> Flow:
         laddr, raddr, lport, rport = key
@@ -289,51 +362,103 @@ class NetflowsSource(Source):
             return Flow(end, start, _ip(laddr), lport, _ip(raddr), rport, nbytes, packets, pid)
         return Flow(end, start, _ip(raddr), rport, _ip(laddr), lport, nbytes, packets, pid)
 
+    @staticmethod
+    def sock_totals(r) -> tuple:
+        """Cumulative (tx_bytes, rx_bytes, tx_packets, rx_packets, tx_payload, rx_payload, retransmits) of one
+        socket record (struct sk_rec): RX packets are in the hash map (by headers), never here."""
+        v = r.v
+        retrans = (r.l.retrans_now - v.base_retrans) & 0xFFFFFFFF
+        return (v.tx_bytes, 0, v.tx_packets, 0, v.tx_payload, v.rx_payload, retrans)
+
+    def _read_socks(self) -> list:
+        """Open sockets' records, by the map iterator."""
+        raw = self._iter.read()
+        size = ctypes.sizeof(self._rec_type)
+        return [self._rec_type.from_buffer_copy(raw, i) for i in range(0, len(raw) - size + 1, size)]
+
     def step(self) -> list:
         b = self._bpf
         if b is None:
             return []
         self._steps += 1
-        b.ring_buffer_consume()
+        b.ring_buffer_consume()  # flows, and (socket storage) the final records of sockets that closed
         out: list = self._pending
         self._pending = []
         now = self.ctx.mono_ns()
         self._check_counters(b, now, out)
         gap_ns = int(round(self.config.idle_gap_seconds * 1e9))
         idle_ns = int(self.config.conn_idle_timeout_seconds * 1e9)
+        dirs = (DIR_TX, DIR_RX) if self.config.rx_flows else (DIR_TX,)
+        acc: dict[tuple, list] = {}  # key -> [deltas, since, srtt_us, pid, comm] summed over its sources
         seen = set()
         pids: dict[tuple, int] = {}  # (src, sport, dst, dport) of TX flows -> PID (RX flows stay 0)
-        starts: dict[tuple, int] = {}  # (key, dir) -> start of the burst open in the map
+        starts: dict[tuple, int] = {}  # (key, dir) -> start of the burst open in BPF
+        quiet: list = []  # (key, dir, start, last, bytes, packets, pid) of open bursts
+
+        def add(key, totals, prev, first_ns, srtt, pid, comm) -> tuple:
+            if prev is None:
+                base, since = (0,) * 7, max(first_ns, self._start_ns)
+            else:
+                base, since = prev
+            d = [max(0, a - b_) for a, b_ in zip(totals, base)]
+            totals = tuple(max(a, b_) for a, b_ in zip(totals, base))  # never backwards
+            slot = acc.get(key)
+            if slot is None:
+                acc[key] = [d, since, srtt, pid, comm]
+            else:
+                slot[0] = [x + y for x, y in zip(slot[0], d)]
+                slot[1] = min(slot[1], since)
+                slot[2] = srtt or slot[2]
+                if pid:
+                    slot[3], slot[4] = pid, comm
+            changed = any(d)
+            return totals, (now if changed or prev is None else since), changed
+
+        if self._iter is not None:
+            closed, self._closed = self._closed, []
+            live = self._read_socks()
+            alive = set()
+            for r, is_closed in [(r, True) for r in closed] + [(r, False) for r in live]:
+                v = r.v
+                sid = (v.id, v.first_ns)
+                k = v.key
+                key = (k.laddr, k.raddr, k.lport, k.rport)
+                comm = bytes(v.comm).split(b"\0", 1)[0].decode("utf-8", "replace")
+                totals, since, _ = add(key, self.sock_totals(r), self._sprev.get(sid), v.first_ns, r.l.srtt_us,
+                                       v.pid, comm)
+                if v.pid:
+                    pids[(_ip(k.laddr), k.lport, _ip(k.raddr), k.rport)] = v.pid
+                for d_ in dirs:  # (sockets keep TX bursts only)
+                    if d_ == DIR_TX:
+                        starts[(key, d_)] = v.b.start[d_]
+                        quiet.append((key, d_, v.b.start[d_], v.b.last[d_], v.tx_bytes - v.b.base_bytes[d_],
+                                      v.tx_packets - v.b.base_packets[d_], v.pid, is_closed))
+                seen.add(key)
+                if is_closed:
+                    self._sprev.pop(sid, None)
+                else:
+                    self._sprev[sid] = (totals, since)
+                    alive.add(sid)
+            for sid in [sid for sid in self._sprev if sid not in alive]:
+                del self._sprev[sid]  # freed without a final record we got (counted as ring-buffer overflow)
+
         to_delete = []
         for k, v in self._read_conns():
             key = (k.laddr, k.raddr, k.lport, k.rport)
             seen.add(key)
             if v.pid:
-                pids[(_ip(k.laddr), k.lport, _ip(k.raddr), k.rport)] = v.pid
+                pids.setdefault((_ip(k.laddr), k.lport, _ip(k.raddr), k.rport), v.pid)
             totals = (v.tx_bytes, v.rx_bytes, v.tx_packets, v.rx_packets, v.tx_payload, v.rx_payload,
                       v.retransmits)
             prev = self._prev.get(key)
-            if prev is None:
-                base, since = (0,) * 7, max(v.first_ns, self._start_ns)
-            else:
-                base, since = prev[0], prev[1]
-            changed = totals != base
-            if changed:
-                d = [a - b_ for a, b_ in zip(totals, base)]
-                out.append(ConnStats(now, since, _ip(k.laddr), k.lport, _ip(k.raddr), k.rport,
-                                     tx_bytes=d[0], rx_bytes=d[1], tx_packets=d[2], rx_packets=d[3],
-                                     tx_payload_bytes=d[4], rx_payload_bytes=d[5], retransmits=d[6],
-                                     srtt_us=v.srtt_us, pid=v.pid,
-                                     comm=bytes(v.comm).split(b"\0", 1)[0].decode("utf-8", "replace")))
-            self._prev[key] = (totals, now if changed or prev is None else prev[1])
-            # bursts that went quiet: close them here so a flow ends even if no packet follows
-            for d_ in ((DIR_TX, DIR_RX) if self.config.rx_flows else (DIR_TX,)):
-                last, nbytes = v.b_last[d_], v.b_bytes[d_]
-                start = v.b_start[d_]
-                starts[(key, d_)] = start
-                if last and nbytes and now - last > gap_ns and (key, d_, start) not in self._early:
-                    self._early[(key, d_, start)] = 0
-                    out.append(self._flow(key, d_, start, last, nbytes, v.b_packets[d_], v.pid))
+            comm = bytes(v.comm).split(b"\0", 1)[0].decode("utf-8", "replace")
+            totals, since, changed = add(key, totals, prev, v.first_ns, v.srtt_us, v.pid, comm)
+            self._prev[key] = (totals, since)
+            for d_ in dirs:
+                starts.setdefault((key, d_), v.b.start[d_])
+                cb, cp = (v.tx_bytes, v.tx_packets) if d_ == DIR_TX else (v.rx_bytes, v.rx_packets)
+                quiet.append((key, d_, v.b.start[d_], v.b.last[d_], cb - v.b.base_bytes[d_],
+                              cp - v.b.base_packets[d_], v.pid, False))
             if (v.closed and not changed and prev is not None) or (now - v.last_ns > idle_ns):
                 to_delete.append(k)
         for k in to_delete:
@@ -341,18 +466,32 @@ class NetflowsSource(Source):
                 del self._conns[k]
             except KeyError:
                 pass
-            key = (k.laddr, k.raddr, k.lport, k.rport)
-            self._prev.pop(key, None)
-            seen.discard(key)
+            self._prev.pop((k.laddr, k.raddr, k.lport, k.rport), None)
         for key in [key for key in self._prev if key not in seen]:
             del self._prev[key]
+
+        for key, (d, since, srtt, pid, comm) in acc.items():
+            self.packets_total += d[2] + d[3]
+            if any(d):
+                laddr, raddr, lport, rport = key
+                out.append(ConnStats(now, since, _ip(laddr), lport, _ip(raddr), rport,
+                                     tx_bytes=d[0], rx_bytes=d[1], tx_packets=d[2], rx_packets=d[3],
+                                     tx_payload_bytes=d[4], rx_payload_bytes=d[5], retransmits=d[6],
+                                     srtt_us=srtt, pid=pid, comm=comm))
+        # bursts that went quiet (or whose socket closed): close them here so a flow ends even if no packet
+        # follows; remembered, so the ring-buffer copy BPF submits on the next packet is dropped
+        for key, d_, start, last, nbytes, packets, pid, final in quiet:
+            if last and nbytes and (final or now - last > gap_ns) and (key, d_, start) not in self._early:
+                if not final:
+                    self._early[(key, d_, start)] = 0
+                out.append(self._flow(key, d_, start, last, nbytes, packets, pid))
         # a burst closed in BPF before the first send() returned carries no PID yet: take the connection's
         for f in out:
             if isinstance(f, Flow) and f.pid == 0:
                 f.pid = pids.get((f.src, f.sport, f.dst, f.dport), 0)
         # Forget an early-closed burst once BPF has moved on from it (its ring-buffer copy, if any, was
         # submitted before the new burst started, so it is consumed by the next step or two), or when
-        # the connection is gone. While the map still shows that burst open, keep it: the copy comes
+        # the connection is gone. While BPF still shows that burst open, keep it: the copy comes
         # whenever the connection next sends, however long it stays quiet.
         early = {}
         for (key, d_, start), misses in self._early.items():
@@ -375,13 +514,15 @@ class NetflowsSource(Source):
     def _check_counters(self, b, now: int, out: list) -> None:
         table = b[b"counters"]
         vals = []
-        for i in range(4):
+        for i in range(N_COUNTERS):
             per_cpu = table[ctypes.c_int(i)]
             vals.append(sum(int(x) for x in per_cpu))
-        for idx, kind in ((CNT_RINGBUF_OVERFLOW, "netflows_ringbuf_overflow"), (CNT_MAP_FULL, "netflows_map_full")):
+        whats = {CNT_RINGBUF_OVERFLOW: ("netflows_ringbuf_overflow", "flow or close ring buffer full"),
+                 CNT_MAP_FULL: ("netflows_map_full", "connection map full"),
+                 CNT_SK_FALLBACK: ("netflows_sk_storage_fallback",
+                                   "no socket storage for a socket: counted in the connection map instead")}
+        for idx, (kind, what) in whats.items():
             grown = vals[idx] - self._counters[idx]
             if grown > 0:
-                what = "flow ring buffer full" if idx == CNT_RINGBUF_OVERFLOW else "connection map full"
                 out.append(Event(now, kind, "", f"{grown} new ({vals[idx]} total): {what}", float(grown)))
         self._counters = vals
-        self.packets_total = vals[CNT_PACKETS]
