@@ -440,3 +440,63 @@ def test_socket_totals_from_a_record():
     rec = NS(v=NS(tx_bytes=5000, tx_packets=4, tx_payload=4800, rx_payload=300, base_retrans=0xFFFFFFFE),
              l=NS(retrans_now=3, srtt_us=120))
     assert NetflowsSource.sock_totals(rec) == (5000, 0, 4, 0, 4800, 300, 5)
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_rx_slot_takeovers_lose_and_double_nothing(monkeypatch):
+    """With 2 RX slots per CPU and a 10 ms stale time, 12 connections keep colliding and taking slots over
+    (a slot's counts move to the hash map at each takeover). On lo every packet is counted at both ends, so
+    each connection's RX at one end must equal its peer's TX, packet for packet and byte for byte, at every
+    point where both are read together, and at the end."""
+    import socket
+
+    from steplens.agent.sources import netflows
+    monkeypatch.setattr(netflows, "RX_SLOTS", 2)
+    monkeypatch.setattr(netflows, "RX_SLOT_STALE_SECONDS", 0.01)
+    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True))
+    src.start()
+    records = []
+    try:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(16)
+        port = srv.getsockname()[1]
+        pairs = []
+        for i in range(12):
+            cl = socket.create_connection(("127.0.0.1", port))
+            sv, _ = srv.accept()
+            pairs.append((cl, sv))
+        for round_ in range(3):
+            for i, (cl, sv) in enumerate(pairs):
+                cl.sendall(bytes([65 + i]) * (20_000 + 1000 * i))
+                got = 0
+                while got < 20_000 + 1000 * i:
+                    got += len(sv.recv(1 << 20))
+                sv.sendall(b"r" * 500)
+                assert len(cl.recv(1 << 20)) > 0
+                time.sleep(0.012)  # past the stale time: the next connection may take this one's slot
+            records += src.step()
+        for cl, sv in pairs:
+            cl.close()
+            sv.close()
+        srv.close()
+        time.sleep(0.05)
+        records += src.step()
+        records += src.step()
+    finally:
+        src.stop()
+    conns = [r for r in records if isinstance(r, ConnStats) and port in (r.sport, r.dport)]
+    totals: dict = {}
+    for c in conns:
+        t = totals.setdefault((c.src, c.sport, c.dst, c.dport), [0, 0, 0, 0])
+        t[0] += c.tx_bytes
+        t[1] += c.rx_bytes
+        t[2] += c.tx_packets
+        t[3] += c.rx_packets
+    ends = [k for k in totals if k[3] == port]  # client ends
+    assert len(ends) == 12, sorted(totals)
+    for src_, sport, dst, dport in ends:
+        mine, theirs = totals[(src_, sport, dst, dport)], totals[(dst, dport, src_, sport)]
+        assert (mine[1], mine[3]) == (theirs[0], theirs[2]), (sport, mine, theirs)  # my RX = its TX
+        assert (theirs[1], theirs[3]) == (mine[0], mine[2]), (sport, mine, theirs)

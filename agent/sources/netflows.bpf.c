@@ -14,7 +14,7 @@
  *   0: classic raw tracepoints: a hash map keyed by the 4-tuple, parsed from headers or struct sock, with a
  *      socket cache (kernels without BTF raw tracepoints or socket storage for tracing).
  * Packets whose socket has no storage (request and time-wait socks: SYN-ACKs, RSTs; storage allocation
- * failures) are counted in the hash map in both builds.
+ * failures) are counted in the hash map in both builds. RX packets go to per-CPU slots first (rx_slot).
  * All programs are named steplens_nf_* (<= 15 chars, the kernel's program-name limit) so `bpftool prog show`
  * can find them.
  */
@@ -47,6 +47,8 @@
 #define FILTER_IFACES {{FILTER_IFACES}}
 #define INCLUDE_LOOPBACK {{INCLUDE_LOOPBACK}}
 #define FLOW_RX {{FLOW_RX}}
+#define RX_SLOTS {{RX_SLOTS}}  /* per CPU, a power of two; 0: no RX slots */
+#define RX_SLOT_STALE_JIFFIES {{RX_SLOT_STALE_JIFFIES}}
 #define BTF_TP {{BTF_TP}}  /* 1: the packet hooks are BTF raw tracepoints (typed args, plain loads) */
 #define SRTT_EVERY_NS 100000000ULL  /* 100 ms */
 
@@ -97,6 +99,23 @@ BPF_HASH(ifaces, u32, u8, 64);
 BPF_TABLE("lru_hash", u64, struct conn_key, socks, MAX_CONNECTIONS);
 #endif
 BPF_PERCPU_ARRAY(counters, u64, N_COUNTERS);
+
+/* RX fast path: per-CPU direct-mapped slots, one connection each (slot = hash of the key). A packet of the
+   slot's connection is two plain adds (this CPU only, and the RX hook does not nest on a CPU) instead of a
+   hash-map update (measured ~65 ns less per packet). A packet whose slot holds another, active connection
+   goes to the hash map. A slot idle for RX_SLOT_STALE_JIFFIES is taken over: its counts are first added to
+   the hash map entry of its connection. Slots are cumulative and only BPF writes them; a takeover runs
+   between seq_a and seq_b (seq_a odd meanwhile), so user space, which reads the hash map first and then the
+   slots, skipping any with seq_a != seq_b, may miss a takeover's counts for one step but never counts them
+   twice. Not used with rx_flows (bursts live in the hash map). */
+struct rx_slot {
+    u64 seq_a;
+    struct conn_key key;
+    u32 used;
+    u64 bytes, packets, last_jiffies;
+    u64 seq_b;
+};
+BPF_PERCPU_ARRAY(rxslots, struct rx_slot, RX_SLOTS);
 BPF_RINGBUF_OUTPUT(flows, RINGBUF_PAGES);
 
 static __always_inline void count(u32 idx, u64 n) {
@@ -290,6 +309,50 @@ static __always_inline void account_parsed(struct skb_fields *f, u32 dir, u64 le
     account(&k, dir, len, dir == DIR_TX ? f->tstamp : 0);  /* RX stamps, if any, are CLOCK_REALTIME */
 }
 
+static __always_inline int same_key(struct conn_key *a, struct conn_key *b) {
+    return a->laddr == b->laddr && a->raddr == b->raddr && a->lport == b->lport && a->rport == b->rport;
+}
+
+static __always_inline void rx_slot_account(struct conn_key *k, u64 wire) {
+    u32 h = k->laddr ^ (k->raddr * 0x9E3779B1u) ^ ((((u32)k->lport << 16) | k->rport) * 0x85EBCA6Bu);
+    u32 idx = (h ^ (h >> 15)) & (RX_SLOTS - 1);
+    struct rx_slot *s = rxslots.lookup(&idx);
+    if (!s) {
+        account(k, DIR_RX, wire, 0);
+        return;
+    }
+    u64 now = bpf_jiffies64();
+    if (s->used && same_key(&s->key, k)) {
+        s->bytes += wire;
+        s->packets += 1;
+        s->last_jiffies = now;
+        return;
+    }
+    if (s->used && now - s->last_jiffies < RX_SLOT_STALE_JIFFIES) {
+        account(k, DIR_RX, wire, 0);  /* another connection is using this slot */
+        return;
+    }
+    s->seq_a += 1;  /* odd: user space skips the slot until seq_b matches */
+    asm volatile("" ::: "memory");
+    if (s->used && (s->bytes || s->packets)) {  /* hand the idle connection's counts to the hash map */
+        struct conn_key old = s->key;
+        struct conn_val *v = conns.lookup(&old);
+        if (!v) v = get_conn(&old, bpf_ktime_get_ns());
+        if (v) {
+            __sync_fetch_and_add(&v->rx_bytes, s->bytes);
+            __sync_fetch_and_add(&v->rx_packets, s->packets);
+        }  /* (map full: counted as such, and these counts are lost) */
+    }
+    s->key = *k;
+    s->bytes = wire;
+    s->packets = 1;
+    s->last_jiffies = now;
+    s->used = 1;
+    s->seq_a += 1;
+    asm volatile("" ::: "memory");
+    s->seq_b = s->seq_a;
+}
+
 /* netif_receive_skb(skb), both builds: the MAC header is already pulled; add it back so bytes match the
    device's rx_bytes. Keyed by the packet's headers (skb->sk is not set yet). */
 static __always_inline int rx_packet(void *skb) {
@@ -299,7 +362,14 @@ static __always_inline int rx_packet(void *skb) {
     u64 wire = f.len;
     unsigned char *mac = f.head + f.mh;
     if (f.mh != 0xffff && f.data >= mac && f.data - mac <= 64) wire += f.data - mac;
-    account_parsed(&f, DIR_RX, wire);
+    if (FLOW_RX || RX_SLOTS == 0) {
+        account_parsed(&f, DIR_RX, wire);
+        return 0;
+    }
+    u32 saddr, daddr; u16 sport, dport;
+    if (parse(&f, &saddr, &daddr, &sport, &dport)) return 0;
+    struct conn_key k = {.laddr = daddr, .raddr = saddr, .lport = dport, .rport = sport};
+    rx_slot_account(&k, wire);
     return 0;
 }
 
@@ -447,6 +517,11 @@ int steplens_nf_st(u64 *ctx) {
         return 0;
     }
     if (newstate != 7 /* TCP_CLOSE */) return 0;
+    struct conn_key k = {};
+    if (sock_key_btf(sk, &k) == 0) {  /* its RX (and slow-path) entry in the hash map: deleted once quiet */
+        struct conn_val *c = conns.lookup(&k);
+        if (c) c->closed = 1;
+    }
     struct sk_val *v = sks.sk_storage_get(sk, 0, 0);
     if (!v || (v->flags & (SK_INIT | SK_SKIP | SK_CLOSED)) != SK_INIT) return 0;
     struct sk_rec *r = closes.ringbuf_reserve(sizeof(struct sk_rec));

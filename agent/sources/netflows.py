@@ -69,13 +69,20 @@ sender's TX flow again (on one host, over lo or between namespaces, both ends ar
 burst would appear twice with the same src/dst, as Flow has no direction field). `rx_flows = true`
 adds receive-direction bursts (from the hash map), for peers that run no agent.
 
+RX fast path (both builds, without rx_flows): per-CPU direct-mapped slots, one connection each, two plain
+adds per packet instead of a hash-map update (~65 ns less per packet, measured); a packet whose slot holds
+another connection active in the last 2 s goes to the hash map; an idler slot is taken over after its counts
+are added to the hash map (seqlock-style, so user space, reading the map first and the slots second, can miss
+a move for one step but never counts it twice; tests/test_source_netflows.py checks RX = the peer's TX
+exactly through constant takeovers). A key's totals are its hash entry plus its slots.
+
 Cost (bench/ebpf.py, 2-core VM, loopback at ~30-37 Gbit/s with 64 KiB skbs, where both programs of every
-packet run on this host): BPF time per run tx ~120 ns (socket storage + skb stamp; ~250 ns with the hash map
-and a clock read), rx ~245 ns (header read ~65 ns + hash update ~105 ns + ~75 ns for any program here);
-1.2 ms of BPF CPU per Gbit counted at both ends (1.6-1.8 before). Throughput: 3.1 % lower over 8 ABBA
-pairs (4.6-12 % for the previous build in runs of the same week), but this VM moves +-3-4 % between runs and
-between 1 s segments of one transfer, so 2 % cannot be resolved here; bench/ebpf.py prints the separate-run,
-CPU-per-byte and in-transfer toggle figures side by side.
+packet run on this host): BPF time per run tx ~125 ns (socket storage + skb stamp; 250-320 ns with the hash
+map and a clock read), rx ~185 ns (header read ~65 ns, slot ~40 ns, ~75 ns for any program here; 240-285 ns
+with the hash map); 1.06 ms of BPF CPU per Gbit counted at both ends (1.6-2.0 before). Throughput with the
+probes: 3.1 % and 4.1 % lower in two runs of 8 and 12 ABBA pairs (the previous build: 4.6-12 % in runs of the
+same week), but this VM moves +-3-4 % between runs and between 1 s segments of one transfer, so 2 % cannot be
+resolved here; bench/ebpf.py prints the separate-run, CPU-per-byte and in-transfer toggle figures side by side.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
@@ -174,12 +181,12 @@ class NetflowsConfig(SourceConfig):
 
 # resolved at compile time (see ebpf.BCC_LOCK); the socket storage map `sks` is reached by fd (bcc's Python
 # has no wrapper for it)
-TABLES = ("conns", "ifaces", "socks", "counters", "flows")
-BTF_TABLES = ("conns", "ifaces", "counters", "flows", "closes", "rec_layout")
+TABLES = ("conns", "ifaces", "socks", "counters", "flows", "rxslots")
+BTF_TABLES = ("conns", "ifaces", "counters", "flows", "closes", "rec_layout", "rxslots")
 
 
-def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False) -> str:
-    """The BPF C text for these BTF offsets (keys of OFFSETS) and config; pure."""
+def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False, hz: int = 250) -> str:
+    """The BPF C text for these BTF offsets (keys of OFFSETS), config and kernel HZ; pure."""
     with open(BPF_FILE) as fh:
         template = fh.read()
     from steplens.agent.ebpf import render
@@ -196,8 +203,30 @@ def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool
         INCLUDE_LOOPBACK=1 if config.include_loopback else 0,
         FLOW_RX=1 if config.rx_flows else 0,
         BTF_TP=1 if btf_tp else 0,
+        RX_SLOTS=RX_SLOTS,
+        RX_SLOT_STALE_JIFFIES=max(1, int(RX_SLOT_STALE_SECONDS * hz)),
     )
     return render(template, **values)
+
+
+RX_SLOTS = 256              # per-CPU RX slots (see netflows.bpf.c)
+RX_SLOT_STALE_SECONDS = 2.0  # a slot idle this long may be taken over by another connection
+
+
+def _jiffies_hz() -> int:
+    """The kernel's HZ (jiffies per second): /proc/timer_list's jiffies rate is not exported, so take it from
+    the kernel config when readable, else 250 (a stale threshold only needs the order of magnitude)."""
+    import gzip
+    for path in ("/proc/config.gz", f"/boot/config-{os.uname().release}"):
+        try:
+            opener = gzip.open if path.endswith(".gz") else open
+            with opener(path, "rt") as fh:
+                for line in fh:
+                    if line.startswith("CONFIG_HZ="):
+                        return int(line.split("=", 1)[1])
+        except (OSError, ValueError):
+            continue
+    return 250
 
 
 def kernel_offsets() -> dict[str, int]:
@@ -227,6 +256,7 @@ class NetflowsSource(Source):
         self._pending: list = []                  # Flow records from ring-buffer callbacks
         self._closed: list = []                   # final socket records from the `closes` ring buffer
         self._counters = [0] * N_COUNTERS
+        self._last_step_ns = 0
         self._steps = 0
         self.packets_total = 0                    # packets counted by the programs (bench: events/s)
 
@@ -249,7 +279,7 @@ class NetflowsSource(Source):
         self.btf_reason = "disabled by config" if not self.config.btf_tracepoints else ""
         b = None
         if self.config.btf_tracepoints:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True), tables=BTF_TABLES)
+            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True, hz=_jiffies_hz()), tables=BTF_TABLES)
             try:
                 with ebpf.BCC_LOCK:
                     for fn, tp in BTF_ATTACH.items():
@@ -263,7 +293,7 @@ class NetflowsSource(Source):
                 b = None
         try:
             if b is None:
-                b = ebpf.compile_program(render_program(kernel_offsets(), self.config), tables=TABLES)
+                b = ebpf.compile_program(render_program(kernel_offsets(), self.config, hz=_jiffies_hz()), tables=TABLES)
                 with ebpf.BCC_LOCK:
                     for fn, tp in ATTACH.items():
                         b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
@@ -381,6 +411,7 @@ class NetflowsSource(Source):
         if b is None:
             return []
         self._steps += 1
+        last_step, self._last_step_ns = self._last_step_ns, self.ctx.mono_ns()
         b.ring_buffer_consume()  # flows, and (socket storage) the final records of sockets that closed
         out: list = self._pending
         self._pending = []
@@ -442,15 +473,26 @@ class NetflowsSource(Source):
             for sid in [sid for sid in self._sprev if sid not in alive]:
                 del self._sprev[sid]  # freed without a final record we got (counted as ring-buffer overflow)
 
+        # hash map first, then the RX slots (see rx_slot in netflows.bpf.c: a count moving from a slot to the
+        # hash map between the two reads is missed for one step, never counted twice); a key's totals are
+        # its hash entry plus its slots, so a move between them is no change
+        entries = {(k.laddr, k.raddr, k.lport, k.rport): (k, v) for k, v in self._read_conns()}
+        slots = self._read_rx_slots()
         to_delete = []
-        for k, v in self._read_conns():
-            key = (k.laddr, k.raddr, k.lport, k.rport)
+        for key in set(entries) | set(slots):
+            k, v = entries.get(key, (None, None))
+            sb, sp = slots.get(key, (0, 0))
             seen.add(key)
+            prev = self._prev.get(key)
+            if v is None:
+                totals = (0, sb, 0, sp, 0, 0, 0)
+                totals, since, changed = add(key, totals, prev, last_step, 0, 0, "")
+                self._prev[key] = (totals, since)
+                continue
             if v.pid:
                 pids.setdefault((_ip(k.laddr), k.lport, _ip(k.raddr), k.rport), v.pid)
-            totals = (v.tx_bytes, v.rx_bytes, v.tx_packets, v.rx_packets, v.tx_payload, v.rx_payload,
+            totals = (v.tx_bytes, v.rx_bytes + sb, v.tx_packets, v.rx_packets + sp, v.tx_payload, v.rx_payload,
                       v.retransmits)
-            prev = self._prev.get(key)
             comm = bytes(v.comm).split(b"\0", 1)[0].decode("utf-8", "replace")
             totals, since, changed = add(key, totals, prev, v.first_ns, v.srtt_us, v.pid, comm)
             self._prev[key] = (totals, since)
@@ -459,14 +501,23 @@ class NetflowsSource(Source):
                 cb, cp = (v.tx_bytes, v.tx_packets) if d_ == DIR_TX else (v.rx_bytes, v.rx_packets)
                 quiet.append((key, d_, v.b.start[d_], v.b.last[d_], cb - v.b.base_bytes[d_],
                               cp - v.b.base_packets[d_], v.pid, False))
-            if (v.closed and not changed and prev is not None) or (now - v.last_ns > idle_ns):
-                to_delete.append(k)
-        for k in to_delete:
+            # closed and quiet since the last step, or unchanged for the idle timeout (judged here: RX packets
+            # keep no time in BPF)
+            quiet_for = now - since if not changed else 0
+            if prev is not None and not changed and not sb and (v.closed or quiet_for > idle_ns):
+                to_delete.append((k, v))
+        for k, v in to_delete:
             try:
                 del self._conns[k]
             except KeyError:
                 pass
-            self._prev.pop((k.laddr, k.raddr, k.lport, k.rport), None)
+            key = (k.laddr, k.raddr, k.lport, k.rport)
+            sb, sp = slots.get(key, (0, 0))
+            if sb or sp:  # slots still hold part of it: keep that part as the baseline
+                (tot, since) = self._prev[key]
+                self._prev[key] = ((0, sb, 0, sp, 0, 0, 0), since)
+            else:
+                self._prev.pop(key, None)
         for key in [key for key in self._prev if key not in seen]:
             del self._prev[key]
 
@@ -502,6 +553,24 @@ class NetflowsSource(Source):
             if misses < 3:
                 early[(key, d_, start)] = misses
         self._early = early
+        return out
+
+    def _read_rx_slots(self) -> dict[tuple, tuple[int, int]]:
+        """key -> (RX bytes, RX packets) held in the per-CPU RX slots, summed over CPUs; a slot being taken over
+        (seq_a odd or != seq_b) is skipped this step."""
+        out: dict[tuple, tuple[int, int]] = {}
+        table = self._bpf[b"rxslots"]
+        try:
+            items = list(table.items_lookup_batch())
+        except Exception:  # kernels without batch ops
+            items = list(table.items())
+        for _idx, per_cpu in items:
+            for sl in per_cpu:
+                if not sl.used or sl.seq_a != sl.seq_b or sl.seq_a & 1:
+                    continue
+                key = (sl.key.laddr, sl.key.raddr, sl.key.lport, sl.key.rport)
+                b0, p0 = out.get(key, (0, 0))
+                out[key] = (b0 + sl.bytes, p0 + sl.packets)
         return out
 
     def _read_conns(self):
