@@ -264,12 +264,18 @@ def main() -> int:
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
     cpb0, cpb1 = statistics.median(cpb_without), statistics.median(cpb_with)
+    # pairwise: each "with" run against the "without" run next to it (ABBA keeps them adjacent)
+    per_pair = [100.0 * (a - b) / a for a, b in zip(without, with_)]
+    pair_mean = statistics.mean(per_pair)
+    pair_sem = statistics.stdev(per_pair) / len(per_pair) ** 0.5 if len(per_pair) > 1 else float("nan")
     cpu_cost = 100.0 * (cpb1 - cpb0) / cpb0
     gbit = with_bytes * 8 / 1e9
     result = {
         "throughput_gbit_s_without": round(med_without, 3),
         "throughput_gbit_s_with": round(med_with, 3),
         "slowdown_percent": round(slowdown, 2),
+        "slowdown_pair_mean_percent": round(pair_mean, 2),
+        "slowdown_pair_sem_percent": round(pair_sem, 2),
         "cpu_ns_per_byte_without": round(cpb0, 5),
         "cpu_ns_per_byte_with": round(cpb1, 5),
         "cpu_per_byte_increase_percent": round(cpu_cost, 2),
@@ -287,7 +293,8 @@ def main() -> int:
         "bpf_cpu_ms_per_gbit": round(bpf_ms_per_gbit, 3),
     }
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
-    print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2)")
+    print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2); "
+          f"per adjacent pair {pair_mean:.2f} % +- {pair_sem:.2f} (mean +- s.e.)")
     print(f"toggled in one transfer    {tog['gbit_s_without']:8.2f} Gbit/s off, {tog['gbit_s_with']:.2f} on: "
           f"slowdown {tog['slowdown_percent']:.2f} % +- {tog['sem_percent']:.2f} (mean +- s.e. of {tog['pairs']} "
           f"adjacent pairs of {args.segment} s; median {tog['median_percent']:.2f} %)")

@@ -55,6 +55,29 @@ def test_render_program_fills_every_placeholder():
     assert "RAW_TRACEPOINT_PROBE" not in text and "TRACEPOINT_PROBE(" not in text
     for fn in re.findall(r"^int (\w+)\(", text, re.M):
         assert fn.startswith("steplens_nf_") and len(fn) <= 15, fn
+    assert "#define RX_SLOTS 256" in text and "#define RX_SLOT_STALE_JIFFIES 500" in text  # 2 s at HZ 250
+    assert "#define RDONLY_CAST 0" in text  # the classic build reads headers with probe reads
+    btf = render_program(offsets, cfg, btf_tp=True, hz=1000, header_btf_ids=(11, 12))
+    assert "#define BTF_TP 1" in btf and "#define RDONLY_CAST 1" in btf and "#define IPHDR_BTF_ID 11" in btf
+    assert "#define TCPHDR_BTF_ID 12" in btf and "#define RX_SLOT_STALE_JIFFIES 2000" in btf
+    assert "#define RDONLY_CAST 0" in render_program(offsets, cfg, btf_tp=True)  # kernel without the kfunc
+
+
+def test_kfunc_placeholder_calls_are_rewritten(monkeypatch):
+    """bcc cannot emit kfunc calls: a call of a placeholder helper number becomes a kfunc call (src_reg 2, the
+    kfunc's BTF id); other calls are left alone; a kfunc the kernel lacks is an error that says which."""
+    from steplens.agent import ebpf
+
+    monkeypatch.setattr(ebpf, "btf_func_id", lambda name: {"bpf_rdonly_cast": 4242}.get(name))
+    call = lambda imm: bytes([0x85, 0x00, 0, 0]) + imm.to_bytes(4, "little")  # noqa: E731
+    mov = bytes([0xB7, 0x01, 0, 0, 7, 0, 0, 0])  # r1 = 7
+    code = bytearray(mov + call(0x7FF0) + call(6) + call(0x7FF0))
+    assert ebpf.patch_kfunc_calls(code) == 2
+    assert code[8:16] == bytes([0x85, 0x20, 0, 0]) + (4242).to_bytes(4, "little")
+    assert code[16:24] == call(6) and code[:8] == mov and code[24:32] == code[8:16]
+    monkeypatch.setattr(ebpf, "btf_func_id", lambda name: None)
+    with pytest.raises(ebpf.EbpfUnavailable, match="no kfunc bpf_rdonly_cast"):
+        ebpf.patch_kfunc_calls(bytearray(call(0x7FF0)))
 
 
 def test_config_defaults_and_validation():

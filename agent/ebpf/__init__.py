@@ -224,9 +224,38 @@ def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
 
+# Kernel functions (kfuncs) a bcc program may call: bcc 0.26 cannot emit kfunc calls, so the C calls a
+# placeholder helper number (real helpers are numbered below 1000) and the loader rewrites
+# each such call into a kfunc call (src_reg = BPF_PSEUDO_KFUNC_CALL, imm = the kfunc's id in vmlinux BTF).
+KFUNC_PLACEHOLDERS = {0x7FF0: "bpf_rdonly_cast"}
+_BPF_PSEUDO_KFUNC_CALL = 2
+
+
+def patch_kfunc_calls(insns: bytearray) -> int:
+    """Rewrite placeholder calls (KFUNC_PLACEHOLDERS) in BPF bytecode into kfunc calls, in place; the number
+    rewritten. EbpfUnavailable if the kernel has no such kfunc."""
+    n = 0
+    for i in range(0, len(insns) - 7, 8):
+        if insns[i] != 0x85:  # BPF_JMP | BPF_CALL
+            continue
+        imm = int.from_bytes(insns[i + 4:i + 8], "little", signed=True)
+        name = KFUNC_PLACEHOLDERS.get(imm)
+        if name is None:
+            continue
+        fid = btf_func_id(name)
+        if fid is None:
+            raise EbpfUnavailable(f"kernel has no kfunc {name}")
+        insns[i + 1] = (insns[i + 1] & 0x0F) | (_BPF_PSEUDO_KFUNC_CALL << 4)
+        insns[i + 2:i + 4] = b"\0\0"  # off 0: vmlinux BTF
+        insns[i + 4:i + 8] = fid.to_bytes(4, "little")
+        n += 1
+    return n
+
+
 def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
-    """Load the bytecode bcc compiled for `fn_name` (map fds already in it) as BPF_PROG_TYPE_TRACING with this
-    expected attach type and BTF target; the program fd, or EbpfUnavailable with the verifier's last lines."""
+    """Load the bytecode bcc compiled for `fn_name` (map fds already in it, kfunc placeholders rewritten) as
+    BPF_PROG_TYPE_TRACING with this expected attach type and BTF target; the program fd, or EbpfUnavailable
+    with the verifier's last lines."""
     if platform.machine() != "x86_64":
         raise EbpfUnavailable("BTF tracing programs are loaded by syscall number only on x86-64 here")
     lib = load_bcc().lib
@@ -234,7 +263,9 @@ def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: s
     start, size = lib.bpf_function_start(bpf.module, fn), lib.bpf_function_size(bpf.module, fn)
     if not start or not size:
         raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
-    insns = ctypes.create_string_buffer(ctypes.string_at(start, size), size)
+    code = bytearray(ctypes.string_at(start, size))
+    patch_kfunc_calls(code)
+    insns = ctypes.create_string_buffer(bytes(code), size)
     license_ = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(256 * 1024)
     attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),

@@ -12,7 +12,8 @@ Two builds of netflows.bpf.c; the first is used when the kernel allows it, else 
                                         hash). Burst times are the skb's departure stamp (TCP sets
                                         skb->tstamp to its CLOCK_MONOTONIC send time), not a clock read.
   net:netif_receive_skb (skb)           RX wire bytes = skb->len + the already-pulled MAC header, keyed by
-                                        the parsed IPv4/TCP headers in the hash map (skb->sk is not known
+                                        the parsed IPv4/TCP headers (per-CPU slots, else the hash map:
+                                        see "RX fast path" below; skb->sk is not known
                                         yet; tcp:tcp_probe, where it is, sees ACKs the socket backlog merged
                                         into one skb: 44 of 249 ACKs on lo in one check, so not exact).
   sock:sock_send_length / sock_recv_length (sk, ret, flags)
@@ -76,13 +77,20 @@ are added to the hash map (seqlock-style, so user space, reading the map first a
 a move for one step but never counts it twice; tests/test_source_netflows.py checks RX = the peer's TX
 exactly through constant takeovers). A key's totals are its hash entry plus its slots.
 
+In the BTF build headers are read through the kfunc bpf_rdonly_cast (exception-protected plain loads; bcc
+cannot emit kfunc calls, so agent/ebpf rewrites a placeholder call when it loads the program), not with
+bpf_probe_read_kernel calls (kernels without the kfunc: probe reads).
+
 Cost (bench/ebpf.py, 2-core VM, loopback at ~30-37 Gbit/s with 64 KiB skbs, where both programs of every
-packet run on this host): BPF time per run tx ~125 ns (socket storage + skb stamp; 250-320 ns with the hash
-map and a clock read), rx ~185 ns (header read ~65 ns, slot ~40 ns, ~75 ns for any program here; 240-285 ns
-with the hash map); 1.06 ms of BPF CPU per Gbit counted at both ends (1.6-2.0 before). Throughput with the
-probes: 3.1 % and 4.1 % lower in two runs of 8 and 12 ABBA pairs (the previous build: 4.6-12 % in runs of the
-same week), but this VM moves +-3-4 % between runs and between 1 s segments of one transfer, so 2 % cannot be
-resolved here; bench/ebpf.py prints the separate-run, CPU-per-byte and in-transfer toggle figures side by side.
+packet run on this host). BPF time per run, from the kernel's statistics:
+  tx ~130 ns: socket storage and the skb stamp (250-320 ns with the hash map and a clock read)
+  rx ~120 ns: typed header loads and a per-CPU slot (240-285 ns with a probe read and the hash map)
+  ~75 ns of either is what any program costs here (an empty one, with the statistics on)
+That is 0.86 ms of BPF CPU per Gbit counted at both ends, against 1.6-2.0 ms at the start of this work.
+Throughput with the probes was 3.1-4.1 % lower in the runs of the intermediate builds (8-12 ABBA pairs), and
+4.6-12 % for the previous build in runs of the same week. This VM moves +-3-4 % between runs, and between 1 s
+segments of one transfer, so 2 % cannot be resolved here. bench/ebpf.py prints the separate-run, CPU-per-byte
+and in-transfer toggle figures side by side, each with its spread.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
@@ -185,8 +193,10 @@ TABLES = ("conns", "ifaces", "socks", "counters", "flows", "rxslots")
 BTF_TABLES = ("conns", "ifaces", "counters", "flows", "closes", "rec_layout", "rxslots")
 
 
-def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False, hz: int = 250) -> str:
-    """The BPF C text for these BTF offsets (keys of OFFSETS), config and kernel HZ; pure."""
+def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool = False, hz: int = 250,
+                   header_btf_ids: tuple[int, int] | None = None) -> str:
+    """The BPF C text for these BTF offsets (keys of OFFSETS), config and kernel HZ; with `header_btf_ids`
+    (struct iphdr and tcphdr type ids, BTF build only) headers are read through bpf_rdonly_cast; pure."""
     with open(BPF_FILE) as fh:
         template = fh.read()
     from steplens.agent.ebpf import render
@@ -203,6 +213,9 @@ def render_program(offsets: dict[str, int], config: NetflowsConfig, btf_tp: bool
         INCLUDE_LOOPBACK=1 if config.include_loopback else 0,
         FLOW_RX=1 if config.rx_flows else 0,
         BTF_TP=1 if btf_tp else 0,
+        RDONLY_CAST=1 if btf_tp and header_btf_ids else 0,
+        IPHDR_BTF_ID=header_btf_ids[0] if btf_tp and header_btf_ids else 0,
+        TCPHDR_BTF_ID=header_btf_ids[1] if btf_tp and header_btf_ids else 0,
         RX_SLOTS=RX_SLOTS,
         RX_SLOT_STALE_JIFFIES=max(1, int(RX_SLOT_STALE_SECONDS * hz)),
     )
@@ -227,6 +240,17 @@ def _jiffies_hz() -> int:
         except (OSError, ValueError):
             continue
     return 250
+
+
+def header_btf_ids() -> tuple[int, int] | None:
+    """(struct iphdr, struct tcphdr) type ids in the kernel's BTF when it also has the kfunc bpf_rdonly_cast
+    (Linux 6.2+), else None (headers are then read with bpf_probe_read_kernel)."""
+    from steplens.agent.ebpf import _btf_types, btf_func_id
+    _, by_name = _btf_types()
+    ip, tcp = by_name.get(("STRUCT", "iphdr")), by_name.get(("STRUCT", "tcphdr"))
+    if ip is None or tcp is None or btf_func_id("bpf_rdonly_cast") is None:
+        return None
+    return ip, tcp
 
 
 def kernel_offsets() -> dict[str, int]:
@@ -279,7 +303,8 @@ class NetflowsSource(Source):
         self.btf_reason = "disabled by config" if not self.config.btf_tracepoints else ""
         b = None
         if self.config.btf_tracepoints:
-            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True, hz=_jiffies_hz()), tables=BTF_TABLES)
+            b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True, hz=_jiffies_hz(),
+                                                     header_btf_ids=header_btf_ids()), tables=BTF_TABLES)
             try:
                 with ebpf.BCC_LOCK:
                     for fn, tp in BTF_ATTACH.items():
