@@ -291,9 +291,10 @@ def main() -> int:
         "goal_slowdown_percent": 2,
         "bpf_ns_per_run": cost,
         "bpf_cpu_ms_per_gbit": round(bpf_ms_per_gbit, 3),
-        # the programs' own run time against the CPU the transfer costs without them: a lower bound of the
-        # slowdown at saturation (tracepoint dispatch and cache effects are not in it), from two figures
-        # that are far less noisy here than throughput
+        # the programs' run time against the CPU the transfer costs without them: an estimate of the slowdown
+        # at saturation from two figures far less noisy here than throughput. It leaves out the tracepoint
+        # dispatch and cache effects, and it includes the statistics' own clock reads (an empty program
+        # shows ~75 ns per run here), so it is an estimate, not a bound
         "bpf_share_of_transfer_cpu_percent": round(100.0 * bpf_ms_per_gbit / (cpb0 * 125.0), 2),
     }
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
@@ -312,7 +313,7 @@ def main() -> int:
     print(f"BPF CPU                    {bpf_ms_per_gbit:.2f} ms per Gbit counted (both ends of each packet here; "
           f"{bpf_ms_per_gbit:.2f} ms/Gbit = {bpf_ms_per_gbit:.1f} % of a core per 10 Gbit/s)")
     print(f"BPF share of transfer CPU  {result['bpf_share_of_transfer_cpu_percent']:.2f} % (the programs' run time "
-          f"against the machine's CPU per byte without them; a lower bound of the slowdown)")
+          f"against the machine's CPU per byte without them: an estimate of the slowdown, see the code)")
     print(json.dumps(result))
     return 0
 
