@@ -12,7 +12,13 @@ Runs (root):
    segments, which is as large as the effect: the three figures are printed side by side, each with the
    spread it has.
 3. One more loaded transfer with the kernel's BPF statistics on gives the time per program run (robust:
-   measured by the kernel per run, but it leaves out the tracepoint dispatch around each run).
+   measured by the kernel per run, but it leaves out the tracepoint dispatch around each run and includes
+   the statistics' own clock reads).
+4. The dispatch itself: a C loop of recv() calls firing sock_recv_length, with an empty BTF program attached
+   and detached in ABBA segments (ns per call, +-1 ns here), and the empty program's run time under the
+   statistics. With 3, the in-kernel cost per Gbit = runs x (body + dispatch), and against the machine's CPU
+   per Gbit without probes, an estimated slowdown that does not depend on the throughput noise (cache
+   effects on the workload are not in it).
 The last stdout line is one JSON object.
 
 On loopback both ends of every packet are on this host: the TX and the RX program both run, on the
@@ -120,10 +126,10 @@ def cpu_ns_per_byte(nbytes: int) -> float:
     return LAST_BUSY[-1] * 1e9 / nbytes
 
 
-def _prog_stats() -> dict[str, tuple[int, int]]:
+def _prog_stats(prefix: str = "steplens_nf") -> dict[str, tuple[int, int]]:
     out = subprocess.run(["bpftool", "prog", "show", "-j"], capture_output=True, text=True, check=True).stdout
     return {p["name"]: (p.get("run_time_ns", 0), p.get("run_cnt", 0)) for p in json.loads(out)
-            if p.get("name", "").startswith("steplens_nf")}
+            if p.get("name", "").startswith(prefix)}
 
 
 def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
@@ -146,13 +152,103 @@ def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
             fh.write(was)
         agent.stdin.write("stop\n"); agent.stdin.flush()
         agent.communicate(timeout=60)
-    out, total_ns = {}, 0
+    out, total_ns, runs = {}, 0, 0
     for name, (t1, c1) in s1.items():
         t0, c0 = s0.get(name, (0, 0))
         total_ns += t1 - t0
+        runs += c1 - c0
         if c1 > c0:
             out[name.removeprefix("steplens_nf_")] = round((t1 - t0) / (c1 - c0), 1)
-    return out, total_ns / 1e6 / (nbytes * 8 / 1e9)  # ms of BPF time per Gbit transferred
+    gbit = nbytes * 8 / 1e9
+    return out, total_ns / 1e6 / gbit, runs / gbit  # ns per run; ms of BPF time and program runs per Gbit
+
+
+LOOP_C = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+/* recv() on an empty non-blocking AF_UNIX socket: one pass through sock_recvmsg, which fires the
+   sock:sock_recv_length tracepoint (ret = -EAGAIN). One line of ns per call per segment. */
+int main(int argc, char **argv) {
+    int sv[2]; char b; char line[16]; long calls = 200000;
+    if (socketpair(AF_UNIX, SOCK_DGRAM, 0, sv)) return 1;
+    while (fgets(line, sizeof(line), stdin)) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        for (long i = 0; i < calls; i++) recv(sv[0], &b, 1, MSG_DONTWAIT);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        printf("%.3f\n", ((t1.tv_sec - t0.tv_sec) * 1e9 + (t1.tv_nsec - t0.tv_nsec)) / calls);
+        fflush(stdout);
+    }
+    return 0;
+}
+"""
+
+EMPTY_PROG = "int steplens_nf_em(u64 *ctx) { return 0; }\n"
+
+
+def dispatch_cost(segments: int = 60) -> dict:
+    """What a BTF raw-tracepoint program costs around its body, measured without throughput noise: a C loop of
+    recv() calls that each fire sock_recv_length, in ~50 ms segments, with an empty program attached and
+    detached in ABBA order (dispatch = the difference per call); and that empty program's run time under the
+    kernel's statistics (the statistics' own cost per run, which the ns-per-run figures include). Needs a C
+    compiler; {} without one."""
+    import shutil
+    import tempfile
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        return {}
+    sys.path.insert(0, REPO)
+    from steplens.agent import ebpf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "loop.c"), os.path.join(tmp, "loop")
+        with open(src, "w") as fh:
+            fh.write(LOOP_C)
+        subprocess.run([cc, "-O2", "-o", exe, src], check=True, capture_output=True)
+        b = ebpf.compile_program(EMPTY_PROG)
+        link = ebpf.BtfRawTracepoint(b, "steplens_nf_em", "sock_recv_length", "steplens_nf_em")
+        loop = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        on_off: dict = {True: [], False: []}
+        diffs = []
+        try:
+            def segment(attached: bool) -> float:
+                link.attach() if attached else link.detach()
+                loop.stdin.write("go\n")
+                loop.stdin.flush()
+                return float(loop.stdout.readline())
+            segment(False)  # warm-up
+            for i in range(segments // 2):
+                order = (True, False) if i % 2 == 0 else (False, True)
+                got = {a: segment(a) for a in order}
+                on_off[True].append(got[True])
+                on_off[False].append(got[False])
+                diffs.append(got[True] - got[False])
+            path = "/proc/sys/kernel/bpf_stats_enabled"
+            with open(path) as fh:
+                was = fh.read().strip()
+            link.attach()
+            s0 = _prog_stats("steplens_nf_em")
+            with open(path, "w") as fh:
+                fh.write("1")
+            try:
+                segment(True)
+            finally:
+                with open(path, "w") as fh:
+                    fh.write(was)
+            s1 = _prog_stats("steplens_nf_em")
+        finally:
+            loop.stdin.close()
+            loop.wait(timeout=10)
+            link.close()
+            ebpf.cleanup(b)
+    (t0, c0), (t1, c1) = s0.get("steplens_nf_em", (0, 0)), s1["steplens_nf_em"]
+    return {"dispatch_ns": statistics.mean(diffs),
+            "dispatch_sem_ns": statistics.stdev(diffs) / len(diffs) ** 0.5,
+            "call_ns_without": statistics.median(on_off[False]),
+            "stats_overhead_ns": (t1 - t0) / max(1, c1 - c0)}
 
 
 def lo_bytes() -> int:
@@ -260,7 +356,8 @@ def main() -> int:
               f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
               flush=True)
     tog = toggle_cost(args.toggle_seconds, args.segment, env)
-    cost, bpf_ms_per_gbit = bpf_cost(args.seconds, env)
+    cost, bpf_ms_per_gbit, runs_per_gbit = bpf_cost(args.seconds, env)
+    dispatch = dispatch_cost()
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
     cpb0, cpb1 = statistics.median(cpb_without), statistics.median(cpb_with)
@@ -296,7 +393,19 @@ def main() -> int:
         # dispatch and cache effects, and it includes the statistics' own clock reads (an empty program
         # shows ~75 ns per run here), so it is an estimate, not a bound
         "bpf_share_of_transfer_cpu_percent": round(100.0 * bpf_ms_per_gbit / (cpb0 * 125.0), 2),
+        "bpf_runs_per_gbit": round(runs_per_gbit, 1),
     }
+    if dispatch:
+        # in-kernel cost per Gbit = runs x (body + dispatch); the ns-per-run figures are body + the statistics'
+        # own cost, so swap that for the measured dispatch
+        est_ms = bpf_ms_per_gbit + runs_per_gbit * (dispatch["dispatch_ns"] - dispatch["stats_overhead_ns"]) / 1e6
+        result.update({
+            "dispatch_ns_per_run": round(dispatch["dispatch_ns"], 1),
+            "dispatch_sem_ns": round(dispatch["dispatch_sem_ns"], 1),
+            "stats_overhead_ns_per_run": round(dispatch["stats_overhead_ns"], 1),
+            "in_kernel_cost_ms_per_gbit": round(est_ms, 3),
+            "estimated_slowdown_percent": round(100.0 * est_ms / (cpb0 * 125.0), 2),
+        })
     print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
     print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2); "
           f"per adjacent pair {pair_mean:.2f} % +- {pair_sem:.2f} (mean +- s.e.)")
@@ -314,6 +423,13 @@ def main() -> int:
           f"{bpf_ms_per_gbit:.2f} ms/Gbit = {bpf_ms_per_gbit:.1f} % of a core per 10 Gbit/s)")
     print(f"BPF share of transfer CPU  {result['bpf_share_of_transfer_cpu_percent']:.2f} % (the programs' run time "
           f"against the machine's CPU per byte without them: an estimate of the slowdown, see the code)")
+    if dispatch:
+        print(f"dispatch per program run   {dispatch['dispatch_ns']:.1f} ns +- {dispatch['dispatch_sem_ns']:.1f} (empty "
+              f"program toggled under a C recv() loop; the statistics themselves cost "
+              f"{dispatch['stats_overhead_ns']:.1f} ns per run)")
+        print(f"estimated slowdown         {result['estimated_slowdown_percent']:.2f} % = runs x (body + dispatch) "
+              f"= {result['in_kernel_cost_ms_per_gbit']:.2f} ms per Gbit against {cpb0 * 125:.1f} ms of CPU per Gbit "
+              f"without probes (cache effects not included)")
     print(json.dumps(result))
     return 0
 

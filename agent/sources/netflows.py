@@ -86,11 +86,13 @@ packet run on this host). BPF time per run, from the kernel's statistics:
   tx ~130 ns: socket storage and the skb stamp (250-320 ns with the hash map and a clock read)
   rx ~120 ns: typed header loads and a per-CPU slot (240-285 ns with a probe read and the hash map)
   ~75 ns of either is what any program costs here (an empty one, with the statistics on)
-That is 0.86 ms of BPF CPU per Gbit counted at both ends, against 1.6-2.0 ms at the start of this work.
-Throughput with the probes was 3.1-4.1 % lower in the runs of the intermediate builds (8-12 ABBA pairs), and
-4.6-12 % for the previous build in runs of the same week. This VM moves +-3-4 % between runs, and between 1 s
-segments of one transfer, so 2 % cannot be resolved here. bench/ebpf.py prints the separate-run, CPU-per-byte
-and in-transfer toggle figures side by side, each with its spread.
+That is 0.80-0.86 ms of BPF CPU per Gbit counted at both ends, against 1.6-2.0 ms at the start of this work.
+The tracepoint dispatch around each run, measured apart (an empty program toggled under a C recv() loop), is
+64-92 ns on this VM (retpolines), about what the statistics add to each run; runs x (body + dispatch) against
+the machine's CPU per Gbit without probes gives an estimated slowdown of 2.0 % (cache effects not included).
+Throughput itself cannot resolve that here: the VM moves +-3-4 % between runs and between segments of one
+transfer, and one 16-pair run read 6.3 % (median), 7.0 +- 2.5 % (adjacent pairs), 1.1 +- 2.9 % (in-transfer
+toggle) and +5.8 % CPU per byte. bench/ebpf.py prints all of these side by side.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
