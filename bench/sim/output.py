@@ -22,7 +22,6 @@ import json
 import os
 from typing import Iterator
 
-from .faults import Fault
 from .model import Iteration, ModelConfig, Network, Result
 
 EMIT_KINDS = ("commops", "steps", "flows", "telemetry")
@@ -67,12 +66,30 @@ class Rows:
             yield (r, it.it, self.ns(a), self.ns(b), int(round(comp)), int(round(b - a - comp - st)), int(round(st)))
 
     # -- comm ops -----------------------------------------------------------------------------
+    def _pp_recv(self, it: Iteration, r, s, d, t, kind, m, posted, start):
+        """A pipeline op's receive of its input (F from stage s-1, B from stage s+1), if it has one."""
+        P, M, act, ns = self.cfg.pp, self.cfg.micro_batches, self.cfg.activation_bytes, self.ns
+        if kind == "F" and s > 0:
+            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "recv", it.it * 2 * M + m, act, ns(posted[d]), ns(start[d]))
+        elif kind == "B" and s < P - 1:
+            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "recv", it.it * 2 * M + M + m, act, ns(posted[d]), ns(start[d]))
+
+    def _pp_send(self, it: Iteration, r, s, d, t, kind, m, end):
+        """A pipeline op's send of its output (F to stage s+1, B to stage s-1), if it has one."""
+        P, M, act, ns = self.cfg.pp, self.cfg.micro_batches, self.cfg.activation_bytes, self.ns
+        if kind == "F" and s < P - 1:
+            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
+                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
+        elif kind == "B" and s > 0:
+            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
+                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+
     def commops(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
         """(rank, comm_id, op, seq, bytes, start_ns, end_ns) per rank, schedule order within a stage."""
         cfg = self.cfg
         D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
         fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
-        act, tp_bytes = cfg.activation_bytes, cfg.activation_bytes
+        tp_bytes = cfg.activation_bytes
         factor, ns = it.factor, self.ns
         if cfg.ep > 1:
             yield from self._commops_ep(it)
@@ -84,21 +101,11 @@ class Rows:
                     g = s * D + d
                     for t in range(T):
                         r = g * T + t
-                        if kind == "F" and s > 0:
-                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "recv", it.it * 2 * M + m, act,
-                                   ns(posted[d]), ns(start[d]))
-                        elif kind == "B" and s < P - 1:
-                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "recv", it.it * 2 * M + M + m, act,
-                                   ns(posted[d]), ns(start[d]))
+                        yield from self._pp_recv(it, r, s, d, t, kind, m, posted, start)
                         if T > 1:
                             yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
                                    ns(start[d] + comp * factor[r]), ns(end[d]))
-                        if kind == "F" and s < P - 1:
-                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
-                                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
-                        elif kind == "B" and s > 0:
-                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
-                                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+                        yield from self._pp_send(it, r, s, d, t, kind, m, end)
             if D > 1:
                 last = it.ops[s][-1][4]
                 for d in range(D):
@@ -113,7 +120,7 @@ class Rows:
         cfg = self.cfg
         D, P, T, M, E = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches, cfg.ep
         fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
-        act, tp_bytes, a2a_bytes = cfg.activation_bytes, cfg.activation_bytes, cfg.a2a_bytes
+        tp_bytes, a2a_bytes = cfg.activation_bytes, cfg.a2a_bytes
         factor, ns = it.factor, self.ns
         seg = self.seg
         n_a2a = len(seg["F"]) - 1
@@ -131,12 +138,7 @@ class Rows:
                     tail = last_amax[e] + a2ag[s][e]  # the TP group resumes after its last all-to-all
                     for t in range(T):
                         r = g * T + t
-                        if kind == "F" and s > 0:
-                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "recv", it.it * 2 * M + m, act,
-                                   ns(posted[d]), ns(start[d]))
-                        elif kind == "B" and s < P - 1:
-                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "recv", it.it * 2 * M + M + m, act,
-                                   ns(posted[d]), ns(start[d]))
+                        yield from self._pp_recv(it, r, s, d, t, kind, m, posted, start)
                         cid = f"ep.s{s}.e{e}.t{t}"
                         took = a2a_ns[s][e * T + t]
                         f = comp * factor[r]
@@ -146,12 +148,7 @@ class Rows:
                         if T > 1:
                             yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
                                    ns(tail + fr[n_a2a] * f), ns(end[d]))
-                        if kind == "F" and s < P - 1:
-                            yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
-                                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
-                        elif kind == "B" and s > 0:
-                            yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
-                                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+                        yield from self._pp_send(it, r, s, d, t, kind, m, end)
             last = it.ops[s][-1][4]
             for t in range(T):
                 dense_end = it.last_b[s] + it.ar_ns[s][t]
