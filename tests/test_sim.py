@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO, wait_for
+from simutil import run_rows
 
 sys.path.insert(0, REPO)
 
@@ -20,20 +21,7 @@ from bench.sim import model as sim_model  # noqa: E402
 from bench.sim.model import ModelConfig, TESTBED_FAULTS, simulate  # noqa: E402
 
 tb_cfg = sim_model.testbed_like
-from bench.sim.output import FileSink, Rows, truth  # noqa: E402
-
-
-def run_rows(cfg, specs, kinds=("steps", "commops", "flows")):
-    """Simulate and collect the rows of each kind per iteration: {kind: {iteration: [row, ...]}}."""
-    faults = [parse_fault(s, cfg.topology()) for s in specs]
-    rows = Rows(cfg)
-    out = {k: {} for k in kinds}
-
-    def sink(it):
-        for k in kinds:
-            out[k][it.it] = list(getattr(rows, k)(it))
-    res = simulate(cfg, faults, sink)
-    return res, out
+from bench.sim.output import truth  # noqa: E402
 
 
 def steps_by_rank(rows_it):

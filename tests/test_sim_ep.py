@@ -16,25 +16,14 @@ import tempfile
 import pytest
 
 from conftest import REPO
+from simutil import run_rows
 
 sys.path.insert(0, REPO)
 
 from bench.sim.faults import parse_fault  # noqa: E402
 from bench.sim.model import ModelConfig, simulate  # noqa: E402
 from bench.sim.model import testbed_like as tb_cfg  # noqa: E402
-from bench.sim.output import FileSink, Rows, truth, write_truth  # noqa: E402
-
-
-def run_rows(cfg, specs, kinds=("steps", "commops", "flows")):
-    faults = [parse_fault(s, cfg.topology()) for s in specs]
-    rows = Rows(cfg)
-    out = {k: {} for k in kinds}
-
-    def sink(it):
-        for k in kinds:
-            out[k][it.it] = list(getattr(rows, k)(it))
-    res = simulate(cfg, faults, sink)
-    return res, out
+from bench.sim.output import FileSink, truth, write_truth  # noqa: E402
 
 
 def small(**over):
