@@ -53,6 +53,18 @@ enabled = false
 """
 
 
+def skip_module_unless_testbed() -> None:
+    """Skip the calling test module unless the netns testbed can run here: root, torch installed (checked
+    without importing it: the test process must not map libtorch), and `ip netns`."""
+    import importlib.util
+    if os.geteuid() != 0:
+        pytest.skip("the testbed needs root", allow_module_level=True)
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("the testbed needs torch (pip install '.[testbed]')", allow_module_level=True)
+    if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
+        pytest.skip("no `ip netns`", allow_module_level=True)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,6 @@ Rank r is stage r // 2, replica r % 2: ranks 0/1 all-reduce together (stage 0), 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,16 +15,11 @@ import time
 
 import pytest
 
-from conftest import REPO, wait_for
+from conftest import REPO, wait_for, skip_module_unless_testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.privileged, pytest.mark.slow]
 
-if os.geteuid() != 0:
-    pytest.skip("the testbed needs root", allow_module_level=True)
-if importlib.util.find_spec("torch") is None:  # checked without importing: this process must not map libtorch
-    pytest.skip("the testbed needs torch (pip install '.[testbed]')", allow_module_level=True)
-if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-    pytest.skip("no `ip netns`", allow_module_level=True)
+skip_module_unless_testbed()
 
 sys.path.insert(0, REPO)
 from bench.testbed import faults, netns  # noqa: E402

@@ -7,23 +7,15 @@ tests/test_sim_testbed.py (step-time ratio within 25 %, same per-rank wait patte
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, skip_module_unless_testbed
 
 pytestmark = [pytest.mark.testbed, pytest.mark.privileged, pytest.mark.slow]
 
-if os.geteuid() != 0:
-    pytest.skip("the testbed needs root", allow_module_level=True)
-if importlib.util.find_spec("torch") is None:  # checked without importing: this process must not map libtorch
-    pytest.skip("the testbed needs torch (pip install '.[testbed]')", allow_module_level=True)
-if subprocess.run(["ip", "netns", "list"], capture_output=True).returncode != 0:
-    pytest.skip("no `ip netns`", allow_module_level=True)
+skip_module_unless_testbed()
 
 sys.path.insert(0, REPO)
 from bench.sim import testbed as tb  # noqa: E402
