@@ -206,6 +206,11 @@ _BPF_PROG_LOAD, _BPF_RAW_TRACEPOINT_OPEN = 5, 17
 _BPF_PROG_TYPE_TRACING, _BPF_TRACE_RAW_TP = 26, 23
 
 
+def btf_struct_id(name: str) -> int | None:
+    """BTF type id of `struct name` in the kernel's BTF, or None."""
+    return _btf_types()[1].get(("STRUCT", name))
+
+
 @functools.lru_cache(maxsize=None)
 def btf_func_id(name: str) -> int | None:
     """BTF type id of the kernel FUNC `name` (an iterator target is `bpf_iter_<target>`), or None."""

@@ -247,9 +247,8 @@ def _jiffies_hz() -> int:
 def header_btf_ids() -> tuple[int, int] | None:
     """(struct iphdr, struct tcphdr) type ids in the kernel's BTF when it also has the kfunc bpf_rdonly_cast
     (Linux 6.2+), else None (headers are then read with bpf_probe_read_kernel)."""
-    from steplens.agent.ebpf import _btf_types, btf_func_id
-    _, by_name = _btf_types()
-    ip, tcp = by_name.get(("STRUCT", "iphdr")), by_name.get(("STRUCT", "tcphdr"))
+    from steplens.agent.ebpf import btf_func_id, btf_struct_id
+    ip, tcp = btf_struct_id("iphdr"), btf_struct_id("tcphdr")
     if ip is None or tcp is None or btf_func_id("bpf_rdonly_cast") is None:
         return None
     return ip, tcp
