@@ -77,8 +77,13 @@ $(TORCH_STAMP): | $(STAMP)
 test: install $(TORCH_STAMP)
 	$(VENV)/bin/pytest -q -m "not gpu and not testbed" tests
 
-bench: install
+# every bench/*.py, each ending with one JSON line; bench/ebpf.py loads eBPF programs and needs root
+bench: install $(TORCH_STAMP)
 	$(PY) bench/ingest.py
+	$(PY) bench/pystacks.py
+	$(PY) bench/sim_speed.py
+	$(PY) bench/commops.py
+	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/ebpf.py; else echo "skipping bench/ebpf.py: needs root (eBPF)"; fi
 
 eval: install
 	$(PY) bench/eval/run.py

@@ -1,32 +1,40 @@
 """Cost of the netflows eBPF probes: loopback TCP throughput with and without them, packets the
 programs handled per second, and the agent's user-space CPU per Gbit/s of traffic.
 
+Both ends of every transfer (a Python sender and receiver, 1 MiB sends) run on one core (--pin, by default
+the last CPU), the bench and the agent on the others. The transfer is then CPU-bound on that core, where the
+TX and the RX program both run, so every ns they add is throughput lost (the worst case), and its rate moves
+far less between segments than with the two ends on two cores (adjacent 0.25 s segments differ by 1.5-5 %
+(sd) pinned, 10-16 % unpinned, in A/A runs here).
+
 Runs (root):
-1. Interleaved pairs (ABBA order) of ~3 s loopback transfers (a sender and a receiver process, 1 MiB
-   sends), once without probes and once with a netflows source loaded in a separate agent process that
-   calls step() every 1 s (include_loopback = true, so lo traffic is what it counts). Medians over the
-   pairs, of throughput and of the machine's busy CPU time per byte moved (/proc/stat).
-2. One long transfer during which the agent detaches and re-attaches the programs every --segment seconds
-   (NetflowsSource.pause/resume), ABBA; the slowdown is the mean over adjacent on/off pairs of segments,
-   with its standard error. On this 2-core VM throughput moves +-3-4 % between runs and between 1 s
-   segments, which is as large as the effect: the three figures are printed side by side, each with the
-   spread it has.
-3. One more loaded transfer with the kernel's BPF statistics on gives the time per program run (robust:
-   measured by the kernel per run, but it leaves out the tracepoint dispatch around each run and includes
-   the statistics' own clock reads).
+1. --toggle-runs transfers of --toggle-seconds, during each of which the agent detaches and re-attaches the
+   programs every --segment seconds (NetflowsSource.pause/resume), ABBA; a transfer's slowdown is the mean
+   over its adjacent on/off pairs of segments. This is the headline, as the mean over the transfers with the
+   standard error across them: adjacent segments share the machine's state, so the VM's drifts cancel, but
+   each transfer keeps an offset of its own (up to 3.3 % between transfers here, several times the
+   within-transfer s.e.).
+2. Interleaved pairs (ABBA order) of ~3 s separate transfers, once without probes and once with a netflows
+   source loaded in a separate agent process that calls step() every 1 s (include_loopback = true, so lo
+   traffic is what it counts): medians of throughput and of the transfer core's busy CPU time per byte
+   (/proc/stat), and the agent's CPU. Separate transfers differ by up to 30 % here (a fresh connection
+   settles at ~20 or at ~30 Gbit/s), so these medians say little about a 2 % effect.
+3. One more loaded transfer with the kernel's BPF statistics on gives the time per program run and the
+   runs per Gbit (robust: measured by the kernel per run, but it leaves out the tracepoint dispatch
+   around each run and includes the statistics' own clock reads).
 4. The dispatch itself: a C loop of recv() calls firing sock_recv_length, with an empty BTF program attached
    and detached in ABBA segments (ns per call, +-1 ns here), and the empty program's run time under the
-   statistics. With 3, the in-kernel cost per Gbit = runs x (body + dispatch), and against the machine's CPU
+   statistics. With 3, the in-kernel cost per Gbit = runs x (body + dispatch), and against the core's CPU
    per Gbit without probes, an estimated slowdown that does not depend on the throughput noise (cache
    effects on the workload are not in it).
 The last stdout line is one JSON object.
 
-On loopback both ends of every packet are on this host: the TX and the RX program both run, on the
-sender's CPU (lo delivers in the sender's softirq), for each packet; between two hosts each host runs one
-of them per packet.
+On loopback both ends of every packet are on this host: the TX and the RX program both run for each packet;
+between two hosts each host runs one of them per packet.
 
-    .venv/bin/python bench/ebpf.py                # 5 pairs of 3 s
-    .venv/bin/python bench/ebpf.py --pairs 3 --seconds 2
+    .venv/bin/python bench/ebpf.py                      # 3 toggle transfers of 60 s, 5 pairs of 3 s (~5 min)
+    .venv/bin/python bench/ebpf.py --toggle-runs 6      # the run quoted in bench/README.md
+    .venv/bin/python bench/ebpf.py --pairs 3 --seconds 2 --toggle-seconds 20 --toggle-runs 2 --pin none
 """
 
 from __future__ import annotations
@@ -97,24 +105,40 @@ AGENT = textwrap.dedent("""
 """)
 
 
+# The CPU both ends of every transfer run on (main() sets it; None: not pinned). Sharing one core makes the
+# transfer CPU-bound there, so every ns the programs add (both run on it) is throughput lost, and the rate moves
+# far less between segments than with the two ends on two cores (pair sd 1.5-5 % vs 10-16 % here, A/A runs).
+# The bench itself and the agent run on the other cores.
+PIN: list = [None]
+
+
+def _pin() -> None:
+    if PIN[0] is not None:
+        os.sched_setaffinity(0, {PIN[0]})
+
+
 def busy_seconds() -> float:
-    """CPU time spent by the whole machine so far, every state but idle, iowait and steal (/proc/stat)."""
+    """CPU time spent so far by the transfer's core (the whole machine when not pinned), every state but idle,
+    iowait and steal (/proc/stat)."""
+    want = "cpu" if PIN[0] is None else f"cpu{PIN[0]}"
     with open("/proc/stat") as fh:
-        f = [int(x) for x in fh.readline().split()[1:]]
+        line = next(ln for ln in fh if ln.split()[0] == want)
+    f = [int(x) for x in line.split()[1:]]
     user, nice, system, _idle, _iowait, irq, softirq = f[:7]
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
-LAST_BUSY: list = []  # CPU seconds of each transfer() (machine-wide), in call order
+LAST_BUSY: list = []  # CPU seconds of each transfer() (the transfer core, see busy_seconds), in call order
 
 
 def transfer(seconds: float) -> tuple[float, int, float]:
-    """(Gbit/s, bytes, seconds) of one loopback transfer between two fresh processes; the machine's busy CPU
+    """(Gbit/s, bytes, seconds) of one loopback transfer between two fresh processes; the busy CPU
     seconds over the sender's run go to LAST_BUSY."""
-    rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True, preexec_fn=_pin)
     port = rx.stdout.readline().strip()
     b0 = busy_seconds()
-    tx = subprocess.run([sys.executable, "-c", SENDER, port, str(seconds)], capture_output=True, text=True, check=True)
+    tx = subprocess.run([sys.executable, "-c", SENDER, port, str(seconds)], capture_output=True, text=True,
+                        check=True, preexec_fn=_pin)
     got = int(rx.communicate(timeout=30)[0].strip())
     LAST_BUSY.append(busy_seconds() - b0)
     sent, dur = tx.stdout.split()
@@ -132,7 +156,7 @@ def _prog_stats(prefix: str = "steplens_nf") -> dict[str, tuple[int, int]]:
             if p.get("name", "").startswith(prefix)}
 
 
-def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
+def bpf_cost(seconds: float, env: dict) -> tuple[dict, dict, float, float]:
     """ns per run of each program over one loaded transfer, from the kernel's BPF run-time statistics
     (kernel.bpf_stats_enabled, switched on only for this run: it adds two clock reads per run)."""
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -152,15 +176,17 @@ def bpf_cost(seconds: float, env: dict) -> dict[str, float]:
             fh.write(was)
         agent.stdin.write("stop\n"); agent.stdin.flush()
         agent.communicate(timeout=60)
-    out, total_ns, runs = {}, 0, 0
+    out, per_gbit, total_ns, runs = {}, {}, 0, 0
+    gbit = nbytes * 8 / 1e9
     for name, (t1, c1) in s1.items():
         t0, c0 = s0.get(name, (0, 0))
         total_ns += t1 - t0
         runs += c1 - c0
         if c1 > c0:
             out[name.removeprefix("steplens_nf_")] = round((t1 - t0) / (c1 - c0), 1)
-    gbit = nbytes * 8 / 1e9
-    return out, total_ns / 1e6 / gbit, runs / gbit  # ns per run; ms of BPF time and program runs per Gbit
+            per_gbit[name.removeprefix("steplens_nf_")] = round((c1 - c0) / gbit, 1)
+    # ns per run and runs per Gbit of each program; ms of BPF time and program runs per Gbit
+    return out, per_gbit, total_ns / 1e6 / gbit, runs / gbit
 
 
 LOOP_C = r"""
@@ -210,7 +236,7 @@ def dispatch_cost(segments: int = 60) -> dict:
         subprocess.run([cc, "-O2", "-o", exe, src], check=True, capture_output=True)
         b = ebpf.compile_program(EMPTY_PROG)
         link = ebpf.BtfRawTracepoint(b, "steplens_nf_em", "sock_recv_length", "steplens_nf_em")
-        loop = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        loop = subprocess.Popen([exe], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, preexec_fn=_pin)
         on_off: dict = {True: [], False: []}
         diffs = []
         try:
@@ -259,7 +285,7 @@ def lo_bytes() -> int:
 def toggle_cost(seconds: float, segment: float, env: dict) -> dict:
     """The probes' cost inside one long transfer: the programs are detached and re-attached every `segment`
     seconds (ABBA order) and each segment's rate is read from lo's byte counter. Adjacent segments share the
-    machine's state, so the VM's slow drifts cancel in the pair ratios (separate transfers differ by 2-10 %
+    machine's state, so the VM's slow drifts cancel in the pair ratios (separate transfers differ by up to 30 %
     here from run to run)."""
     agent = subprocess.Popen([sys.executable, "-c", AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True, cwd=REPO, env=env)
@@ -267,9 +293,10 @@ def toggle_cost(seconds: float, segment: float, env: dict) -> dict:
     pairs = []
     try:
         assert agent.stdout.readline().strip() == "ready"
-        rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+        rx = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True, preexec_fn=_pin)
         port = rx.stdout.readline().strip()
-        tx = subprocess.Popen([sys.executable, "-c", SENDER, port, str(seconds)], stdout=subprocess.PIPE, text=True)
+        tx = subprocess.Popen([sys.executable, "-c", SENDER, port, str(seconds)], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=_pin)
         time.sleep(0.5)  # past connection set-up and slow start
         on = True
         order = [True, False, False, True]
@@ -313,15 +340,25 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--toggle-seconds", type=float, default=40.0, help="length of the on/off toggle transfer")
-    ap.add_argument("--segment", type=float, default=0.5, help="toggle segment length, seconds")
+    ap.add_argument("--toggle-seconds", type=float, default=60.0, help="length of each on/off toggle transfer")
+    ap.add_argument("--toggle-runs", type=int, default=3, help="toggle transfers (the s.e. is across them)")
+    ap.add_argument("--segment", type=float, default=0.25, help="toggle segment length, seconds")
+    ap.add_argument("--pin", default="auto",
+                    help="CPU both transfer ends run on ('auto': the last CPU when there are two or more; 'none')")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("needs root (eBPF)", file=sys.stderr)
         return 2
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin == "auto":
+        PIN[0] = cpus[-1] if len(cpus) >= 2 else None
+    elif args.pin != "none":
+        PIN[0] = int(args.pin)
+    if PIN[0] is not None and len(cpus) >= 2:
+        os.sched_setaffinity(0, set(cpus) - {PIN[0]})  # the bench and the agents it starts: off that core
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     without, with_, with_bytes, with_secs = [], [], 0, 0.0
-    cpb_without, cpb_with = [], []  # machine CPU ns per byte moved
+    cpb_without, cpb_with = [], []  # busy CPU ns per byte moved (busy_seconds)
     cpu_s = packets = 0.0
     agent_secs = 0.0
     for i in range(args.pairs):
@@ -355,8 +392,24 @@ def main() -> int:
               f"CPU/byte {cpb_without[-1]:.4f} / {cpb_with[-1]:.4f} ns   "
               f"agent {stats['cpu_s'] * 1000:.1f} ms CPU, {stats['packets']} packets, {stats['records']} records",
               flush=True)
-    tog = toggle_cost(args.toggle_seconds, args.segment, env)
-    cost, bpf_ms_per_gbit, runs_per_gbit = bpf_cost(args.seconds, env)
+    # The toggle, in --toggle-runs separate transfers: each transfer's mean has its own offset (up to 3.3 %
+    # apart pinned here, several within-run s.e.), so the headline is the mean over the transfers with the
+    # s.e. across them.
+    togs = []
+    for r in range(args.toggle_runs):
+        togs.append(toggle_cost(args.toggle_seconds, args.segment, env))
+        t = togs[-1]
+        print(f"toggle run {r + 1}: {t['slowdown_percent']:.2f} % +- {t['sem_percent']:.2f} over {t['pairs']} pairs "
+              f"({t['gbit_s_without']:.2f} Gbit/s off, {t['gbit_s_with']:.2f} on)", flush=True)
+    run_means = [t["slowdown_percent"] for t in togs]
+    tog = {"slowdown_percent": statistics.mean(run_means),
+           "sem_percent": (statistics.stdev(run_means) / len(run_means) ** 0.5 if len(run_means) > 1
+                           else togs[0]["sem_percent"]),
+           "pairs": sum(t["pairs"] for t in togs),
+           "median_percent": statistics.median(run_means),
+           "gbit_s_without": statistics.median(t["gbit_s_without"] for t in togs),
+           "gbit_s_with": statistics.median(t["gbit_s_with"] for t in togs)}
+    cost, runs_each, bpf_ms_per_gbit, runs_per_gbit = bpf_cost(args.seconds, env)
     dispatch = dispatch_cost()
     med_without, med_with = statistics.median(without), statistics.median(with_)
     slowdown = 100.0 * (med_without - med_with) / med_without
@@ -370,9 +423,21 @@ def main() -> int:
     result = {
         "throughput_gbit_s_without": round(med_without, 3),
         "throughput_gbit_s_with": round(med_with, 3),
-        "slowdown_percent": round(slowdown, 2),
-        "slowdown_pair_mean_percent": round(pair_mean, 2),
-        "slowdown_pair_sem_percent": round(pair_sem, 2),
+        # the headline: the toggle inside one transfer (mean over adjacent on/off segment pairs, +- s.e.)
+        "slowdown_percent": round(tog["slowdown_percent"], 2),
+        "slowdown_sem_percent": round(tog["sem_percent"], 2),
+        "slowdown_median_percent": round(tog["median_percent"], 2),
+        "slowdown_runs_percent": [round(x, 2) for x in run_means],
+        "slowdown_runs_sem_percent": [round(t["sem_percent"], 2) for t in togs],
+        "toggle_pairs": tog["pairs"],
+        "toggle_segment_s": args.segment,
+        "toggle_gbit_s_without": round(tog["gbit_s_without"], 3),
+        "toggle_gbit_s_with": round(tog["gbit_s_with"], 3),
+        "pinned_cpu": PIN[0],
+        # separate transfers (see the docstring: too noisy here for a 2 % effect)
+        "separate_runs_slowdown_percent": round(slowdown, 2),
+        "separate_runs_pair_mean_percent": round(pair_mean, 2),
+        "separate_runs_pair_sem_percent": round(pair_sem, 2),
         "cpu_ns_per_byte_without": round(cpb0, 5),
         "cpu_ns_per_byte_with": round(cpb1, 5),
         "cpu_per_byte_increase_percent": round(cpu_cost, 2),
@@ -381,10 +446,6 @@ def main() -> int:
         "agent_cpu_percent": round(100.0 * cpu_s / agent_secs, 3),
         "pairs": args.pairs,
         "seconds_per_run": args.seconds,
-        "toggle_slowdown_percent": round(tog["slowdown_percent"], 2),
-        "toggle_slowdown_sem_percent": round(tog["sem_percent"], 2),
-        "toggle_slowdown_median_percent": round(tog["median_percent"], 2),
-        "toggle_pairs": tog["pairs"],
         "goal_slowdown_percent": 2,
         "bpf_ns_per_run": cost,
         "bpf_cpu_ms_per_gbit": round(bpf_ms_per_gbit, 3),
@@ -394,6 +455,7 @@ def main() -> int:
         # shows ~75 ns per run here), so it is an estimate, not a bound
         "bpf_share_of_transfer_cpu_percent": round(100.0 * bpf_ms_per_gbit / (cpb0 * 125.0), 2),
         "bpf_runs_per_gbit": round(runs_per_gbit, 1),
+        "bpf_runs_per_gbit_each": runs_each,
     }
     if dispatch:
         # in-kernel cost per Gbit = runs x (body + dispatch); the ns-per-run figures are body + the statistics'
@@ -406,26 +468,28 @@ def main() -> int:
             "in_kernel_cost_ms_per_gbit": round(est_ms, 3),
             "estimated_slowdown_percent": round(100.0 * est_ms / (cpb0 * 125.0), 2),
         })
-    print(f"throughput without probes  {med_without:8.2f} Gbit/s (median of {args.pairs})")
-    print(f"throughput with probes     {med_with:8.2f} Gbit/s  slowdown {slowdown:.2f} % (goal < 2); "
-          f"per adjacent pair {pair_mean:.2f} % +- {pair_sem:.2f} (mean +- s.e.)")
-    print(f"toggled in one transfer    {tog['gbit_s_without']:8.2f} Gbit/s off, {tog['gbit_s_with']:.2f} on: "
-          f"slowdown {tog['slowdown_percent']:.2f} % +- {tog['sem_percent']:.2f} (mean +- s.e. of {tog['pairs']} "
-          f"adjacent pairs of {args.segment} s; median {tog['median_percent']:.2f} %)")
-    print(f"machine CPU per byte       {cpb0:.4f} ns without, {cpb1:.4f} ns with probes: +{cpu_cost:.2f} % "
-          f"(the cost at saturation, less sensitive to the VM's throughput noise)")
+    where = f"both ends on CPU {PIN[0]}" if PIN[0] is not None else "not pinned"
+    print(f"slowdown (toggled)         {tog['slowdown_percent']:.2f} % +- {tog['sem_percent']:.2f} (goal < 2; mean +- "
+          f"s.e. over {len(togs)} transfers of {args.toggle_seconds:.0f} s, each the mean of its adjacent on/off "
+          f"pairs of {args.segment} s ({tog['pairs']} in all), {where}): {tog['gbit_s_without']:.2f} Gbit/s off, "
+          f"{tog['gbit_s_with']:.2f} on")
+    print(f"separate runs              {med_without:8.2f} Gbit/s without, {med_with:.2f} with (medians of "
+          f"{args.pairs}): {slowdown:.2f} %; per adjacent pair {pair_mean:.2f} % +- {pair_sem:.2f}")
+    print(f"core CPU per byte          {cpb0:.4f} ns without, {cpb1:.4f} ns with probes: {cpu_cost:+.2f} % "
+          f"(separate runs)")
     print(f"packets handled            {result['events_per_s']:,.0f} /s while loaded")
     print(f"agent CPU                  {result['agent_cpu_s_per_gbit'] * 1000:.3f} ms per Gbit transferred "
           f"({result['agent_cpu_percent']:.3f} % of one core)")
     print("BPF time per program run   " + ", ".join(f"{k} {v:.0f} ns" for k, v in cost.items())
           + " (separate run with kernel.bpf_stats_enabled)")
+    print("program runs per Gbit      " + ", ".join(f"{k} {v:,.0f}" for k, v in runs_each.items()))
     print(f"BPF CPU                    {bpf_ms_per_gbit:.2f} ms per Gbit counted (both ends of each packet here; "
           f"{bpf_ms_per_gbit:.2f} ms/Gbit = {bpf_ms_per_gbit:.1f} % of a core per 10 Gbit/s)")
     print(f"BPF share of transfer CPU  {result['bpf_share_of_transfer_cpu_percent']:.2f} % (the programs' run time "
-          f"against the machine's CPU per byte without them: an estimate of the slowdown, see the code)")
+          f"against the CPU per byte without them: an estimate of the slowdown, see the code)")
     if dispatch:
-        print(f"dispatch per program run   {dispatch['dispatch_ns']:.1f} ns +- {dispatch['dispatch_sem_ns']:.1f} (empty "
-              f"program toggled under a C recv() loop; the statistics themselves cost "
+        print(f"dispatch per program run   {dispatch['dispatch_ns']:.1f} ns +- {dispatch['dispatch_sem_ns']:.1f} "
+              f"(empty program toggled under a C recv() loop; the statistics themselves cost "
               f"{dispatch['stats_overhead_ns']:.1f} ns per run)")
         print(f"estimated slowdown         {result['estimated_slowdown_percent']:.2f} % = runs x (body + dispatch) "
               f"= {result['in_kernel_cost_ms_per_gbit']:.2f} ms per Gbit against {cpb0 * 125:.1f} ms of CPU per Gbit "

@@ -81,18 +81,16 @@ In the BTF build headers are read through the kfunc bpf_rdonly_cast (exception-p
 cannot emit kfunc calls, so agent/ebpf rewrites a placeholder call when it loads the program), not with
 bpf_probe_read_kernel calls (kernels without the kfunc: probe reads).
 
-Cost (bench/ebpf.py, 2-core VM, loopback at ~30-37 Gbit/s with 64 KiB skbs, where both programs of every
+Cost (bench/ebpf.py, 2-core VM, loopback at ~20-30 Gbit/s with 64 KiB skbs, where both programs of every
 packet run on this host). BPF time per run, from the kernel's statistics:
-  tx ~130 ns: socket storage and the skb stamp (250-320 ns with the hash map and a clock read)
-  rx ~120 ns: typed header loads and a per-CPU slot (240-285 ns with a probe read and the hash map)
-  ~75 ns of either is what any program costs here (an empty one, with the statistics on)
-That is 0.80-0.86 ms of BPF CPU per Gbit counted at both ends, against 1.6-2.0 ms at the start of this work.
+  tx ~120-130 ns: socket storage and the skb stamp (250-320 ns with the hash map and a clock read)
+  rx ~110-120 ns: typed header loads and a per-CPU slot (240-285 ns with a probe read and the hash map)
+  ~65-75 ns of either is what the statistics themselves add to a run (an empty program, statistics on)
 The tracepoint dispatch around each run, measured apart (an empty program toggled under a C recv() loop), is
-64-92 ns on this VM (retpolines), about what the statistics add to each run; runs x (body + dispatch) against
-the machine's CPU per Gbit without probes gives an estimated slowdown of 2.0 % (cache effects not included).
-Throughput itself cannot resolve that here: the VM moves +-3-4 % between runs and between segments of one
-transfer, and one 16-pair run read 6.3 % (median), 7.0 +- 2.5 % (adjacent pairs), 1.1 +- 2.9 % (in-transfer
-toggle) and +5.8 % CPU per byte. bench/ebpf.py prints all of these side by side.
+64-92 ns on this VM (retpolines). runs x (body + dispatch) against the CPU per Gbit without probes gives an
+estimated slowdown of 1.2 % with both ends of the transfer on one core and 2.0 % with them on two (more ACKs
+and recv() calls per Gbit). Measured directly, toggling the programs every 0.25 s inside 6 transfers of 60 s:
+0.44 +- 0.48 % (one core) and 1.32 +- 0.98 % (two cores); see bench/README.md.
 
 Needs root (or CAP_BPF+CAP_PERFMON), BTF, kernel headers for bcc, tracefs.
 """
