@@ -109,6 +109,20 @@ def source():
     src.stop()
 
 
+def _wait_sleeping(pid: int, timeout: float = 10.0) -> None:
+    """Until the process is in interruptible sleep (state S in /proc/PID/stat) twice 20 ms apart."""
+    deadline = time.monotonic() + timeout
+    seen = 0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as fh:
+            state = fh.read().rsplit(")", 1)[1].split()[0]
+        seen = seen + 1 if state == "S" else 0
+        if seen >= 2:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} never blocked")
+
+
 def _register(src: SchedSource, *procs: subprocess.Popen) -> dict[int, str]:
     keys = {(p.pid, _start_ticks(p.pid)): ProcessInfo(0, p.pid, _start_ticks(p.pid)) for p in procs}
     src.ctx.workloads.replace(keys)
@@ -122,6 +136,10 @@ def test_on_and_off_cpu_match_known_proportions(source):
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
+        # Register only once the child is blocked on stdin: a switch-out after registration would open an
+        # off-CPU interval that the wake-up at "go" closes, adding the time until "go" (tens of ms on a
+        # loaded machine) to `off` but not to the child's own window.
+        _wait_sleeping(child.pid)
         entity = _register(source, child)[child.pid]
         before = _values(source.step(), entity)
         child.stdin.write("go\n")
