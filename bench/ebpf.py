@@ -423,7 +423,8 @@ def main() -> int:
     result = {
         "throughput_gbit_s_without": round(med_without, 3),
         "throughput_gbit_s_with": round(med_with, 3),
-        # the headline: the toggle inside one transfer (mean over adjacent on/off segment pairs, +- s.e.)
+        # the headline: the toggle (per transfer, the mean over adjacent on/off segment pairs; then the mean
+        # over the transfers +- the s.e. across them)
         "slowdown_percent": round(tog["slowdown_percent"], 2),
         "slowdown_sem_percent": round(tog["sem_percent"], 2),
         "slowdown_median_percent": round(tog["median_percent"], 2),
