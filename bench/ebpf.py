@@ -3,9 +3,10 @@ programs handled per second, and the agent's user-space CPU per Gbit/s of traffi
 
 Both ends of every transfer (a Python sender and receiver, 1 MiB sends) run on one core (--pin, by default
 the last CPU), the bench and the agent on the others. The transfer is then CPU-bound on that core, where the
-TX and the RX program both run, so every ns they add is throughput lost (the worst case), and its rate moves
-far less between segments than with the two ends on two cores (adjacent 0.25 s segments differ by 1.5-5 %
-(sd) pinned, 10-16 % unpinned, in A/A runs here).
+TX and the RX program both run, so every ns they add is throughput lost, and its rate moves far less
+between segments than with the two ends on two cores (adjacent 0.25-1 s segments differ by sd 1.5-8 %,
+median 4 %, pinned, against 10-17 % unpinned, in A/A runs here). It is not the costliest set-up: with the
+ends on two cores there are more ACKs and recv() calls per Gbit (--pin none; both are in bench/README.md).
 
 Runs (root):
 1. --toggle-runs transfers of --toggle-seconds, during each of which the agent detaches and re-attaches the
@@ -107,7 +108,7 @@ AGENT = textwrap.dedent("""
 
 # The CPU both ends of every transfer run on (main() sets it; None: not pinned). Sharing one core makes the
 # transfer CPU-bound there, so every ns the programs add (both run on it) is throughput lost, and the rate moves
-# far less between segments than with the two ends on two cores (pair sd 1.5-5 % vs 10-16 % here, A/A runs).
+# far less between segments than with the two ends on two cores (pair sd median 4 % vs 10-17 % here, A/A runs).
 # The bench itself and the agent run on the other cores.
 PIN: list = [None]
 
