@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import sys
 import threading
 
-from steplens import conn
+from steplens import cliout, conn, stackfmt
 from steplens.agent import config as agent_config
 from steplens.agent.sources import all_source_classes
 from steplens.agent.sources.base import ConfigError, HostContext
@@ -83,7 +84,18 @@ def cmd_check(args) -> int:
             ok, reason = False, f"probe failed: {type(exc).__name__}: {exc}"
         if not enabled:
             ok, reason = False, "disabled in config"
-        report[name] = {"available": ok, "enabled": enabled, "reason": reason, "description": cls.description}
+        # sources with more than one build (eBPF: BTF program types or a classic fallback) say which one
+        # they will get here and why; "" for the others
+        mode, mode_reason = "", ""
+        if hasattr(cls, "planned_mode"):
+            mode, mode_reason = "none", reason
+            if ok:
+                try:
+                    mode, mode_reason = cls.planned_mode(ctx, cfg.sources[name])
+                except Exception as exc:
+                    mode, mode_reason = "unknown", f"mode probe failed: {type(exc).__name__}: {exc}"
+        report[name] = {"available": ok, "enabled": enabled, "reason": reason, "description": cls.description,
+                        "mode": mode, "mode_reason": mode_reason}
     if args.json:
         print(json.dumps({"node_id": cfg.agent.node_id, "sources": report}, indent=2))
     else:
@@ -91,6 +103,8 @@ def cmd_check(args) -> int:
         for name, r in report.items():
             state = "up" if r["available"] else "unavailable"
             print(f"{name:<{width}}  {state:<11}  {r['reason']}")
+            if r["available"] and r["mode"]:
+                print(f"{'':<{width}}  mode {r['mode']}: {r['mode_reason']}")
     return 0
 
 
@@ -106,7 +120,9 @@ def _print_stack(sample, pid: int) -> None:
         flags = ", ".join(x for x in (t.state, "holds GIL" if t.gil else "") if x)
         print(f"\nThread {t.tid} \"{t.name}\" ({flags})")
         for f in t.frames:
-            print(f"    {f.qualname} ({f.file}:{f.line})")
+            print(f"    {f.qualname} {stackfmt.location(f.file, f.line)}")
+        if not t.frames:
+            print(f"    {stackfmt.NO_PYTHON_FRAME} ({stackfmt.NO_PYTHON_FRAME_WHY})")
 
 
 def cmd_stack(args) -> int:
@@ -183,6 +199,19 @@ def cmd_record(args) -> int:
     return 0
 
 
+def cmd_parse(args) -> int:
+    import json
+
+    from steplens.agent import parse
+    try:
+        res = parse.parse_file(args.file, args.kind)
+    except parse.ParseError as exc:
+        print(f"steplens-agent: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(res.to_json()) if args.json else parse.summary(res, args.limit))
+    return 0
+
+
 def cmd_env(args) -> int:
     import os
 
@@ -201,16 +230,49 @@ def cmd_env(args) -> int:
     if args.kineto and kineto_dir:
         env.insert(1, ("KINETO_IPC_SOCKET_DIR", kineto_dir,
                        "kineto: the agent's [sources.kineto] socket_dir (filesystem socket instead of the abstract one)"))
-    print("# steplens launch environment: put these in the job's environment (export, srun --export, torchrun env)")
-    for note in bootstrap.ATTACH_NOTES:
-        print(f"# {note}")
-    for key, value, why in env:
-        if args.explain:
-            print(f"# {why}")
-        print(f"{key}={value}")
+    return _print_env(env, args.format, args.explain)
+
+
+# what `env $(steplens-agent env) CMD` and `export $(...)` pass through unharmed: no word splitting (IFS),
+# no pathname expansion (*?[), nothing a shell would otherwise treat specially
+_ENV_SAFE = re.compile(r"[A-Za-z0-9_@%+=:,./-]*")
+
+
+def _print_env(env: list[tuple[str, str, str]], fmt: str, explain: bool) -> int:
+    """env: bare KEY=VALUE lines (for `env $(...)`, `export $(...)`, EnvironmentFile=, --env-file); shell: `export
+    KEY='value'` lines for eval; json: one object. --explain notes go to stderr, except in shell format where
+    they are `#` lines (harmless to eval)."""
+    from steplens.agent import bootstrap
+    head = ["steplens launch environment: put these in the job's environment (export, srun --export, torchrun env)"]
+    notes = head + list(bootstrap.ATTACH_NOTES) if explain else []
+    if fmt == "env":
+        bad = [key for key, value, _ in env if not _ENV_SAFE.fullmatch(value)]
+        if bad:
+            print(f"steplens-agent: env: the value of {', '.join(bad)} has characters (space, quote, glob) that "
+                  "`env $(steplens-agent env)` would split or expand; use --format shell "
+                  "(eval \"$(steplens-agent env --format shell)\") or --format json", file=sys.stderr)
+            return 1
+    if fmt == "shell":
+        import shlex
+        lines = [f"# {n}" for n in notes]
+        for key, value, why in env:
+            lines += ([f"# {why}"] if explain else []) + [f"export {key}={shlex.quote(value)}"]
+        print("\n".join(lines))
+        return 0
+    for n in notes:
+        print(f"# {n}", file=sys.stderr)
+    if explain:
+        for key, _, why in env:
+            print(f"# {key}: {why}", file=sys.stderr)
+    sys.stderr.flush()
+    if fmt == "json":
+        print(json.dumps({key: value for key, value, _ in env}, indent=2))
+    else:
+        print("\n".join(f"{key}={value}" for key, value, _ in env))
     return 0
 
 
+@cliout.quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="steplens-agent", description="steplens per-node agent")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop", action="store_true", help="stop the Python threads for each read")
     p.add_argument("--proc-root", help="procfs mount (default /proc)")
     p.set_defaults(func=cmd_record)
-    p = sub.add_parser("env", help="KEY=VALUE lines for the job's launcher (Kineto, Flight Recorder bootstrap, NCCL logs)")
+    p = sub.add_parser("env", help="the job's launch environment (Kineto, Flight Recorder bootstrap, NCCL logs): "
+                                   "KEY=VALUE lines, shell exports or JSON")
     p.add_argument("--kineto", action=argparse.BooleanOptionalAction, default=True, help="KINETO_USE_DAEMON=1 (default on)")
     p.add_argument("--flightrec", action=argparse.BooleanOptionalAction, default=True,
                    help="the bootstrap on PYTHONPATH + Flight Recorder (default on)")
@@ -253,10 +316,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fr-buffer-size", type=int, default=2000, help="Flight Recorder entries kept per process")
     p.add_argument("--nccl-log-dir", default="/var/log/steplens/nccl", help="directory of the NCCL logs")
     p.add_argument("--keep-pythonpath", action="store_true", help="append the current $PYTHONPATH after the bootstrap")
-    p.add_argument("--explain", action="store_true", help="a comment line before each variable")
+    p.add_argument("--format", choices=["env", "shell", "json"], default="env",
+                   help="env (default): bare KEY=VALUE lines for `env $(steplens-agent env) CMD` or `export $(...)` "
+                        "(refused, exit 1, when a value would not survive word splitting); shell: `export KEY='value'` "
+                        "lines for `eval \"$(steplens-agent env --format shell)\"`; json: one object")
+    p.add_argument("--explain", action="store_true",
+                   help="what each variable is for and which sources need them: on stderr (as `#` lines in shell format)")
     p.add_argument("--config", help="the agent's config file (default /etc/steplens/agent.toml if present): "
                                     "its [sources.kineto] socket_dir is passed on")
     p.set_defaults(func=cmd_env)
+    p = sub.add_parser("parse", help="what steplens extracts from one recorded file (Kineto trace, Flight Recorder "
+                                     "dump, NCCL_DEBUG=INFO log; .gz too): ops, kernels, steps")
+    p.add_argument("file")
+    p.add_argument("--kind", choices=("kineto", "flightrec", "nccl-log"), help="default: guessed from the content")
+    p.add_argument("--json", action="store_true", help='one object {"kind", "ops", "kernels", "steps", "skipped"}; '
+                                                       "times in the file's own clock, ns")
+    p.add_argument("--limit", type=int, default=40, help="ops listed in the human table (default 40)")
+    p.set_defaults(func=cmd_parse)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

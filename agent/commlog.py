@@ -2,15 +2,24 @@
 clock, per-step summaries, and handing the full CommOp/KernelRec stream to the node-local detail store.
 
 Sources (kineto, flightrec, cupti) parse their own formats into CommOp/KernelRec and call
-`CommLog.add()`; only the CommSummary records it returns go upstream (Holmes: detail stays on the node).
+`CommLog.add()`; only the CommSummary and Step records it returns go upstream (Holmes: detail stays on the
+node). Steps: every comm-op source's ops also feed one StepSegmenter per source (agent/steps.py), which turns
+them into per-process step boundaries (ProfilerStep windows, where the trace has them, win).
+
+`CommLog.add()` is also where every converted time is checked (`time_problem`): a CLOCK_REALTIME time from a
+file or a dump does not always land inside this boot's CLOCK_MONOTONIC (a trace older than the boot, a wall
+clock stepped since, a crafted file). Such a record is dropped and counted per reason, reported as an Event,
+and never reaches the detail store or the encoder, whose unsigned fields would refuse it.
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 
-from steplens.agent.records import CommOp, CommSummary, KernelRec
+from steplens.agent.records import CommOp, CommSummary, Event, KernelRec, Step
+from steplens.agent.steps import StepSegmenter
 
 # Normalized op names (the CommOp.op vocabulary) and the spellings the sources use for them:
 # torch (c10d, Flight Recorder profiling names "nccl:all_reduce", "gloo:all_reduce"), NCCL API names,
@@ -32,6 +41,8 @@ _ALIASES = {
     "broadcast": "broadcast", "bcast": "broadcast", "reduce": "reduce", "gather": "gather", "scatter": "scatter",
     "send": "send", "recv": "recv", "recv_any_source": "recv", "recvanysource": "recv",
     "barrier": "barrier", "coalesced": "coalesced",
+    # ProcessGroupNCCL runs barrier() as a one-element all-reduce, profiled as "nccl:all_reduce_barrier"
+    "all_reduce_barrier": "barrier", "allreduce_barrier": "barrier",
 }
 _PREFIX = re.compile(r"^(?:c10d::|nccl:|gloo:|ucc:|mpi:|nccl|c10d_functional::)", re.IGNORECASE)
 
@@ -89,7 +100,36 @@ class RealtimeClock:
         return self._offset
 
     def to_mono(self, realtime_ns: int) -> int:
+        """0 (unknown) for 0; otherwise may be negative or past now: CommLog.add() checks the result."""
         return 0 if not realtime_ns else realtime_ns - self.offset_ns
+
+
+# CLOCK_MONOTONIC fields (by their name) of the records a comm-op source converts from CLOCK_REALTIME
+TIME_FIELDS = {t: tuple(n for n in t.__slots__ if n.endswith("mono_ns")) for t in (CommOp, KernelRec)}
+INT64_MAX = (1 << 63) - 1
+FUTURE_SLACK_NS = 60 * 10**9   # a trace is read after it was written: later than this past now is not a read-out
+DROP_REASONS = {
+    "not_a_time": "not an integer number of ns",
+    "before_boot": "before this host booted (CLOCK_MONOTONIC < 0: an old file, or the wall clock stepped back)",
+    "out_of_range": "outside the 64-bit range",
+    "future": "in the future (the wall clock stepped forward since, or the file is not from this host)",
+}
+
+
+def time_problem(rec, now_mono_ns: int, future_slack_ns: int = FUTURE_SLACK_NS) -> tuple[str, str]:
+    """("", "") when every CLOCK_MONOTONIC time of a CommOp/KernelRec is one of this boot (0 = unknown), else
+    (reason, "field=value") for the first that is not; reasons are the keys of DROP_REASONS."""
+    for name in TIME_FIELDS.get(type(rec), ("mono_ns",)):
+        v = getattr(rec, name)
+        if type(v) is not int:  # bool, float, str: a parser let a non-integer through
+            return "not_a_time", f"{name}={v!r}"
+        if v < 0:
+            return ("out_of_range" if v < -INT64_MAX else "before_boot"), f"{name}={v}"
+        if v > INT64_MAX:
+            return "out_of_range", f"{name}={v}"
+        if v > now_mono_ns + future_slack_ns:
+            return "future", f"{name}={v} ({(v - now_mono_ns) / 1e9:.0f} s past now)"
+    return "", ""
 
 
 def summarize(ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = ()) -> list[CommSummary]:
@@ -143,27 +183,62 @@ def summarize(ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tupl
 
 class CommLog:
     """A comm-op source's sink: the full CommOp/KernelRec stream goes to the node-local detail store
-    (state_dir/detail.db, a bounded ring), and the CommSummary records to send upstream come back."""
+    (state_dir/detail.db, a bounded ring), and the CommSummary records to send upstream come back, with an
+    Event per (process, reason) for records dropped because a time of theirs is not one of this boot."""
 
-    def __init__(self, state_dir: str, source: str, max_records: int = 2_000_000) -> None:
+    def __init__(self, state_dir: str, source: str, max_records: int = 2_000_000,
+                 monotonic_ns=time.monotonic_ns, future_slack_ns: int = FUTURE_SLACK_NS) -> None:
         import os
 
         from steplens.agent.detail import open_shared
         self.source = source
         self.store = open_shared(os.path.join(state_dir, "detail.db"), max_records=max_records)
+        self._mono = monotonic_ns
+        self.future_slack_ns = future_slack_ns
         self.ops_total = 0
         self.kernels_total = 0
+        self.rejected: Counter = Counter()   # reason (DROP_REASONS, "unencodable") -> records dropped
+        self.segmenter = StepSegmenter()     # per-process step boundaries from the same ops (agent/steps.py)
 
     def add(self, ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = ()
-            ) -> list[CommSummary]:
+            ) -> list[CommSummary | Step | Event]:
         if not ops and not kernels:
             return []
-        self.store.add_records(self.source, list(ops))
-        self.store.add_records(self.source, list(kernels))
+        now = self._mono()
+        events: list[Event] = []
+        ops, kernels = self._valid(ops, now, events), self._valid(kernels, now, events)
+        steps = [s for s in steps if all(type(t) is int and 0 <= t <= INT64_MAX for t in s)]
+        refused = self.store.add_records(self.source, ops) + self.store.add_records(self.source, kernels)
         self.store.flush()
+        if refused:  # another field out of range (a negative size in a crafted dump): the others stay
+            gone = {id(rec) for rec, _ in refused}
+            ops, kernels = [o for o in ops if id(o) not in gone], [k for k in kernels if id(k) not in gone]
+            self.rejected["unencodable"] += len(refused)
+            rec, why = refused[0]
+            events.append(Event(now, f"{self.source}_records_dropped", f"pid:{getattr(rec, 'pid', 0)}:"
+                                f"{getattr(rec, 'start_ticks', 0)}", f"unencodable: {len(refused)} record(s) "
+                                f"dropped, a field out of range (first: {type(rec).__name__} {why})",
+                                float(len(refused))))
         self.ops_total += len(ops)
         self.kernels_total += len(kernels)
-        return summarize(ops, kernels, steps)
+        return summarize(ops, kernels, steps) + self.segmenter.add(ops, steps) + events
+
+    def _valid(self, records, now: int, events: list[Event]) -> list:
+        keep, bad = [], {}
+        for rec in records:
+            reason, detail = time_problem(rec, now, self.future_slack_ns)
+            if not reason:
+                keep.append(rec)
+                continue
+            key = (reason, type(rec).__name__, getattr(rec, "pid", 0), getattr(rec, "start_ticks", 0))
+            n, first = bad.get(key, (0, detail))
+            bad[key] = (n + 1, first)
+        for (reason, kind, pid, ticks), (n, first) in bad.items():
+            self.rejected[reason] += n
+            events.append(Event(now, f"{self.source}_records_dropped", f"pid:{pid}:{ticks}",
+                                f"{reason}: {n} {kind} record(s) dropped, a time {DROP_REASONS[reason]} "
+                                f"(first: {first})", float(n)))
+        return keep
 
     @property
     def dropped(self) -> int:

@@ -91,6 +91,7 @@ class DetailStore:
         self._record_rows = self._db.execute("SELECT COUNT(*) FROM records").fetchone()[0]
         self.dropped = self._counter("stack_samples_dropped")
         self.records_dropped = self._counter("records_dropped")
+        self.records_rejected = 0  # records the codec refused (add_records), this process
 
     def _counter(self, key: str) -> int:
         row = self._db.execute("SELECT value FROM counters WHERE key=?", (key,)).fetchone()
@@ -112,13 +113,22 @@ class DetailStore:
     def add_stack_sample(self, mono_ns: int, pid: int, tid: int, frames: tuple, gil: bool, state: str) -> None:
         self._pending.append((mono_ns, pid, tid, self.stack_id(frames), int(gil), state))
 
-    def add_records(self, source: str, records: list) -> None:
+    def add_records(self, source: str, records: list) -> list[tuple[object, str]]:
         """CommOp / KernelRec records (any Record the codec knows) for the ring; kind is the class name
-        in lower case ("commop", "kernelrec")."""
+        in lower case ("commop", "kernelrec"). A record the codec refuses (a value out of its field's range)
+        is left out, counted in `records_rejected`, and returned with the reason: the others are kept."""
         from steplens.agent.transport.codec import encode_record
+        rejected = []
         for rec in records:
+            try:
+                blob = encode_record(source, rec)
+            except (ValueError, TypeError, OverflowError) as exc:
+                rejected.append((rec, f"{type(exc).__name__}: {exc}"))
+                continue
             self._pending_records.append((rec.mono_ns, type(rec).__name__.lower(), getattr(rec, "pid", 0),
-                                          getattr(rec, "rank", -1), encode_record(source, rec)))
+                                          getattr(rec, "rank", -1), blob))
+        self.records_rejected += len(rejected)
+        return rejected
 
     def records(self, kinds: list[str], since_mono_ns: int = 0, until_mono_ns: int = (1 << 63) - 1,
                 pids: set | None = None, ranks: set | None = None, limit: int = 100_000) -> list[bytes]:

@@ -186,6 +186,7 @@ class CommOp:
     start_mono_ns: int = 0
     end_mono_ns: int = 0
     job_key: str = ""
+    seq_source: str = ""        # trace | order (numbered by the parser in issue order) | "" (seq unknown)
 
 
 @dataclass(slots=True)
@@ -254,5 +255,38 @@ class CommMember:
     via: str = "nccl_log"
 
 
+@dataclass(slots=True)
+class StepComm:
+    """One communicator's ops within one Step (records.proto StepComm)."""
+
+    comm_id: str
+    op: str                     # the op kind, or "mixed"
+    calls: int
+    bytes: int
+    busy_ns: int                # sum of op durations where the source has start and end
+    wait_ns: int                # sum of (start - issue) where the source measured both; -1 unknown
+    seq_first: int              # sequence number of the first op, -1 unknown
+    issue_offsets_ns: list = field(default_factory=list)  # each op's issue time - step start, issue order
+    offsets_dropped: int = 0    # ops past the per-step cap, not in issue_offsets_ns
+
+
+@dataclass(slots=True)
+class Step:
+    """One training step of one process, segmented on the agent (agent/steps.py). mono_ns = end_mono_ns."""
+
+    mono_ns: int
+    pid: int
+    start_ticks: int
+    job_key: str
+    rank: int
+    step: int
+    start_mono_ns: int
+    end_mono_ns: int
+    evidence: str               # profiler | comm_pattern | anchor
+    period_ops: int             # ops per cycle of the learnt pattern (0 for profiler steps)
+    ops: int                    # ops in this step
+    comms: list = field(default_factory=list)  # StepComm
+
+
 Record = (Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary | ConnStats
-          | Flow | CommOp | KernelRec | CommSummary | CommMember)
+          | Flow | CommOp | KernelRec | CommSummary | CommMember | Step)

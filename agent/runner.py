@@ -3,7 +3,8 @@
 Each source's step() runs on its own thread at its interval (its deep interval while deep mode is
 on), so a slow or failing source never stalls another. Records go into one bounded queue that
 drops the oldest and counts it; a batcher thread cuts batches by size and age, encodes them and
-appends them to the spool. Queue drops become a Gap record, so a loss is never silent.
+appends them to the spool. Queue drops become a Gap record, so a loss is never silent; a record the
+encoder refuses (a value out of its field's range) is left out of its batch and reported as an Event.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from steplens.agent.records import Gap, Mode
+from steplens.agent.records import Event, Gap, Mode
 from steplens.agent.sources.base import Availability, HostContext, Source, SourceConfig
 
 log = logging.getLogger("steplens.agent.runner")
@@ -105,6 +106,7 @@ class Runner:
         self._mode = Mode.SENTINEL
         self._queue_drops_reported = 0
         self.batch_errors = 0
+        self.records_rejected = 0   # records the encoder refused, left out of their batch
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -217,6 +219,26 @@ class Runner:
             if not state.reason or state.reason == avail.reason:
                 state.reason = "stopped"
 
+    def _encodable(self, items: list) -> list:
+        keep, bad = [], collections.Counter()
+        first: dict[str, str] = {}
+        for source, rec in items:
+            try:
+                self._encode([(source, rec)])
+            except (ValueError, TypeError, OverflowError) as exc:
+                bad[source] += 1
+                first.setdefault(source, f"{type(rec).__name__}: {type(exc).__name__}: {exc}")
+                continue
+            keep.append((source, rec))
+        now = self.ctx.mono_ns()
+        for source, n in bad.items():
+            self.records_rejected += n
+            log.warning("source %s emitted %d record(s) the encoder refused (first: %s)", source, n, first[source])
+            keep.append(("agent", Event(now, "records_rejected", source, f"{n} record(s) of source {source} "
+                                        f"dropped: a value out of its field's range (first: {first[source]})",
+                                        float(n))))
+        return keep
+
     def stalled_check(self) -> None:
         """Mark sources whose step has run past their step timeout as down (called by status)."""
         now = time.monotonic()
@@ -246,7 +268,15 @@ class Runner:
                 return
 
     def _write(self, items: list) -> None:
-        payload = self._encode(items)
+        try:
+            payload = self._encode(items)
+        except (ValueError, TypeError, OverflowError):
+            # one record with a value its field cannot hold (a source's bug or a crafted input) must not take
+            # the batch, or the batcher thread, with it: keep the others, count and report the rest
+            items = self._encodable(items)
+            if not items:
+                return
+            payload = self._encode(items)
         if len(payload) > self.policy.max_bytes and len(items) > 1:
             half = len(items) // 2
             self._write(items[:half])

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 import grpc
 
 from steplens import conn
+from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig
+from steplens.collector.analysis.engine import AnalysisEngine
+from steplens.collector.control.fetch import thread_fetcher
 from steplens.collector.control.service import ControlService
 from steplens.collector.ingest.clock import ClusterClock
 from steplens.collector.ingest.server import IngestService, IngestSettings
@@ -35,9 +38,18 @@ class CollectorSettings:
     retention_seconds: float = 7 * 86400
     max_message_bytes: int = conn.MAX_MESSAGE_BYTES
     ingest: IngestSettings = field(default_factory=IngestSettings)
+    analysis: AnalysisSettings = field(default_factory=AnalysisSettings)
+    detector_configs: dict[str, DetectorConfig] = field(default_factory=dict)  # name -> config ([detectors.*])
+    detectors: dict | None = None  # name -> DetectorSpec; None: every registered one (analysis.DETECTORS)
+    metrics_listen: str = ""       # HOST:PORT for /metrics ('' : none)
 
     def validate(self) -> None:
         conn.split_host_port(self.listen)
+        self.analysis.validate()
+        if self.metrics_listen:
+            conn.split_host_port(self.metrics_listen)
+        for cfg in self.detector_configs.values():
+            cfg.validate()
         if self.insecure:
             conn.require_insecure_allowed(self.listen)
         else:
@@ -62,6 +74,10 @@ class Collector:
         self.ingest = IngestService(self.writer, self.clock, ingest_settings)
         self.control = ControlService(Reader(settings.db), self.ingest, self.clock, tls=not settings.insecure,
                                       token=settings.token, operator_cns=settings.operator_cns)
+        self.analysis = AnalysisEngine(Reader(settings.db), self.writer, settings.analysis, settings.detectors,
+                                       settings.detector_configs, now_ns=self.clock.now_ns)
+        self.control.engine = self.analysis
+        self.metrics = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
 
@@ -90,11 +106,21 @@ class Collector:
                 raise OSError(f"cannot listen on {s.control_listen}")
         self.writer.start()
         await self.server.start()
+        self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock)
+        self.analysis.start()
+        if s.metrics_listen:
+            from steplens.collector.metrics import CollectorExporter, MetricsServer
+            self.metrics = MetricsServer(CollectorExporter(Reader(s.db), self.analysis, self.ingest).registry,
+                                         s.metrics_listen)
         log.info("collector listening on %s (port %d), store %s, %s", s.listen, self.port, s.db,
                  "insecure (loopback only)" if s.insecure else "mutual TLS")
         return self.port
 
     async def stop(self, grace: float = 2.0) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        await asyncio.to_thread(self.analysis.stop)
         if self.server is not None:
             await self.server.stop(grace)
             self.server = None

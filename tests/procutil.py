@@ -51,3 +51,26 @@ def prog_ids_of(pid: int, prefix: str = "steplens_") -> set[int]:
 
 def progs_alive(ids: set[int]) -> set[int]:
     return {p["id"] for p in bpftool_progs()} & ids
+
+
+@pytest.fixture
+def started():
+    """start(source) -> source, stopped at teardown whatever the test did (an assertion before its own
+    try/finally, an exception in start() after some programs were attached): no BPF program outlives its test."""
+    sources = []
+
+    def start(src):
+        sources.append(src)
+        src.start()
+        return src
+    yield start
+    for src in reversed(sources):
+        src.stop()
+
+
+def own_prog_ids(baseline: set[int], names) -> set[int]:
+    """Programs this process holds now that it did not hold at `baseline` (prog_ids_of(os.getpid(), "")), named
+    as in `names`: what one test loaded, whatever other tests left behind."""
+    names = set(names)
+    ids = prog_ids_of(os.getpid(), prefix="") - baseline
+    return {p["id"] for p in bpftool_progs() if p["id"] in ids and p.get("name", "") in names}

@@ -99,21 +99,68 @@ def test_does_not_import_torch_in_a_process_that_does_not(tmp_path):
     assert not list(tmp_path.glob("*.sock"))
 
 
+def _pairs(text: str) -> dict:
+    return dict(ln.split("=", 1) for ln in text.splitlines())
+
+
 def test_env_command_prints_key_value_lines():
+    """The default output is bare KEY=VALUE lines and nothing else; --explain puts the notes on stderr."""
     out = subprocess.run([AGENT, "env"], capture_output=True, text=True, timeout=30)
-    assert out.returncode == 0
-    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    assert out.returncode == 0 and out.stderr == "", out
+    assert all(ln and not ln.startswith("#") and "=" in ln and " " not in ln for ln in out.stdout.splitlines()), out
+    pairs = _pairs(out.stdout)
     assert pairs["KINETO_USE_DAEMON"] == "1" and pairs["STEPLENS_BOOTSTRAP"] == "1"
     assert pairs["PYTHONPATH"] == SITE and os.path.exists(os.path.join(SITE, "sitecustomize.py"))
     assert pairs["NCCL_DEBUG"] == "INFO" and pairs["NCCL_DEBUG_SUBSYS"] == "INIT,COLL"
     assert pairs["NCCL_DEBUG_FILE"].endswith("nccl.%h.%p.log") and int(pairs["TORCH_FR_BUFFER_SIZE"]) > 0
-    comments = [ln for ln in out.stdout.splitlines() if ln.startswith("#")]
-    assert any("attach at run time" in c for c in comments) and any("at launch" in c for c in comments)
+    explained = subprocess.run([AGENT, "env", "--explain"], capture_output=True, text=True, timeout=30)
+    assert explained.returncode == 0 and _pairs(explained.stdout) == pairs, explained
+    notes = explained.stderr.splitlines()
+    assert any("attach at run time" in c for c in notes) and any("at launch" in c for c in notes)
+    assert any("Flight Recorder ring" in c for c in notes)
     out = subprocess.run([AGENT, "env", "--no-kineto", "--no-nccl-log", "--cupti", "--fr-buffer-size", "50"],
                          capture_output=True, text=True, timeout=30)
-    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    pairs = _pairs(out.stdout)
     assert "KINETO_USE_DAEMON" not in pairs and "NCCL_DEBUG" not in pairs
     assert pairs["STEPLENS_CUPTI"] == "1" and pairs["TORCH_FR_BUFFER_SIZE"] == "50"
+
+
+SHOW_ENV = ("import os, json; print(json.dumps({k: os.environ.get(k) for k in "
+            "('STEPLENS_BOOTSTRAP', 'PYTHONPATH', 'NCCL_DEBUG_FILE', 'KINETO_USE_DAEMON', 'STEPLENS_RUNTIME_DIR')}))")
+
+
+def _clean_env() -> dict:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("STEPLENS_", "TORCH_", "NCCL_", "KINETO_")) and k != "PYTHONPATH"}
+
+
+def test_env_output_works_in_env_export_and_eval(tmp_path):
+    """As the README shows it: `env $(steplens-agent env) CMD`, `export $(...)`, `eval "$(... --format shell)"`,
+    and --format json; every variable arrives in the program."""
+    want = _pairs(subprocess.run([AGENT, "env"], capture_output=True, text=True, timeout=30).stdout)
+    py = sys.executable
+    for script in (f'env $("{AGENT}" env) "{py}" -c "$SHOW"',
+                   f'export $("{AGENT}" env) && "{py}" -c "$SHOW"',
+                   f'eval "$("{AGENT}" env --format shell)" && "{py}" -c "$SHOW"',
+                   f'eval "$("{AGENT}" env --format shell --explain)" && "{py}" -c "$SHOW"'):
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                             env=_clean_env() | {"SHOW": SHOW_ENV})
+        assert out.returncode == 0, (script, out.stderr)
+        got = json.loads(out.stdout)
+        assert got == {k: want[k] for k in got}, (script, got)
+    # shell format quotes what needs quoting: a runtime dir with a space and a quote survives eval
+    odd = str(tmp_path / "run dir's")
+    script = f'eval "$("{AGENT}" env --format shell --runtime-dir "$ODD")" && "{py}" -c "$SHOW"'
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                         env=_clean_env() | {"SHOW": SHOW_ENV, "ODD": odd})
+    assert out.returncode == 0 and json.loads(out.stdout)["STEPLENS_RUNTIME_DIR"] == odd, out
+    # ... which the env format cannot carry through `env $(...)`: it refuses, says why, prints nothing
+    out = subprocess.run([AGENT, "env", "--runtime-dir", odd], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 1 and out.stdout == "" and "--format shell" in out.stderr, out
+    out = subprocess.run([AGENT, "env", "--format", "json", "--runtime-dir", odd], capture_output=True, text=True,
+                         timeout=30)
+    assert out.returncode == 0 and json.loads(out.stdout)["STEPLENS_RUNTIME_DIR"] == odd
+    assert json.loads(out.stdout)["PYTHONPATH"] == SITE
 
 
 def test_env_follows_the_agent_config(tmp_path):
@@ -123,7 +170,7 @@ def test_env_follows_the_agent_config(tmp_path):
     cfg.write_text('[sources.kineto]\nsocket_dir = "/run/sl/k"\n[sources.flightrec]\nsocket_dirs = ["/run/sl/fr"]\n')
     out = subprocess.run([AGENT, "env", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
-    pairs = dict(ln.split("=", 1) for ln in out.stdout.splitlines() if ln and not ln.startswith("#"))
+    pairs = _pairs(out.stdout)
     assert pairs["KINETO_IPC_SOCKET_DIR"] == "/run/sl/k" and pairs["STEPLENS_RUNTIME_DIR"] == "/run/sl/fr"
 
 

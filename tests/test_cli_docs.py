@@ -9,11 +9,12 @@ import pytest
 from conftest import AGENT, COLLECTOR, REPO, STEPLENS
 
 COMMANDS = [
-    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]), (AGENT, ["env"]),
+    (AGENT, ["run"]), (AGENT, ["check"]), (AGENT, ["print-config"]), (AGENT, ["stack"]), (AGENT, ["record"]), (AGENT, ["env"]), (AGENT, ["parse"]),
     (COLLECTOR, ["serve"]), (COLLECTOR, ["allinone"]),
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
     (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]), (STEPLENS, ["commops"]), (STEPLENS, ["comms"]),
-    (STEPLENS, ["deep"]),
+    (STEPLENS, ["deep"]), (STEPLENS, ["jobs"]), (STEPLENS, ["findings"]), (STEPLENS, ["diagnose"]),
+    (STEPLENS, ["topology"]),
 ]
 
 

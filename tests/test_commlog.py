@@ -1,6 +1,8 @@
 """Shared comm-op plumbing: op names, realtime->monotonic, summaries, and the node-local ring."""
 
+import json
 import os
+import time
 
 from steplens.agent import records as r
 from steplens.agent.commlog import CommLog, RealtimeClock, dtype_bytes, normalize_op, summarize
@@ -54,7 +56,7 @@ def test_commlog_keeps_the_stream_on_the_node_and_returns_summaries(tmp_path):
     log = CommLog(str(tmp_path), "kineto", max_records=1000)
     ops = [r.CommOp(10 + i, "backend_thread", 7, "pg:0", "all_reduce", rank=i % 2, seq=i, start_mono_ns=5 + i,
                     end_mono_ns=10 + i) for i in range(1200)]
-    summaries = log.add(ops)
+    summaries = [s for s in log.add(ops) if isinstance(s, r.CommSummary)]  # Steps come too (test_steps.py)
     assert sum(s.calls for s in summaries) == 1200
     assert log.dropped > 0  # the ring bound: oldest rows deleted in chunks and counted
     kept = log.store.records(["commop"])
@@ -109,3 +111,63 @@ def test_a_reader_opening_the_shared_store_first_sets_no_bound(tmp_path):
     assert log.store is reader and reader.max_records == 1000
     release_shared(reader)
     log.close()
+
+
+def test_records_whose_times_do_not_convert_are_dropped_per_reason_and_the_rest_kept(tmp_path):
+    """CLOCK_REALTIME converted to a CLOCK_MONOTONIC before boot (negative), days ahead, past int64, or not an
+    integer: CommLog.add drops the record, counts it by reason and returns one Event per (process, reason);
+    the good records of the same call reach the detail store and the summaries."""
+    now = 10**12
+    log = CommLog(str(tmp_path), "kineto", max_records=1000, monotonic_ns=lambda: now)
+    good = [r.CommOp(now - 100 + i, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5, start_mono_ns=now - 200,
+                     end_mono_ns=now - 100 + i, bytes=8) for i in range(3)]
+    bad = [r.CommOp(-163470956672636, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5),      # before boot
+           r.CommOp(now, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5, issue_mono_ns=-1),
+           r.CommOp(now + 3 * 86400 * 10**9, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5),  # future
+           r.CommOp(1 << 63, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5),                # past int64
+           r.CommOp(now, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5, end_mono_ns=1.5e12),  # a float
+           r.CommOp(now, "cpu_enqueue", 7, "pg:0", "all_reduce", start_ticks=5, bytes=-8)]           # not a time
+    kbad = [r.KernelRec(now, 7, "gemm", now - 10, now, start_ticks=5, launch_start_mono_ns=-(1 << 70))]
+    kgood = [r.KernelRec(now, 7, "gemm", now - 10, now, start_ticks=5, launch_start_mono_ns=now - 20)]
+    out = log.add(bad[:3] + good + bad[3:], kbad + kgood)
+    events = {(e.message.split(":")[0], e.message.split()[2]): e for e in out if isinstance(e, r.Event)}
+    assert {k: e.value for k, e in events.items()} == {
+        ("before_boot", "CommOp"): 2, ("future", "CommOp"): 1, ("out_of_range", "CommOp"): 1,
+        ("not_a_time", "CommOp"): 1, ("unencodable", "record(s)"): 1, ("out_of_range", "KernelRec"): 1}
+    assert all(e.kind == "kineto_records_dropped" and e.entity == "pid:7:5" and e.mono_ns == now
+               for e in events.values())
+    assert "-163470956672636" in events[("before_boot", "CommOp")].message
+    assert log.rejected == {"before_boot": 2, "future": 1, "out_of_range": 2, "not_a_time": 1, "unencodable": 1}
+    sums = [s for s in out if isinstance(s, r.CommSummary)]
+    assert sum(s.calls for s in sums if s.op == "all_reduce") == 3 and sum(s.bytes for s in sums) == 24
+    assert sum(s.kernels for s in sums if s.op == "kernels") == 1
+    assert len(log.store.records(["commop"])) == 3 and len(log.store.records(["kernelrec"])) == 1
+    assert (log.ops_total, log.kernels_total) == (3, 1)
+    log.close()
+
+
+def test_cupti_records_with_bad_times_or_shapes_are_counted_not_raised(tmp_path):
+    """read_cupti on a crafted <pid>.cupti.jsonl: kernels whose CUPTI (CLOCK_REALTIME) times fall before boot or
+    far ahead, entries of the wrong shape or type, and lines that are not objects are counted by reason; the
+    good kernel of the same line is kept."""
+    from collections import Counter
+
+    from steplens.agent import bootstrap
+    clock = RealtimeClock()
+    off = clock.offset_ns
+    now_real = off + time.monotonic_ns()
+
+    def k(start, stop, corr=42):
+        return ["gemm", 0, 7, start, stop, corr, 4, 1, 1, 128, 1, 1, 0]
+    line = {"pid": 123, "k": [k(now_real - 5_000, now_real - 2_000),                  # good
+                              k(off - 10**12, off - 10**12 + 5),                       # before boot
+                              k(now_real + 3 * 86400 * 10**9, now_real + 3 * 86400 * 10**9 + 5),  # days ahead
+                              k(1 << 70, (1 << 70) + 5),                               # past int64
+                              k("soon", "later"), ["short"], {"not": "a list"}],
+            "a": [["runtime", 211, now_real - 6_000, now_real - 5_500, 42, 99], [1, 2, 3, 4, [5], 6]]}
+    path = tmp_path / "123.cupti.jsonl"
+    path.write_text(json.dumps(line) + "\n[1, 2]\n" + json.dumps({"k": 5}) + "\n")
+    rejects = Counter()
+    kernels, pos, _ = bootstrap.read_cupti(str(path), 0, clock, rejects=rejects)
+    assert len(kernels) == 1 and kernels[0].launch_api == "runtime:211" and pos == len(path.read_bytes())
+    assert rejects == {"before_boot": 1, "future": 1, "out_of_range": 1, "malformed": 4}, rejects

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from procutil import start_ticks
+from procutil import start_ticks, started
 from steplens.agent.ebpf import unavailable_reason
 from steplens.agent.records import Event, ProcessInfo
 from steplens.agent.sources.base import HostContext
@@ -19,11 +19,10 @@ pytestmark = [pytest.mark.privileged,
               pytest.mark.skipif(os.geteuid() != 0 or unavailable_reason() != "", reason="needs root and eBPF")]
 
 
-def test_netflows_map_full_is_an_event(tmp_path):
+def test_netflows_map_full_is_an_event(tmp_path, started):
     from steplens.agent.sources.netflows import NetflowsConfig, NetflowsSource
-    src = NetflowsSource(HostContext("t", state_dir=str(tmp_path)),
-                         NetflowsConfig(max_connections=16, include_loopback=True))
-    src.start()
+    src = started(NetflowsSource(HostContext("t", state_dir=str(tmp_path)),
+                                 NetflowsConfig(max_connections=16, include_loopback=True)))
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(128)

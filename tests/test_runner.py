@@ -109,3 +109,32 @@ def test_stop_is_idempotent_and_flushes():
     runner.stop(timeout=1.0)
     runner.stop(timeout=1.0)
     assert len(runner.queue) == 0 and spool.records()
+
+
+class OutOfRange(Source):
+    name = "outofrange"
+    description = "emits, among good records, ones with values their protobuf fields cannot hold"
+
+    def step(self):
+        from steplens.agent.records import CommOp, ConnStats
+        t = time.monotonic_ns()
+        return [Metric(t, "good", "", 1.0), CommOp(-163470956672636, "cpu_enqueue", 1, "pg:0", "all_reduce"),
+                ConnStats(t, t, "a", 1, "b", 2, tx_bytes=1 << 64), Metric(t, "good", "", 2.0)]
+
+
+def test_a_record_the_encoder_refuses_is_dropped_and_reported_not_the_batch():
+    """A negative CLOCK_MONOTONIC time (a REALTIME time from before boot) or an overflowing counter makes the
+    protobuf encoder raise: the batch keeps its other records, the rest is counted and reported, and the
+    batcher goes on."""
+    runner, spool = _runner([OutOfRange, Ticker])
+    runner.start()
+    time.sleep(0.5)
+    runner.stop(timeout=1.0)
+    recs = spool.records()
+    good = [r for s, r in recs if s == "outofrange"]
+    assert good and all(isinstance(r, Metric) for r in good) and len(good) % 2 == 0
+    from steplens.agent.records import Event
+    rejected = [r for s, r in recs if s == "agent" and isinstance(r, Event) and r.kind == "records_rejected"]
+    assert rejected and all(e.entity == "outofrange" for e in rejected)
+    assert runner.records_rejected == sum(e.value for e in rejected) == len(good)  # two of each per step
+    assert len([r for s, r in recs if s == "ticker"]) > 5  # the batcher kept going

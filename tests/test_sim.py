@@ -167,7 +167,7 @@ def test_cli_run_end_to_end_and_deterministic(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     sa = json.loads(_cli(*args, "--out", str(a)).stdout)
     _cli(*args, "--out", str(b))
-    names = ["commops.jsonl", "steps.jsonl", "flows.jsonl", "telemetry.jsonl", "truth.json"]
+    names = ["commops.jsonl", "steps.jsonl", "flows.jsonl", "telemetry.jsonl", "truth.json", "topology.json"]
     assert sorted(os.listdir(a)) == sorted(names)
     for n in names:
         assert filecmp.cmp(a / n, b / n, shallow=False), n

@@ -265,6 +265,72 @@ def test_stale_socket_is_reported_once_and_skipped(tmp_path, job):
         sleeper.wait()
 
 
+def _serve_dump(path: str, body: bytes):
+    """A Unix socket at `path` answering fr_trace_json with `body` and anything else with 404, as a CPU build
+    does; close() the returned socket."""
+    import threading
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            if b"/handler/fr_trace_json " in c.recv(4096):
+                c.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            else:
+                c.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+            c.close()
+    threading.Thread(target=serve, daemon=True).start()
+    return srv
+
+
+def test_entries_whose_times_do_not_convert_are_dropped_with_the_reason(tmp_path, job):
+    """A real dump of the running job, with copies of its entries whose time_created_ns is before this boot,
+    negative, days ahead or past the 64-bit range, and one with a size that is not a number, served as one
+    process's answer: the crafted entries are dropped and reported per reason, the real ones are kept."""
+    p0 = job["procs"][0]
+    status, body = http_post_unix(str(job["run"] / f"{p0.pid}.sock"), "fr_trace_json")
+    assert status == 200
+    doc = json.loads(body)
+    real = [e for e in doc["entries"] if e.get("retired") or e.get("state") == "completed"]
+    assert real
+    boot_real_ns = time.time_ns() - time.monotonic_ns()
+    crafted = {"before_boot": [boot_real_ns - 3600 * 10**9, -10**15], "future": [time.time_ns() + 3 * 86400 * 10**9],
+               "out_of_range": [1 << 64]}
+    rid = max(e["record_id"] for e in doc["entries"]) + 1
+    for times in crafted.values():
+        for t in times:
+            doc["entries"].append(dict(real[0], record_id=rid, time_created_ns=t))
+            rid += 1
+    doc["entries"].append(dict(real[0], record_id=rid, input_sizes=[["many"]]))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    d = tmp_path / "crafted"
+    d.mkdir()
+    srv = _serve_dump(str(d / f"{sleeper.pid}.sock"), json.dumps(doc).encode())
+    try:
+        src = _source(tmp_path, job, procs=[sleeper], socket_dirs=[str(d)])
+        try:
+            _, out = _collect(src)
+            dropped = [e for e in out if isinstance(e, Event) and e.kind == "flightrec_records_dropped"]
+            assert {e.message.split(":")[0]: e.value for e in dropped} == {r: len(t) for r, t in crafted.items()}
+            malformed = [e for e in out if isinstance(e, Event) and e.kind == "flightrec_entries_malformed"]
+            assert len(malformed) == 1 and malformed[0].value == 1 and "many" in malformed[0].message
+            from steplens.agent.transport.codec import decode_records, records_payload
+            stored = [rec for _, rec in decode_records(records_payload(src.log.store.records(["commop"])))]
+            assert len(stored) == len(real) and {o.pid for o in stored} == {sleeper.pid}
+            assert all(0 < o.issue_mono_ns <= time.monotonic_ns() for o in stored)
+        finally:
+            src.stop()
+    finally:
+        srv.close()
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_answer_cut_mid_dump_is_reported(tmp_path, job):
     """A process that dies while answering: the server closes after part of the body."""
     import threading

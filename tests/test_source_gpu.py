@@ -104,9 +104,11 @@ def test_real_gpu_step_matches_cuda():
         pids = {m.entity.split(":pid:")[1] for m in second if isinstance(m, Metric) and m.name == "gpu_process_memory_used_bytes"}
         assert str(os.getpid()) in pids or not pids  # containers may hide host PIDs
         e = f"gpu{by_uuid[str(torch.cuda.get_device_properties(0).uuid)].index}"
-        energy = [m.value for m in second if m.name == "gpu_energy_millijoules_total" and m.entity == e]
+        energy = [m.value for m in second
+                  if isinstance(m, Metric) and m.name == "gpu_energy_millijoules_total" and m.entity == e]
         assert energy and energy[0] >= metrics[("gpu_energy_millijoules_total", e)]
-        print(f"gpu first step {first_step_s * 1e3:.1f} ms, errors {src.errors}")
+        print(f"gpu first step {first_step_s * 1e3:.1f} ms, errors {src.errors}, events "
+              f"{[(r.kind, r.message) for r in second if isinstance(r, Event)]}")
         del x
     finally:
         src.stop()

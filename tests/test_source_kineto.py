@@ -20,6 +20,7 @@ from steplens.agent.records import CommSummary, Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, WorkloadRegistry
 from steplens.agent.sources.kineto import KinetoConfig, KinetoSource
 from steplens.agent.transport.codec import decode_records, records_payload
+from wallclock import rebase_kineto, rebased_kineto_bytes
 
 FIX = os.path.join(REPO, "tests", "fixtures", "kineto")
 GLOO_TRACE = os.path.join(FIX, "gloo_cpu_2rank_rank0.json")
@@ -232,7 +233,7 @@ def test_corrupt_truncated_and_missing_traces_are_reported_and_skipped(tmp_path,
     me = os.getpid()
     src = make_source(tmp_path, sockdir, deep_window_ms=10, trace_timeout_seconds=0.5, max_trace_bytes=1 << 20)
     cl = Client(sockdir)
-    good = open(GLOO_TRACE, "rb").read()
+    good = rebased_kineto_bytes(GLOO_TRACE)  # recorded wall-clock times, moved to "just now"
 
     def window() -> str:
         return config_of(cl.req([me]))["ACTIVITIES_LOG_FILE"][: -len(".json")] + f"_{me}.json"
@@ -266,6 +267,47 @@ def test_corrupt_truncated_and_missing_traces_are_reported_and_skipped(tmp_path,
         sums = [s for s in out if isinstance(s, CommSummary)]
         assert sum(s.calls for s in sums) == 24 and all(s.pid == me for s in sums)
         assert not os.path.exists(path) and src.traces_total == 1 and src.traces_failed == 4
+    finally:
+        cl.close()
+        src.stop()
+
+
+def test_times_that_do_not_convert_are_dropped_with_the_reason_and_the_rest_kept(tmp_path, sockdir):
+    """A real trace (rebased to just now) plus copies of its gloo events whose CLOCK_REALTIME times are before
+    this boot, negative, days in the future, or past the 64-bit range: through the real window path, those
+    are dropped and reported per reason (Event kineto_records_dropped), the 24 real ops are kept, and nothing
+    raises out of step()."""
+    me = os.getpid()
+    src = make_source(tmp_path, sockdir, deep_window_ms=10)
+    cl = Client(sockdir)
+    doc = rebase_kineto(json.load(open(GLOO_TRACE)))
+    base = doc["baseTimeNanoseconds"]
+    real_gloo = [e for e in doc["traceEvents"] if isinstance(e, dict) and str(e.get("name")).startswith("gloo:")]
+    boot_real_ns = time.time_ns() - time.monotonic_ns()
+    crafted = {  # reason -> realtime ns of the crafted event's start
+        "before_boot": [boot_real_ns - 3600 * 10**9, -10**15],                        # an hour before boot; < 0
+        "future": [time.time_ns() + 3 * 86400 * 10**9],                               # three days ahead
+        "out_of_range": [1 << 64, -(1 << 64)],                                        # past int64 either way
+    }
+    for starts in crafted.values():
+        for start in starts:
+            ev = json.loads(json.dumps(real_gloo[0]))
+            ev["ts"], ev["dur"] = (start - base) / 1000, 1.0
+            doc["traceEvents"].append(ev)
+    try:
+        path = config_of(cl.req([me]))["ACTIVITIES_LOG_FILE"][: -len(".json")] + f"_{me}.json"
+        with open(path, "w") as fh:
+            json.dump(doc, fh)
+        out = src.step()
+        dropped = [e for e in out if isinstance(e, Event) and e.kind == "kineto_records_dropped"]
+        by_reason = {e.message.split(":")[0]: e.value for e in dropped}
+        assert by_reason == {reason: len(starts) for reason, starts in crafted.items()}, dropped
+        assert all(e.entity == f"pid:{me}:0" for e in dropped)
+        sums = [s for s in out if isinstance(s, CommSummary)]
+        assert sum(s.calls for s in sums) == len(real_gloo) == 24
+        stored = [rec for _, rec in decode_records(records_payload(src.log.store.records(["commop"])))]
+        assert len(stored) == 24 and all(0 < o.start_mono_ns <= o.end_mono_ns <= time.monotonic_ns() for o in stored)
+        assert src.traces_total == 1 and src.log.rejected == {r: len(s) for r, s in crafted.items()}
     finally:
         cl.close()
         src.stop()

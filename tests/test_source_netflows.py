@@ -21,6 +21,8 @@ from steplens.agent.records import ConnStats, Flow
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.netflows import OFFSETS, NetflowsConfig, NetflowsSource, render_program
 
+from procutil import started
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NS_A, NS_B = "slA", "slB"
 IF_A, IF_B = "slA0", "slB0"
@@ -33,6 +35,20 @@ def _ebpf_reason() -> str:
     from steplens.agent.ebpf import unavailable_reason
 
     return unavailable_reason()
+
+
+def _kernel_refuses_btf_build() -> str:
+    """"" when this kernel (and STEPLENS_EBPF_REFUSE) accepts the program types of the socket-storage build,
+    else why not: kernels differ (one refused BPF iterators with EPERM, another fentry), so a test finds out
+    first and then asserts the mode that follows."""
+    from steplens.agent import ebpf
+    from steplens.agent.sources.netflows import BTF_ATTACH, ITERATOR
+    refused = [why for why in ebpf.tracing_support(tuple(BTF_ATTACH.values()), (ITERATOR[1],)).values() if why]
+    return refused[0] if refused else ""
+
+
+def _expected_mode(btf: bool) -> str:
+    return "socket-storage" if btf and not _kernel_refuses_btf_build() else "raw-tracepoints"
 
 
 
@@ -328,7 +344,7 @@ def test_quiet_connection_burst_reported_once():
 @pytest.mark.privileged
 @pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
 @pytest.mark.parametrize("btf", [True, False], ids=["btf_tracepoints", "raw_tracepoints"])
-def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
+def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf, started):
     """A connection made before the programs were loaded. Classic raw tracepoints: it has no entry in the
     socket cache, so its first packets are keyed by parsing headers and its first send() by reading struct
     sock; closing the socket removes its cache entry. BTF build: its socket storage is created at its first
@@ -358,16 +374,18 @@ def test_socket_older_than_the_agent_is_counted_and_forgotten_at_close(btf):
     th = threading.Thread(target=drain)
     th.start()
     cl = socket.create_connection(("127.0.0.1", port))  # before the programs exist
-    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True, btf_tracepoints=btf))
-    src.start()
-    kinds = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
-    tx_kind = re.search(r"^\d+: (\w+)\s+name steplens_nf_tx", kinds, re.M).group(1)
-    assert tx_kind == ("tracing" if btf else "raw_tracepoint") and (src.btf_reason == "") == btf, src.btf_reason
+    src = started(NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True,
+                                                                          btf_tracepoints=btf)))
     try:
+        mode = _expected_mode(btf)
+        kinds = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
+        tx_kind = re.search(r"^\d+: (\w+)\s+name steplens_nf_tx", kinds, re.M).group(1)
+        assert src.mode == mode and (src.btf_reason == "") == (mode == "socket-storage"), src.btf_reason
+        assert tx_kind == ("tracing" if mode == "socket-storage" else "raw_tracepoint")
         src.step()
         for _ in range(20):
             cl.sendall(b"z" * 100_000)
-        if btf:
+        if mode == "socket-storage":
             def cached_ends():
                 return len([r for r in src._read_socks() if port in (r.v.key.lport, r.v.key.rport)])
         else:
@@ -406,33 +424,91 @@ def test_btf_raw_tracepoint_failures_say_why():
 int ok_prog(u64 *ctx) { return 0; }
 int bad_prog(u64 *ctx) { unsigned char *skb = (unsigned char *)ctx[0]; return *(u32 *)(skb + 100000); }
 """)
+    links = []
     try:
         with pytest.raises(ebpf.EbpfUnavailable, match="no btf_trace_no_such_tracepoint"):
             ebpf.BtfRawTracepoint(b, "ok_prog", "no_such_tracepoint", "steplens_t")
+        refused = ebpf.tracing_support(("net_dev_start_xmit",))["tp_btf:net_dev_start_xmit"]
+        if refused:  # this kernel (or STEPLENS_EBPF_REFUSE) refuses tp_btf: the good program fails the same way
+            with pytest.raises(ebpf.EbpfUnavailable, match="failed: "):
+                links.append(ebpf.BtfRawTracepoint(b, "ok_prog", "net_dev_start_xmit", "steplens_t"))
+            return
         with pytest.raises(ebpf.EbpfUnavailable, match="failed: Permission denied|failed: Invalid argument"):
-            ebpf.BtfRawTracepoint(b, "bad_prog", "net_dev_start_xmit", "steplens_t")
-        link = ebpf.BtfRawTracepoint(b, "ok_prog", "net_dev_start_xmit", "steplens_t")
+            links.append(ebpf.BtfRawTracepoint(b, "bad_prog", "net_dev_start_xmit", "steplens_t"))
+        links.append(ebpf.BtfRawTracepoint(b, "ok_prog", "net_dev_start_xmit", "steplens_t"))
         assert "steplens_t" in subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
-        link.close()
-        link.close()  # idempotent
+        links[-1].close()
+        links[-1].close()  # idempotent
         deadline = time.monotonic() + 5  # the kernel frees a detached program after an RCU grace period
         while "steplens_t" in subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout:
             assert time.monotonic() < deadline, "program still loaded 5 s after close()"
             time.sleep(0.1)
     finally:
+        for link in links:
+            link.close()
         b.cleanup()
 
 
 @pytest.mark.privileged
 @pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+@pytest.mark.parametrize("refuse", ["iter", "tp_btf", "tracing"])
+def test_a_kernel_refusing_btf_program_types_gets_the_classic_build(refuse, monkeypatch, started):
+    """On every host, whatever its kernel allows: with iterators, BTF raw tracepoints or every BTF tracing type
+    refused (STEPLENS_EBPF_REFUSE, as such a kernel refuses them: EPERM at load), start() falls back to the
+    classic raw tracepoints with the reason, leaves no BTF program loaded, planned_mode() (what `check` prints)
+    said so beforehand, and the counts are exact."""
+    from steplens.agent import ebpf
+    native = _kernel_refuses_btf_build()  # this kernel's own refusal, if any, comes first in the reasons
+    monkeypatch.setenv(ebpf.REFUSE_ENV, refuse)
+    ctx = HostContext(node_id="t")
+    cfg = NetflowsConfig(include_loopback=True)
+    planned, why = NetflowsSource.planned_mode(ctx, cfg)
+    assert planned == "raw-tracepoints" and (native or ebpf.REFUSE_ENV in why), why
+    src = started(NetflowsSource(ctx, cfg))
+    try:
+        assert src.mode == "raw-tracepoints" and (native or ebpf.REFUSE_ENV in src.btf_reason), src.btf_reason
+        kinds = subprocess.run(["bpftool", "prog", "show"], capture_output=True, text=True).stdout
+        mine = re.findall(r"^\d+: (\w+)\s+name (steplens_nf_\w+)", kinds, re.M)
+        assert {k for k, _ in mine} == {"raw_tracepoint"}, mine
+        cl, srv, th, port = _drained_loopback_connection()
+        src.step()
+        cl.sendall(b"r" * 250_000)
+        cl.close()
+        th.join(timeout=5)
+        srv.close()
+        time.sleep(0.05)
+        records = src.step()
+    finally:
+        src.stop()
+    assert sum(c.tx_payload_bytes for c in records if isinstance(c, ConnStats) and c.dport == port) == 250_000
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
+def test_planned_mode_is_the_mode_start_gets():
+    """What `steplens-agent check` says (planned_mode) is what the source then runs in, on this kernel."""
+    ctx = HostContext(node_id="t")
+    for cfg in (NetflowsConfig(include_loopback=True), NetflowsConfig(btf_tracepoints=False)):
+        planned, why = NetflowsSource.planned_mode(ctx, cfg)
+        src = NetflowsSource(ctx, cfg)
+        try:
+            src.start()
+            assert src.mode == planned, (why, src.btf_reason)
+            assert (planned == "socket-storage") == (src.btf_reason == "")
+        finally:
+            src.stop()
+
+
+@pytest.mark.privileged
+@pytest.mark.skipif(_ebpf_reason() != "", reason=_ebpf_reason() or "ok")
 @pytest.mark.parametrize("btf", [True, False], ids=["btf_tracepoints", "raw_tracepoints"])
-def test_pause_detaches_and_resume_counts_again(btf):
+def test_pause_detaches_and_resume_counts_again(btf, started):
     """pause() (used by bench/ebpf.py to toggle the probes inside one transfer) detaches the packet and
     per-call programs: bytes sent meanwhile are not counted; after resume() they are, exactly."""
-    src = NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True, btf_tracepoints=btf))
-    src.start()
-    assert src.mode == ("socket-storage" if btf else "raw-tracepoints")
+    src = started(NetflowsSource(HostContext(node_id="t"), NetflowsConfig(include_loopback=True,
+                                                                          btf_tracepoints=btf)))
     try:
+        assert src.mode == _expected_mode(btf), src.btf_reason
         cl, srv, th, port = _drained_loopback_connection()
         cl.sendall(b"a" * 100_000)
         time.sleep(0.05)

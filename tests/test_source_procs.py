@@ -233,6 +233,110 @@ def test_helpers_and_pid_job_key(tmp_path, children):
         os.killpg(launcher.pid, 9)
 
 
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+JOB_WORKER = textwrap.dedent("""
+    import os, sys, time
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    open(os.path.join(sys.argv[1], f"ready-{dist.get_rank()}-{os.getpid()}"), "w").close()
+    parent = os.getppid()
+    while not os.path.exists(os.path.join(sys.argv[1], "stop")) and os.getppid() == parent:
+        time.sleep(0.1)
+    dist.destroy_process_group()
+""")
+
+
+@pytest.mark.skipif(not os.path.exists(TORCHRUN), reason="needs torch (torchrun) in the venv")
+def test_torchrun_jobs_without_rdzv_id_get_distinct_keys(tmp_path, children):
+    """Two real torchrun jobs at once, neither with --rdzv-id, so both run as TORCHELASTIC_RUN_ID=none: job A
+    spans two launchers (two "hosts": --nnodes 2, one rank each, static rendezvous on --master-port), job B is
+    one launcher with two ranks. Each job gets one key for all its ranks, and the two keys differ; A's key
+    does not depend on either launcher (the other host could not know it), B's names its launcher."""
+    port_a, port_b = _free_port(), _free_port()
+    script = tmp_path / "job.py"
+    script.write_text(JOB_WORKER)
+    dirs = {"a": tmp_path / "a", "b": tmp_path / "b"}
+    for d in dirs.values():
+        d.mkdir()
+    env = _env(OMP_NUM_THREADS="1")
+    common = ["--master-addr", "127.0.0.1", "--max-restarts", "0", "--monitor-interval", "0.2"]
+    launch = {
+        "a0": [TORCHRUN, "--nnodes", "2", "--node-rank", "0", "--nproc-per-node", "1", "--master-port", str(port_a)],
+        "a1": [TORCHRUN, "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-port", str(port_a)],
+        "b": [TORCHRUN, "--nnodes", "1", "--nproc-per-node", "2", "--master-port", str(port_b)],
+    }
+    launchers = {}
+    for name, argv in launch.items():
+        d = dirs[name[0]]
+        launchers[name] = subprocess.Popen(argv + common + [str(script), str(d)], env=env, cwd=str(tmp_path),
+                                           stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT,
+                                           start_new_session=True)
+        children.append(launchers[name])
+    try:
+        deadline = time.monotonic() + 120
+        while sum(len(list(d.glob("ready-*"))) for d in dirs.values()) < 4:
+            assert time.monotonic() < deadline, [(tmp_path / f"{n}.log").read_text()[-2000:] for n in launch]
+            assert all(p.poll() is None for p in launchers.values()), \
+                [(tmp_path / f"{n}.log").read_text()[-2000:] for n in launch]
+            time.sleep(0.2)
+        ranks = {job: {int(f.name.split("-")[2]): int(f.name.split("-")[1]) for f in d.glob("ready-*")}
+                 for job, d in dirs.items()}  # pid -> rank
+        src = ProcsSource(HostContext(node_id="host-x"), ProcsConfig())
+        src.start()
+        infos = _infos(src.step())
+        keys = {}
+        for job, pids in ranks.items():
+            got = {pid: infos[pid] for pid in pids}
+            assert all(i.env.get("TORCHELASTIC_RUN_ID") == "none" for i in got.values())  # what torchrun set
+            assert {i.rank for i in got.values()} == {0, 1}
+            job_keys = {i.job_key for i in got.values()}
+            assert len(job_keys) == 1, (job, job_keys)
+            keys[job] = job_keys.pop()
+        assert keys["a"] != keys["b"] and "torchelastic:none" not in keys.values(), keys
+        assert keys["a"] == f"torchrun:127.0.0.1:{port_a}", keys
+        b_launcher = launchers["b"].pid
+        assert keys["b"] == f"torchrun:127.0.0.1:{port_b}@host-x:{b_launcher}.{_start_ticks(b_launcher)}", keys
+        # stable: a fresh scanner (an agent restart) derives the same keys
+        src2 = ProcsSource(HostContext(node_id="host-x"), ProcsConfig())
+        src2.start()
+        infos2 = _infos(src2.step())
+        assert all(infos2[pid].job_key == keys[job] for job, pids in ranks.items() for pid in pids)
+        for d in dirs.values():
+            (d / "stop").touch()
+        for p in launchers.values():
+            assert p.wait(60) == 0
+    finally:  # torchrun puts each worker in a session of its own: a worker also ends when its launcher is gone
+        for d in dirs.values():
+            (d / "stop").touch()
+        for p in launchers.values():
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_torchrun_key_from_the_launcher_command_line():
+    """The c10d rendezvous endpoint as the launcher was given it (-style and _style options, = or a separate
+    value; options after the script belong to the script); static rendezvous has none."""
+    from steplens.agent.sources.procs import torchrun_endpoint
+    py = sys.executable
+    assert torchrun_endpoint([py, "/v/bin/torchrun", "--rdzv-backend", "c10d", "--rdzv-endpoint", "head:29400",
+                              "train.py"]) == "head:29400"
+    assert torchrun_endpoint([py, "-m", "torch.distributed.run", "--rdzv_backend=c10d", "--rdzv_endpoint=h:1",
+                              "t.py"]) == "h:1"
+    assert torchrun_endpoint([py, "/v/bin/torchrun", "--nnodes", "2", "--master-port", "1", "t.py"]) == ""
+    assert torchrun_endpoint([py, "/v/bin/torchrun", "--rdzv-backend", "static", "--rdzv-endpoint", "h:1",
+                              "t.py"]) == ""
+    assert torchrun_endpoint([py, "/v/bin/torchrun", "t.py", "--rdzv-endpoint", "h:1"]) == ""
+    assert torchrun_endpoint([py, "train.py", "--rdzv-endpoint", "h:1"]) is None  # not a launcher
+
+
 def test_environ_unreadable_still_reports(tmp_path, children):
     """As a non-root scanner, a root-owned workload's environ is EACCES: report it without rank."""
     if os.geteuid() != 0:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from procutil import bpftool_progs, needs_ebpf, prog_ids_of, progs_alive
+from procutil import bpftool_progs, needs_ebpf, own_prog_ids, prog_ids_of, progs_alive, started
 from procutil import start_ticks as _start_ticks
 
 from steplens.agent.records import Event, Metric, Mode, ProcessInfo
@@ -101,12 +101,8 @@ def test_config_defaults_and_validation():
 
 
 @pytest.fixture
-def source():
-    ctx = HostContext(node_id="t")
-    src = SchedSource(ctx, SchedConfig())
-    src.start()
-    yield src
-    src.stop()
+def source(started):
+    return started(SchedSource(HostContext(node_id="t"), SchedConfig()))
 
 
 def _wait_sleeping(pid: int, timeout: float = 10.0) -> None:
@@ -237,11 +233,13 @@ def test_exited_process_is_forgotten(source):
 
 
 @needs_ebpf
-def test_stop_detaches_and_is_idempotent():
-    src = SchedSource(HostContext(node_id="t"), SchedConfig())
-    src.start()
-    ids = _prog_ids_of(os.getpid())
-    assert len(ids) == len(PROGRAMS)
+def test_stop_detaches_and_is_idempotent(started):
+    """Counts only the programs this test loaded (held by this process since a baseline, named as sched's), so
+    programs another test left behind cannot fail it."""
+    baseline = _prog_ids_of(os.getpid(), prefix="")
+    src = started(SchedSource(HostContext(node_id="t"), SchedConfig()))
+    ids = own_prog_ids(baseline, (fn for _, fn in PROGRAMS))
+    assert len(ids) == len(PROGRAMS), ids
     src.stop()
     src.stop()
     assert _wait_gone(ids) == set()
@@ -284,7 +282,7 @@ def test_cost_of_programs(source):
         source.step()
         with open(path, "w") as fh:
             fh.write("1")
-        ids = _prog_ids_of(os.getpid())
+        ids = own_prog_ids(set(), (fn for _, fn in PROGRAMS))  # sched's only, whatever else is loaded
         start = {p["id"]: (p.get("run_time_ns", 0), p.get("run_cnt", 0)) for p in _bpftool_progs() if p["id"] in ids}
         t0 = time.monotonic()
         busy.stdin.write("go\n")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections import Counter
 
-from steplens.agent.commlog import RealtimeClock
+from steplens.agent.commlog import RealtimeClock, time_problem
 from steplens.agent.records import KernelRec
 
 DEFAULT_RUNTIME_DIR = "/run/steplens/fr"
@@ -57,11 +59,15 @@ ATTACH_NOTES = (
 
 
 def read_cupti(path: str, offset: int = 0, clock: RealtimeClock | None = None, pid: int = 0,
-               start_ticks: int = 0, rank: int = -1) -> tuple[list[KernelRec], int, int]:
+               start_ticks: int = 0, rank: int = -1, rejects: Counter | None = None,
+               monotonic_ns=time.monotonic_ns) -> tuple[list[KernelRec], int, int]:
     """KernelRecs from a <pid>.cupti.jsonl file written by steplens_cupti, from byte `offset`:
     (kernels, new offset, CUPTI dropped-records count). A partly written last line is left for the
-    next call; a corrupt line is skipped. Each kernel is joined with its launch API by correlation id."""
-    clock = clock or RealtimeClock()
+    next call; a corrupt line is skipped. Each kernel is joined with its launch API by correlation id.
+    Kernels left out are counted into `rejects` by reason: "malformed" (an entry of the wrong shape or
+    type) or a commlog.DROP_REASONS key (a CUPTI time that is not one of this boot once converted)."""
+    clock = clock or RealtimeClock(monotonic_ns=monotonic_ns)
+    rejects = Counter() if rejects is None else rejects
     kernels: list[KernelRec] = []
     dropped = 0
     try:
@@ -74,19 +80,31 @@ def read_cupti(path: str, offset: int = 0, clock: RealtimeClock | None = None, p
     for line in data[:end].splitlines():
         try:
             doc = json.loads(line)
-        except ValueError:
+            dropped = max(dropped, int(doc.get("dropped", 0)))
+            launches = {a[4]: a for a in doc.get("a", [])
+                        if isinstance(a, list) and len(a) >= 6 and isinstance(a[4], int)}
+            entries = doc.get("k", [])
+            doc_pid = int(doc.get("pid", 0))
+        except (ValueError, TypeError, AttributeError):
+            rejects["malformed"] += 1
             continue
-        dropped = max(dropped, int(doc.get("dropped", 0)))
-        launches = {a[4]: a for a in doc.get("a", []) if len(a) >= 6}
-        for k in doc.get("k", []):
-            if len(k) < 13:
+        now = monotonic_ns()
+        for k in entries if isinstance(entries, list) else ():
+            try:
+                name, dev, stream, start, stop, corr, gx, gy, gz, bx, by, bz, graph = k[:13]
+                launch = launches.get(corr)
+                s, e = clock.to_mono(int(start)), clock.to_mono(int(stop))
+                rec = KernelRec(e, pid or doc_pid, str(name), s, e, start_ticks, 0, int(dev), int(stream),
+                                [int(gx), int(gy), int(gz)], [int(bx), int(by), int(bz)], int(corr),
+                                f"{launch[0]}:{launch[1]}" if launch else "",
+                                clock.to_mono(int(launch[2])) if launch else 0,
+                                clock.to_mono(int(launch[3])) if launch else 0, int(graph), rank)
+            except (ValueError, TypeError, OverflowError):
+                rejects["malformed"] += 1
                 continue
-            name, dev, stream, start, stop, corr, gx, gy, gz, bx, by, bz, graph = k[:13]
-            launch = launches.get(corr)
-            s, e = clock.to_mono(start), clock.to_mono(stop)
-            kernels.append(KernelRec(e, pid or int(doc.get("pid", 0)), name, s, e, start_ticks, 0, dev, stream,
-                                     [gx, gy, gz], [bx, by, bz], corr,
-                                     f"{launch[0]}:{launch[1]}" if launch else "",
-                                     clock.to_mono(launch[2]) if launch else 0,
-                                     clock.to_mono(launch[3]) if launch else 0, graph, rank))
+            reason, _ = time_problem(rec, now)
+            if reason:
+                rejects[reason] += 1
+            else:
+                kernels.append(rec)
     return kernels, offset + end, dropped

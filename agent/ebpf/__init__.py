@@ -9,6 +9,12 @@ directory on sys.path. The PyPI package named `bcc` is unrelated.
 Kernel headers on a build host may be older than the running kernel (here: 6.1 headers, 6.18
 kernel): programs read kernel struct fields at offsets taken from BTF at run time, never from the
 headers, so a field that moved between versions is still read right.
+
+Kernels differ in which BTF program types they accept (seen: one refused BPF iterators with EPERM, another
+fentry), so sources that use them fall back to a classic build, and `tracing_support()` tells beforehand
+(loading minimal programs) which build a source will get. The environment variable STEPLENS_EBPF_REFUSE
+(comma-separated: tp_btf, iter, fentry, fexit, or tracing for all of them) makes this process refuse those
+program types as such a kernel would (EPERM at load), so the fallbacks run and are tested on every host.
 """
 
 from __future__ import annotations
@@ -257,6 +263,19 @@ def patch_kfunc_calls(insns: bytearray) -> int:
     return n
 
 
+REFUSE_ENV = "STEPLENS_EBPF_REFUSE"
+_BPF_TRACE_FENTRY, _BPF_TRACE_FEXIT = 24, 25
+TRACING_KINDS = {_BPF_TRACE_RAW_TP: "tp_btf", 28: "iter", _BPF_TRACE_FENTRY: "fentry", _BPF_TRACE_FEXIT: "fexit"}
+
+
+def refused_by_env(kind: str) -> str:
+    """"" unless STEPLENS_EBPF_REFUSE names this tracing kind (or "tracing"); then the error to raise."""
+    names = {n.strip() for n in os.environ.get(REFUSE_ENV, "").split(",") if n.strip()}
+    if kind in names or "tracing" in names:
+        return f"Operation not permitted ({REFUSE_ENV}={os.environ[REFUSE_ENV]} refuses {kind} programs here)"
+    return ""
+
+
 def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
     """Load the bytecode bcc compiled for `fn_name` (map fds already in it, kfunc placeholders rewritten) as
     BPF_PROG_TYPE_TRACING with this expected attach type and BTF target; the program fd, or EbpfUnavailable
@@ -270,7 +289,15 @@ def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: s
         raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
     code = bytearray(ctypes.string_at(start, size))
     patch_kfunc_calls(code)
-    insns = ctypes.create_string_buffer(bytes(code), size)
+    return _prog_load_tracing(bytes(code), attach_type, btf_id, prog_name, f"loading {fn_name} as {what}")
+
+
+def _prog_load_tracing(code: bytes, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
+    refused = refused_by_env(TRACING_KINDS.get(attach_type, "tracing"))
+    if refused:
+        raise EbpfUnavailable(f"{what} failed: {refused}")
+    size = len(code)
+    insns = ctypes.create_string_buffer(code, size)
     license_ = ctypes.create_string_buffer(b"GPL")
     log = ctypes.create_string_buffer(256 * 1024)
     attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),
@@ -281,7 +308,7 @@ def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: s
     if fd < 0:
         err = os.strerror(ctypes.get_errno())
         tail = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-4:])
-        raise EbpfUnavailable(f"loading {fn_name} as {what} failed: {err}: {tail}")
+        raise EbpfUnavailable(f"{what} failed: {err}: {tail}")
     return fd
 
 
@@ -431,3 +458,103 @@ def render(template: str, **values) -> str:
     if unused:
         raise KeyError(f"BPF template has no placeholder for {', '.join(sorted(unused))}")
     return re.sub(r"\{\{(\w+)\}\}", lambda m: str(values[m.group(1)]), template)
+
+
+# ---- what the kernel accepts, found out with minimal programs (no bcc, no compiler) ----------------------
+
+_MINIMAL_PROG = bytes.fromhex("b700000000000000" "9500000000000000")  # r0 = 0; exit
+_BPF_MAP_CREATE, _BPF_BTF_LOAD = 0, 18
+_BPF_MAP_TYPE_SK_STORAGE, _BPF_F_NO_PREALLOC = 24, 1
+
+
+def _sys_bpf(cmd: int, attr) -> int:
+    fd = _libc().syscall(_SYS_BPF, cmd, ctypes.byref(attr), ctypes.sizeof(attr))
+    if fd < 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return fd
+
+
+def _int_btf_fd() -> int:
+    """A BTF object holding one type, [1] `int` (4 bytes, signed): what a socket-storage map's key and value
+    are declared as here."""
+    import struct
+    strings = b"\0int\0"
+    types = struct.pack("<III", 1, 1 << 24, 4) + struct.pack("<I", (1 << 24) | 32)  # INT "int", size 4, signed 32
+    blob = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, 24, 0, len(types), len(types), len(strings)) + types + strings
+    buf = ctypes.create_string_buffer(blob, len(blob))
+    attr = (ctypes.c_uint32 * 12)()   # union bpf_attr, BPF_BTF_LOAD: btf (u64), btf_log_buf (u64), btf_size, ...
+    ctypes.memmove(attr, ctypes.byref(ctypes.c_uint64(ctypes.addressof(buf))), 8)  # btf
+    attr[4] = len(blob)                                                                # btf_size
+    return _sys_bpf(_BPF_BTF_LOAD, attr)
+
+
+def _sk_storage_map_fd() -> int:
+    btf = _int_btf_fd()
+    try:
+        attr = (ctypes.c_uint32 * 30)()
+        attr[0], attr[1], attr[2], attr[3], attr[4] = _BPF_MAP_TYPE_SK_STORAGE, 4, 4, 0, _BPF_F_NO_PREALLOC
+        attr[12], attr[13], attr[14] = btf, 1, 1   # btf_fd, btf_key_type_id, btf_value_type_id (after map_name)
+        return _sys_bpf(_BPF_MAP_CREATE, attr)
+    finally:
+        os.close(btf)
+
+
+def _try_tp_btf(tp: str) -> str:
+    btf_id = btf_tracepoint_id(tp)
+    if btf_id is None:
+        return f"no btf_trace_{tp} in kernel BTF"
+    fd = link = -1
+    try:
+        fd = _prog_load_tracing(_MINIMAL_PROG, _BPF_TRACE_RAW_TP, btf_id, "steplens_probe", "loading a BTF raw "
+                                f"tracepoint (tp_btf) program on {tp}")
+        link = _sys_bpf(_BPF_RAW_TRACEPOINT_OPEN, _RawTpOpenAttr(name=0, prog_fd=fd))
+        return ""
+    except EbpfUnavailable as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"attaching a BTF raw tracepoint (tp_btf) program to {tp} failed: {exc.strerror}"
+    finally:
+        for f in (link, fd):
+            if f >= 0:
+                os.close(f)
+
+
+def _try_map_iter(target: str) -> str:
+    btf_id = btf_func_id(f"bpf_iter_{target}")
+    if btf_id is None:
+        return f"no iterator target {target} (bpf_iter_{target}) in kernel BTF"
+    fd = map_fd = link = -1
+    try:
+        fd = _prog_load_tracing(_MINIMAL_PROG, _BPF_TRACE_ITER, btf_id, "steplens_probe",
+                                f"loading a BPF iterator (iter/{target}) program")
+        map_fd = _sk_storage_map_fd()
+        info = (ctypes.c_uint32 * 4)(map_fd, 0, 0, 0)
+        link = _sys_bpf(_BPF_LINK_CREATE, _LinkCreateIterAttr(prog_fd=fd, attach_type=_BPF_TRACE_ITER,
+                                                              iter_info=ctypes.addressof(info),
+                                                              iter_info_len=ctypes.sizeof(info)))
+        return ""
+    except EbpfUnavailable as exc:
+        return str(exc)
+    except OSError as exc:
+        what = "creating a socket-storage map" if map_fd < 0 else f"linking a BPF iterator to {target}"
+        return f"{what} failed: {exc.strerror}"
+    finally:
+        for f in (link, map_fd, fd):
+            if f >= 0:
+                os.close(f)
+
+
+def tracing_support(tp_btf: tuple[str, ...] = (), map_iter: tuple[str, ...] = ()) -> dict[str, str]:
+    """Whether this kernel (and STEPLENS_EBPF_REFUSE) accepts the BTF tracing programs a source would load:
+    {"tp_btf:<tracepoint>" or "iter:<target>": "" if accepted, else why not}. Each is tried with a minimal
+    program (r0 = 0; exit) of that type, attached (tp_btf) or linked to a socket-storage map (iter), then closed:
+    a few ms, nothing left loaded. Needs what eBPF needs (unavailable_reason() == "")."""
+    if platform.machine() != "x86_64":
+        return {**{f"tp_btf:{t}": "BTF tracing programs are loaded only on x86-64 here" for t in tp_btf},
+                **{f"iter:{t}": "BTF tracing programs are loaded only on x86-64 here" for t in map_iter}}
+    out = {}
+    for tp in tp_btf:
+        out[f"tp_btf:{tp}"] = _try_tp_btf(tp)
+    for target in map_iter:
+        out[f"iter:{target}"] = _try_map_iter(target)
+    return out

@@ -4,13 +4,17 @@
 - 3.10 co_linetable: (bytecode length, signed line delta; -128 = no line) pairs; f_lasti in code units.
 - 3.11+ co_linetable, the "location table": entries of 1..8 code units, each a header byte
   (bit 7 set, code in bits 3-6, length-1 in bits 0-2) followed by varints for the code's form.
-Each decoder takes the table bytes, co_firstlineno and a byte offset into the bytecode.
+Each decoder takes the table bytes, co_firstlineno and a byte offset into the bytecode, and returns the
+line as co_positions() has it: -1 for an instruction without a location (exception cleanup, an implicit
+return). With carry=True such an instruction gets the line of the entry before it instead, as py-spy reports
+it (the running line of the table); -1 then only means the offset is outside the table or it is corrupt.
 """
 
 from __future__ import annotations
 
 
-def line_lnotab39(table: bytes, firstlineno: int, byte_offset: int) -> int:
+def line_lnotab39(table: bytes, firstlineno: int, byte_offset: int, carry: bool = False) -> int:
+    """(co_lnotab has no "no line" entries: `carry` changes nothing.)"""
     line = firstlineno
     addr = 0
     for i in range(0, len(table) - 1, 2):
@@ -22,7 +26,7 @@ def line_lnotab39(table: bytes, firstlineno: int, byte_offset: int) -> int:
     return line
 
 
-def line_linetable310(table: bytes, firstlineno: int, byte_offset: int) -> int:
+def line_linetable310(table: bytes, firstlineno: int, byte_offset: int, carry: bool = False) -> int:
     line = firstlineno
     start = 0
     for i in range(0, len(table) - 1, 2):
@@ -31,7 +35,7 @@ def line_linetable310(table: bytes, firstlineno: int, byte_offset: int) -> int:
         ldelta = ldelta - 256 if ldelta >= 128 else ldelta
         end = start + sdelta
         if ldelta == -128:
-            current = -1
+            current = line if carry else -1
         else:
             line += ldelta
             current = line
@@ -59,7 +63,7 @@ def _svarint(table: bytes, i: int) -> tuple[int, int]:
     return (-(val >> 1) if val & 1 else val >> 1), i
 
 
-def line_locations311(table: bytes, firstlineno: int, byte_offset: int) -> int:
+def line_locations311(table: bytes, firstlineno: int, byte_offset: int, carry: bool = False) -> int:
     target = byte_offset // 2  # code units
     line = firstlineno
     unit = 0
@@ -73,7 +77,7 @@ def line_locations311(table: bytes, firstlineno: int, byte_offset: int) -> int:
         code = (first >> 3) & 15
         length = (first & 7) + 1
         if code == 15:        # no location
-            current = -1
+            current = line if carry else -1
         elif code == 14:      # long form: line delta, end line delta, start col, end col
             delta, i = _svarint(table, i)
             line += delta

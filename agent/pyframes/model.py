@@ -10,7 +10,7 @@ class Frame:
     function: str      # co_name
     qualname: str      # co_qualname (3.11+); co_name before 3.11
     file: str          # co_filename
-    line: int          # -1 when the location table has none
+    line: int          # for an instruction without a location, the line before it (see PythonProcess._frame)
 
 
 @dataclass(slots=True)

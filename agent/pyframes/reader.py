@@ -361,10 +361,15 @@ class PythonProcess:
         return info
 
     def _frame(self, info: CodeInfo, byte_offset: int) -> Frame:
-        """The Frame for this code at this offset, decoded once and then shared (frames are immutable)."""
+        """The Frame for this code at this offset, decoded once and then shared (frames are immutable).
+        An instruction without a location (exception cleanup, implicit return: co_positions() says None)
+        gets the line of the table entry before it, as py-spy reports it; one the table cannot place (a
+        torn or misread table) the function's first line. So a frame always has a line to print."""
         frame = info.lines.get(byte_offset)
         if frame is None:
-            line = self._decode_line(info.linetable, info.firstlineno, byte_offset)
+            line = self._decode_line(info.linetable, info.firstlineno, byte_offset, carry=True)
+            if line < 0:
+                line = info.firstlineno
             frame = Frame(info.name, info.qualname, info.filename, line)
             if len(info.lines) < 4096:
                 info.lines[byte_offset] = frame

@@ -17,9 +17,19 @@ emitted once, when retired or completed; entries are deduplicated per process by
 When the ring wrapped between two polls (the oldest record_id in a dump is past the last one seen + 1),
 the lost entries are counted (`lost_entries`) and reported as an Event.
 
+A job's last ops (those after the last poll) come from the exit dump the bootstrap writes at interpreter exit,
+<pid>-<start ticks>.fr-exit.json in the same directories (see steplens_bootstrap): each step reads the ones
+present, emits what the periodic polls of that process did not (same record_id cursor; entries not yet
+completed at exit are emitted too, there will be no later dump), and deletes the file. A process that left
+the workloads keeps its cursor and ProcessInfo for EXIT_GRACE_SECONDS, so a dump read after procs reported
+the exit still deduplicates and is attributed; for one never seen alive the dump's header (RANK, WORLD_SIZE,
+job variables) says. A normal exit (socket gone, exit dump present) is not reported as a failure.
+
 Failures are reported once per process and kind, then the process is retried after retry_seconds: a
 socket that refuses (a stale socket file of a killed process), a process that exits mid-poll, a
-truncated or non-JSON answer. The agent keeps running.
+truncated or non-JSON answer. The agent keeps running. An entry with a field of the wrong type is skipped
+and counted (Event flightrec_entries_malformed); one whose time does not convert to this boot's monotonic
+clock is dropped by CommLog.add (Event flightrec_records_dropped, with the reason).
 
 Cost: one dump of a full 2000-entry ring is ~0.6 MB of JSON built by the job's worker-server thread
 (it holds the recorder's mutex while copying, not the GIL) and parsed here: a dump costs in proportion to
@@ -41,10 +51,12 @@ import time
 from dataclasses import dataclass, field
 
 from steplens.agent.commlog import CommLog, RealtimeClock, dtype_bytes, normalize_op
-from steplens.agent.records import CommOp, Event
+from steplens.agent.records import CommOp, Event, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
+EXIT_SUFFIX = ".fr-exit.json"   # <pid>-<start ticks>.fr-exit.json, written by the bootstrap at exit
+EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this long, for its exit dump
 
 
 @dataclass
@@ -216,8 +228,13 @@ def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks
     start = end = 0
     timing = "cpu_enqueue"
     dur_ms = e.get("duration_ms")
-    if isinstance(dur_ms, (int, float)) and dur_ms >= 0 and e.get("time_discovered_started_ns"):
-        start = clock.to_mono(int(e["time_discovered_started_ns"]))
+    if isinstance(dur_ms, (int, float)) and dur_ms >= 0 and (issue or e.get("time_discovered_started_ns")):
+        # duration_ms comes from the op's CUDA events and is exact; time_discovered_*_ns are when torch's watchdog
+        # noticed the start/completion, which it polls: in a recorded H100 dump (tests/fixtures/gpu-recorded)
+        # the seven ops of a step were all "discovered started" in one sweep ~95 ms after they were enqueued and
+        # long after they ended. They only bound the op from above, so the op is placed at its enqueue time
+        # (time_created_ns, a lower bound of its GPU start) with its measured duration.
+        start = issue or clock.to_mono(int(e["time_discovered_started_ns"]))
         end = start + int(dur_ms * 1e6)
         timing = "cuda_event"
     p2p = bool(e.get("is_p2p"))
@@ -228,7 +245,8 @@ def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks
         nranks=nranks, members=members, count=count, dtype=dtype, bytes=count * dtype_bytes(dtype),
         seq=-1 if p2p else int(e.get("collective_seq_id", -1)),
         p2p_seq=int(e.get("p2p_seq_id", -1)) if p2p else -1,
-        issue_mono_ns=issue, start_mono_ns=start, end_mono_ns=end, job_key=job_key)
+        issue_mono_ns=issue, start_mono_ns=start, end_mono_ns=end, job_key=job_key,
+        seq_source="" if p2p else "trace")
 
 
 class _Cursor:
@@ -241,9 +259,9 @@ class _Cursor:
         self.pending: set[int] = set()
 
 
-def new_entries(dump: Dump, cur: _Cursor) -> tuple[list[dict], int]:
-    """The entries of `dump` to emit now (done and not emitted before) and how many were lost to the ring
-    wrapping since the previous dump. Updates `cur`."""
+def new_entries(dump: Dump, cur: _Cursor, final: bool = False) -> tuple[list[dict], int]:
+    """The entries of `dump` to emit now (done and not emitted before; with `final`, the process's last dump,
+    also those not done) and how many were lost to the ring wrapping since the previous dump. Updates `cur`."""
     ents = sorted((e for e in dump.entries if isinstance(e.get("record_id"), int)), key=lambda e: e["record_id"])
     if not ents:
         return [], 0
@@ -257,13 +275,38 @@ def new_entries(dump: Dump, cur: _Cursor) -> tuple[list[dict], int]:
         rid = e["record_id"]
         if rid <= cur.high and rid not in cur.pending:
             continue
-        if entry_done(e):
+        if final or entry_done(e):
             out.append(e)
             cur.pending.discard(rid)
         else:
             cur.pending.add(rid)
     cur.high = max(cur.high, ents[-1]["record_id"])
     return out, lost
+
+
+def read_exit_dump(path: str, accepted_versions=("2.10",), max_bytes: int = 64 << 20) -> tuple[dict, Dump]:
+    """An exit dump file: (header, Dump). The header has pid, start_ticks and env (the job's RANK, WORLD_SIZE,
+    STEPLENS_JOB, ...). Raises FlightrecError."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except OSError as exc:
+        raise FlightrecError("io_error", f"{path}: {exc.strerror or exc}") from None
+    if len(data) > max_bytes:
+        raise FlightrecError("too_large", f"{path}: larger than {max_bytes} bytes")
+    head, sep, body = data.partition(b"\n")
+    try:
+        header = json.loads(head) if sep else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or not isinstance(header.get("env", {}), dict):
+        raise FlightrecError("bad_exit_dump", f"{path}: no header line")
+    return header, parse_dump(body, accepted_versions)
+
+
+def _exit_dump_key(name: str) -> tuple[int, int] | None:
+    pid, dash, ticks = name[:-len(EXIT_SUFFIX)].partition("-")
+    return (int(pid), int(ticks)) if dash and pid.isdigit() and ticks.isdigit() else None
 
 
 class _Target:
@@ -285,13 +328,19 @@ class FlightrecSource(Source):
         return Availability.yes("polls processes launched with the steplens bootstrap (steplens-agent env)")
 
     def start(self) -> None:
-        self.log = CommLog(self.ctx.state_dir, self.name, self.config.detail_max_records)
-        self.clock = RealtimeClock()
+        self.log = CommLog(self.ctx.state_dir, self.name, self.config.detail_max_records,
+                           monotonic_ns=self.ctx.mono_ns)
+        self.clock = RealtimeClock(monotonic_ns=self.ctx.mono_ns)
         self.targets: dict[tuple[int, int], _Target] = {}
         self.failed: dict[tuple[int, int], float] = {}
         self.reported: set[tuple] = set()
         self.lost_entries = 0
         self.polls = 0
+        self.gone: dict[tuple[int, int], tuple[_Target, float]] = {}  # left the workloads; cursor kept for its exit dump
+        self.known: dict[tuple[int, int], tuple[object, float]] = {}  # ProcessInfo of workloads, last seen
+        self.finished: dict[tuple[int, int], float] = {}  # exit dump read: never polled again
+        self.unremovable: set[str] = set()  # exit dumps read but not deletable here: never read again
+        self.exit_dumps = 0
 
     def _sockets(self) -> dict[int, str]:
         found: dict[int, str] = {}
@@ -319,28 +368,100 @@ class FlightrecSource(Source):
         now = time.monotonic()
         workloads = self.ctx.workloads.snapshot()
         sockets = self._sockets()
+        for key, info in workloads.items():
+            self.known[key] = (info, now)
         for key in [k for k in self.targets if k not in workloads]:
-            del self.targets[key]
+            self.gone[key] = (self.targets.pop(key), now)
         self.reported = {r for r in self.reported if r[0] in workloads}
         for key, info in workloads.items():
             if key in self.targets or key[0] not in sockets or len(self.targets) >= self.config.max_processes:
                 continue
-            if now - self.failed.get(key, -1e18) < self.config.retry_seconds:
+            if now - self.failed.get(key, -1e18) < self.config.retry_seconds or key in self.finished:
                 continue
             self.targets[key] = _Target(key, sockets[key[0]], info)
+            if key in self.gone:  # polled before: keep its cursors, or a retry would emit the ring again
+                self.targets[key].cursors = self.gone.pop(key)[0].cursors
         ops: list[CommOp] = []
         for key, tgt in list(self.targets.items()):
             try:
                 ops += self._poll(tgt, out)
             except FlightrecError as exc:
+                self.gone[key] = (self.targets.pop(key), now)
+                if os.path.exists(os.path.join(os.path.dirname(tgt.path), f"{key[0]}-{key[1]}{EXIT_SUFFIX}")):
+                    continue  # a normal exit: its exit dump is read below
                 gone = not os.path.exists(os.path.join(self.ctx.proc_root, str(key[0])))
                 kind = "process_exited" if gone else exc.kind
                 self._report(out, key, kind, str(exc) + (" (the process exited)" if gone else ""))
-                del self.targets[key]
                 self.failed[key] = now
+        ops += self._read_exit_dumps(out, now)
+        for table in (self.gone, self.known):
+            for key in [k for k, v in table.items() if now - v[1] > EXIT_GRACE_SECONDS]:
+                del table[key]
+        for key in [k for k, t in self.finished.items() if now - t > EXIT_GRACE_SECONDS and k not in workloads]:
+            del self.finished[key]
         self.polls += 1
         out += self.log.add(ops)
         return out
+
+    def _read_exit_dumps(self, out: list, now: float) -> list[CommOp]:
+        """CommOps from the exit dumps present (see the module docstring); each file is deleted once read."""
+        ops: list[CommOp] = []
+        for pattern in self.config.socket_dirs:
+            for d in sorted(glob.glob(pattern)):
+                try:
+                    names = [n for n in os.listdir(d) if n.endswith(EXIT_SUFFIX)]
+                except OSError:
+                    continue
+                for name in names:
+                    key = _exit_dump_key(name)
+                    path = os.path.join(d, name)
+                    if key is None or path in self.unremovable:
+                        continue
+                    try:
+                        header, dump = read_exit_dump(path, self.config.accepted_versions,
+                                                      self.config.max_response_bytes)
+                    except FlightrecError as exc:
+                        self._report(out, key, exc.kind, f"exit dump {exc}", once=False)
+                    else:
+                        ops += self._exit_ops(key, header, dump, path, out)
+                    finally:
+                        self.finished[key] = now
+                        self.targets.pop(key, None)
+                        try:
+                            os.unlink(path)
+                        except OSError as exc:  # another user's directory: the bootstrap removes it after an hour
+                            if len(self.unremovable) < 100_000:
+                                self.unremovable.add(path)
+                            self._report(out, key, "exit_dump_not_removed", f"{path}: {exc.strerror or exc}")
+        return ops
+
+    def _exit_ops(self, key: tuple[int, int], header: dict, dump: Dump, path: str, out: list) -> list[CommOp]:
+        tgt = self.targets.get(key) or self.gone.pop(key, (None, 0.0))[0]
+        info = tgt.info if tgt is not None else self.known.get(key, (None, 0.0))[0]
+        if info is None:  # never seen alive: what the process said about itself
+            from steplens.agent.sources.procs import job_key_from_env
+            env = {k: str(v) for k, v in header.get("env", {}).items()}
+
+            def num(name: str) -> int:
+                return int(env[name]) if env.get(name, "").lstrip("-").isdigit() else -1
+            info = ProcessInfo(0, key[0], key[1], rank=num("RANK"), world_size=num("WORLD_SIZE"),
+                               job_key=job_key_from_env(env))
+        entries, lost = new_entries(dump, tgt.cursors[ENDPOINTS[0]] if tgt is not None else _Cursor(), final=True)
+        if lost:
+            self.lost_entries += lost
+            self._report(out, key, "ring_wrapped", f"{lost} Flight Recorder entries were overwritten before they "
+                         "were read (raise TORCH_FR_BUFFER_SIZE or poll more often)", once=False)
+            out[-1].value = float(lost)
+        self.exit_dumps += 1
+        ops = []
+        for e in entries:
+            try:
+                ops.append(entry_to_op(e, dump, self.clock, key[0], key[1], info.rank, info.world_size, info.job_key))
+            except (ValueError, TypeError, OverflowError) as exc:
+                self.errors += 1
+                self._report(out, key, "entries_malformed", f"{path}: record_id {e.get('record_id')}: "
+                             f"{type(exc).__name__}: {exc}")
+        return ops
 
     def _poll(self, tgt: _Target, out: list) -> list[CommOp]:
         info = tgt.info
@@ -368,9 +489,19 @@ class FlightrecSource(Source):
                 self._report(out, tgt.key, "ring_wrapped", f"{lost} Flight Recorder entries were overwritten "
                              "before they were read (raise TORCH_FR_BUFFER_SIZE or poll more often)", once=False)
                 out[-1].value = float(lost)
+            malformed, first = 0, ""
             for e in entries:
-                ops.append(entry_to_op(e, dump, self.clock, tgt.key[0], tgt.key[1], info.rank, info.world_size,
-                                       info.job_key))
+                try:
+                    ops.append(entry_to_op(e, dump, self.clock, tgt.key[0], tgt.key[1], info.rank,
+                                           info.world_size, info.job_key))
+                except (ValueError, TypeError, OverflowError) as exc:  # a field of the wrong type or size
+                    malformed += 1
+                    first = first or f"record_id {e.get('record_id')}: {type(exc).__name__}: {exc}"
+            if malformed:
+                self.errors += 1
+                self._report(out, tgt.key, "entries_malformed", f"{tgt.path} {ep}: {malformed} entries skipped "
+                             f"(first: {first})", once=False)
+                out[-1].value = float(malformed)
         return ops
 
     def stop(self) -> None:

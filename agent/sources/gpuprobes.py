@@ -187,6 +187,11 @@ class GpuprobesSource(Source):
             return Availability.no(reason)
         return Availability.yes("uprobes attach only while a workload process maps libnccl.so*/libcudart.so*/libcuda.so*")
 
+    @classmethod
+    def planned_mode(cls, ctx: HostContext, config: GpuprobesConfig) -> tuple[str, str]:
+        """(mode, why) for `steplens-agent check`: one build only, needing no BTF program type."""
+        return "uprobes", "uprobes on the NCCL/CUDA libraries workload processes map, the only build"
+
     def _kinds(self) -> dict[str, str]:
         kinds = {}
         if self.config.nccl:

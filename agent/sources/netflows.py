@@ -3,7 +3,8 @@ PID) and LLMPrism-style flows (bursts of one connection in one direction split b
 eBPF raw tracepoints.
 
 Two builds of netflows.bpf.c; the first is used when the kernel allows it, else the second (reason kept in
-`btf_reason`, the build in `mode`):
+`btf_reason`, the build in `mode`; `planned_mode()` says beforehand which one a host gets, for
+`steplens-agent check`; STEPLENS_EBPF_REFUSE=tp_btf,iter forces the second, see agent/ebpf):
 
 "socket-storage" (BTF raw tracepoints, "tp_btf", agent/ebpf BtfRawTracepoint + MapIterator):
   net:net_dev_start_xmit (skb, dev)     TX wire bytes = skb->len (what the device counts), packets and the
@@ -289,6 +290,20 @@ class NetflowsSource(Source):
 
         reason = unavailable_reason(ctx.proc_root)
         return Availability.no(reason) if reason else Availability.yes()
+
+    @classmethod
+    def planned_mode(cls, ctx: HostContext, config: NetflowsConfig) -> tuple[str, str]:
+        """(mode, why): the build start() will get here, from minimal programs of the BTF build's types loaded
+        now (ebpf.tracing_support). Call only where probe() said yes."""
+        if not config.btf_tracepoints:
+            return "raw-tracepoints", "btf_tracepoints = false in the config"
+        tried = ebpf.tracing_support(tuple(BTF_ATTACH.values()), (ITERATOR[1],))
+        refused = [why for why in tried.values() if why]
+        if refused:
+            return "raw-tracepoints", f"the kernel refuses the socket-storage build: {refused[0]}"
+        how = "typed header loads (bpf_rdonly_cast)" if header_btf_ids() else "header probe reads (no bpf_rdonly_cast)"
+        return "socket-storage", (f"the kernel accepts BTF raw tracepoints on {', '.join(BTF_ATTACH.values())} and "
+                                  f"{ITERATOR[1]} iterators; {how}")
 
     def start(self) -> None:
         if self._bpf is not None:

@@ -13,9 +13,30 @@ A Python process that has not imported torch yet maps nothing telling, so its ma
 doubling back-off (1 s, 2 s, 4 s ... up to maps_recheck_max_seconds) instead of once; a classified process
 is never re-read.
 
-Job key: STEPLENS_JOB, else torchelastic:<TORCHELASTIC_RUN_ID>, else slurm:<SLURM_JOB_ID>, else
+Job key: STEPLENS_JOB, else torchelastic:<TORCHELASTIC_RUN_ID>, else slurm:<SLURM_JOB_ID>, else for torchrun's
+default run id ("none", see below) torchrun:<endpoint>[@<node>:<launcher pid>.<start ticks>], else
 master:<MASTER_ADDR>:<MASTER_PORT>, else pid:<top-most workload ancestor>. Unless include_helpers is set, a
 workload whose parent is a workload of the same rank (a forked DataLoader or compile worker) is left out.
+
+torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID=none in every worker of every such job (torch 2.13: when
+--master-port, --rdzv-endpoint or --nnodes > 1 is given; a plain single-node launch gets a random uuid), so
+that value alone would merge all of them into one job. The key must be equal on every rank, also on other
+hosts and after a restart, and differ between jobs. What a worker's environment and its launcher offer:
+  * the rendezvous endpoint: the launcher's --rdzv-endpoint (c10d, etcd backends) as typed on every host's
+    command line, else MASTER_ADDR:MASTER_PORT (static backend: --master-addr/--master-port, the same on
+    every host and kept across restarts). Shared across hosts and restarts, and no two running jobs can
+    share it: the endpoint is a listening TCP store. MASTER_PORT itself is not used for c10d, where the
+    rank-0 agent picks a fresh port per rendezvous round (it would change on restart).
+  * the launch time or pid of the launcher: host-local, so a host could not derive the key another host
+    uses. Only when the whole job runs under one launcher (WORLD_SIZE == LOCAL_WORLD_SIZE) is it shared by
+    every rank; it survives restarts (the launcher restarts its workers) and tells apart jobs run one after
+    the other on the same endpoint, and with the node it keeps single-node jobs of different hosts (all on
+    localhost:29500) apart.
+  * nothing else: TORCHELASTIC_ERROR_FILE's directory is random per host, RESTART_COUNT changes by design.
+So a multi-host job is torchrun:<endpoint>, and two multi-host jobs run one after the other on the same
+endpoint share a key (set --rdzv-id or STEPLENS_JOB to tell them apart); a single-host job is
+torchrun:<endpoint>@<node>:<launcher pid>.<launcher start ticks>. Without a visible launcher (ancestor within
+8 generations running torchrun or torch.distributed.run/launch), torchrun:<MASTER_ADDR>:<MASTER_PORT>.
 
 Emits ProcessInfo when a (pid, start_ticks) is first seen (everything present on the first step), again if
 exec changed what it runs, and ProcessExit when it is gone (a zombie counts as gone); keeps ctx.workloads
@@ -45,8 +66,9 @@ ENV_KEYS = (
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
     "SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS",
     "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
-    "GROUP_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "STEPLENS_JOB",
+    "GROUP_RANK", "LOCAL_WORLD_SIZE", "CUDA_VISIBLE_DEVICES", "STEPLENS_JOB", "GROUP_WORLD_SIZE",
 )
+TORCHRUN_DEFAULT_RUN_ID = "none"  # torchrun's --rdzv-id default: shared by every job launched without one
 _ENV_KEYS_B = {k.encode(): k for k in ENV_KEYS}
 
 _PF_KTHREAD = 0x00200000
@@ -212,6 +234,8 @@ class ProcsSource(Source):
             info = seen.info
             if info is None:
                 continue
+            if not info.job_key and info.env.get("TORCHELASTIC_RUN_ID") == TORCHRUN_DEFAULT_RUN_ID:
+                info.job_key = self._torchrun_key(key[0], info, ppids, by_pid, current)
             if not info.job_key:
                 info.job_key = f"pid:{self._topmost_workload(key[0], ppids, by_pid, current)}"
             if not self.config.include_helpers and info.rank >= 0:
@@ -314,7 +338,7 @@ class ProcsSource(Source):
             exe=exe,
             cmdline=cmdline,
             framework=framework,
-            job_key=_job_key(env),  # "" here: filled from the process tree by step()
+            job_key=job_key_from_env(env),  # "" here: filled from the process tree by step()
             rank=_first_int(env, "RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK"),
             local_rank=_first_int(env, "LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"),
             world_size=_first_int(env, "WORLD_SIZE", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"),
@@ -324,6 +348,23 @@ class ProcsSource(Source):
             container_id=_container_id(base),
             uid=uid,
         )
+
+    def _torchrun_key(self, pid: int, info: ProcessInfo, ppids: dict[int, int], by_pid: dict, current: dict) -> str:
+        """The key of a worker of a torchrun job launched without --rdzv-id (see the module docstring)."""
+        master = f"{info.env.get('MASTER_ADDR', '')}:{info.env.get('MASTER_PORT', '')}"
+        p, hops = ppids.get(pid, 0), 0
+        while p > 1 and hops < 8:
+            key = by_pid.get(p)
+            seen = current.get(key) if key is not None else None
+            endpoint = torchrun_endpoint(seen.cmdline) if seen is not None else None
+            if endpoint is not None:
+                group = _first_int(info.env, "GROUP_WORLD_SIZE")
+                world, local = _first_int(info.env, "WORLD_SIZE"), _first_int(info.env, "LOCAL_WORLD_SIZE")
+                one_launcher = group == 1 if group > 0 else (world > 0 and world == local)
+                base = f"torchrun:{endpoint or master}"
+                return f"{base}@{self.ctx.node_id}:{key[0]}.{key[1]}" if one_launcher else base
+            p, hops = ppids.get(p, 0), hops + 1
+        return f"torchrun:{master}" if master != ":" else ""
 
     @staticmethod
     def _topmost_workload(pid: int, ppids: dict[int, int], by_pid: dict, current: dict) -> int:
@@ -410,16 +451,48 @@ def _read_environ(base: str) -> dict[str, str]:
     return env
 
 
-def _job_key(env: dict[str, str]) -> str:
+def job_key_from_env(env: dict[str, str]) -> str:
+    """The key from the environment alone; "" where the process tree decides (step())."""
     if env.get("STEPLENS_JOB"):
         return env["STEPLENS_JOB"]
-    if env.get("TORCHELASTIC_RUN_ID"):
+    if env.get("TORCHELASTIC_RUN_ID") and env["TORCHELASTIC_RUN_ID"] != TORCHRUN_DEFAULT_RUN_ID:
         return f"torchelastic:{env['TORCHELASTIC_RUN_ID']}"
     if env.get("SLURM_JOB_ID"):
         return f"slurm:{env['SLURM_JOB_ID']}"
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return ""  # torchrun's default run id: step() derives the key from the launcher
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         return f"master:{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
     return ""
+
+
+_TORCHRUN_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+
+
+def torchrun_endpoint(argv: list[str]) -> str | None:
+    """None when `argv` is not a torchrun launcher; else its rendezvous endpoint when a dynamic backend
+    (c10d, etcd) is given one, else "" (static rendezvous: MASTER_ADDR/MASTER_PORT say it). Options are read up
+    to the training script (the first *.py), so the script's own arguments are not taken for the launcher's."""
+    start = next((i + 1 for i, tok in enumerate(argv[:3]) if os.path.basename(tok) == "torchrun"), None)
+    if start is None:
+        start = next((i + 2 for i, tok in enumerate(argv[:-1]) if tok == "-m" and argv[i + 1] in _TORCHRUN_MODULES),
+                     None)
+    if start is None:
+        return None
+    opts: dict[str, str] = {}
+    i = start
+    while i < len(argv) and not argv[i].endswith(".py"):
+        tok = argv[i]
+        name, eq, value = tok.partition("=")
+        name = name.replace("_", "-")
+        if name in ("--rdzv-endpoint", "--rdzv-backend"):
+            if not eq and i + 1 < len(argv):
+                value, i = argv[i + 1], i + 1
+            opts[name] = value
+        i += 1
+    if opts.get("--rdzv-backend", "static") == "static":
+        return ""
+    return opts.get("--rdzv-endpoint", "")
 
 
 def _first_int(env: dict[str, str], *keys: str) -> int:

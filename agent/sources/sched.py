@@ -129,6 +129,12 @@ class SchedSource(Source):
         reason = unavailable_reason(ctx.proc_root)
         return Availability.no(reason) if reason else Availability.yes()
 
+    @classmethod
+    def planned_mode(cls, ctx: HostContext, config: SchedConfig) -> tuple[str, str]:
+        """(mode, why) for `steplens-agent check`: one build only, needing no BTF program type."""
+        return "raw-tracepoints", ("classic raw tracepoints on " + ", ".join(tp for tp, _ in PROGRAMS) +
+                                   ", the only build (no BTF program types needed)")
+
     def start(self) -> None:
         from steplens.agent.ebpf import btf_offset, load_bcc
 

@@ -11,7 +11,9 @@ from steplens.v1 import records_pb2 as pb
 
 _KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange,
                     r.StackSummary, r.ConnStats, r.Flow, r.CommOp, r.KernelRec, r.CommSummary,
-                    r.CommMember})
+                    r.CommMember, r.Step})
+_STEP_FIELDS = tuple(n for n in r.Step.__slots__ if n not in ("mono_ns", "comms"))
+_STEPCOMM_FIELDS = tuple(n for n in r.StepComm.__slots__ if n != "issue_offsets_ns")
 
 # Records whose dataclass fields are named exactly like their protobuf message's fields (plus mono_ns):
 # encoded and decoded field by field. The value is the Record.body oneof name.
@@ -118,6 +120,15 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
             f.start_mono_ns = rec.start_mono_ns
             f.src, f.sport, f.dst, f.dport = rec.src, rec.sport, rec.dst, rec.dport
             f.bytes, f.packets, f.pid = rec.bytes, rec.packets, rec.pid
+        elif t is r.Step:
+            m = msg.step
+            for name in _STEP_FIELDS:
+                setattr(m, name, getattr(rec, name))
+            for c in rec.comms:
+                mc = m.comms.add()
+                for name in _STEPCOMM_FIELDS:
+                    setattr(mc, name, getattr(c, name))
+                mc.issue_offsets_ns.extend(c.issue_offsets_ns)
         elif t is r.ModeChange:
             m = msg.mode
             m.mode = int(rec.mode)
@@ -192,6 +203,11 @@ def decode_records(payload: bytes) -> list[tuple[str, object]]:
         elif kind == "flow":
             f = msg.flow
             rec = r.Flow(msg.mono_ns, f.start_mono_ns, f.src, f.sport, f.dst, f.dport, f.bytes, f.packets, f.pid)
+        elif kind == "step":
+            m = msg.step
+            rec = r.Step(msg.mono_ns, **{n: getattr(m, n) for n in _STEP_FIELDS},
+                         comms=[r.StepComm(**{n: getattr(c, n) for n in _STEPCOMM_FIELDS},
+                                           issue_offsets_ns=list(c.issue_offsets_ns)) for c in m.comms])
         elif kind == "stacks":
             st = msg.stacks
             rec = r.StackSummary(msg.mono_ns, st.pid, st.start_ticks, st.tid, st.thread_name, st.start_mono_ns,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             res = simulate(cfg, faults, sink)
             sink.close()
             write_truth(res, args.out)
+            cfg.topology().write_topology_file(os.path.join(args.out, "topology.json"))
             print(json.dumps({"out": args.out, "gpus": cfg.gpus, "iterations": res.iterations_done,
                               "aborted_at_iteration": res.aborted_at if res.aborted_at >= 0 else None,
                               "seconds": round(time.perf_counter() - t0, 3), "rows": sink.counts}))
@@ -110,9 +112,10 @@ def main(argv: list[str] | None = None) -> int:
                           agent_kind=args.agent_kind)
         out = stream(cfg, faults, sc)
         if args.out:
-            import os
             os.makedirs(args.out, exist_ok=True)
             write_truth(simulate(cfg, faults), args.out)
+            if not sc.agents or sc.agents >= cfg.topology().nodes:  # node ids are the agents' only then
+                cfg.topology().write_topology_file(os.path.join(args.out, "topology.json"))
         print(json.dumps(out))
         return 0 if not out["errors"] and not out["not_drained"] else 1
     except (ValueError, OSError) as exc:

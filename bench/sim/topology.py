@@ -66,6 +66,33 @@ class Topology:
         return [f"leaf{i}" for i in range(self.leaves)] + ([f"spine{i}" for i in range(self.spines)]
                                                            if self.leaves > 1 else [])
 
+    def topology_file(self, node_id=None) -> dict:
+        """This cluster in the collector's topology file format (collector/topology.py, README "Topology file"):
+        node ids are the emulated agents' (`sim-node-<n>`, one agent per node: `stream`'s default), one NIC per
+        GPU (`n<n>.nic<k>`, its link id as in faults and flows) under the node's leaf, every leaf linked to
+        every spine."""
+        node_id = node_id or (lambda n: f"sim-node-{n}")
+        spines = [f"spine{i}" for i in range(self.spines)] if self.leaves > 1 else []
+        nodes = []
+        for n in range(self.nodes):
+            ranks = range(n * self.gpus_per_node, min(self.gpus, (n + 1) * self.gpus_per_node))
+            nodes.append({"id": node_id(n), "hostname": f"n{n}",
+                          "nics": [{"id": self.link_of(r), "switch": self.leaf_of_node(n), "ip": self.ip(r)}
+                                   for r in ranks],
+                          "gpus": [{"index": self.device_of(r), "nic": self.link_of(r)} for r in ranks]})
+        return {"format": "steplens-topology", "version": 1,
+                "name": f"steplens-sim {self.gpus} GPUs",
+                "switches": [{"id": f"leaf{i}", "tier": "leaf"} for i in range(self.leaves)] +
+                            [{"id": s, "tier": "spine"} for s in spines],
+                "links": [{"a": f"leaf{i}", "b": s} for i in range(self.leaves) for s in spines],
+                "nodes": nodes}
+
+    def write_topology_file(self, path: str, node_id=None) -> str:
+        import json
+        with open(path, "w") as fh:
+            json.dump(self.topology_file(node_id), fh)
+        return path
+
     def to_json(self) -> dict:
         return {"gpus": self.gpus, "gpus_per_node": self.gpus_per_node, "nodes_per_leaf": self.nodes_per_leaf,
                 "spines": self.spines, "nodes": self.nodes, "leaves": self.leaves}

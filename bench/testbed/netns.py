@@ -88,6 +88,17 @@ def node_id(i: int) -> str:
     return f"h{i}"
 
 
+def topology_file(layout: Layout) -> dict:
+    """The testbed in the collector's topology file format (collector/topology.py, README "Topology file"):
+    hosts `h<i>` (the agents' node ids) with one NIC each, `h<i>.eth0` (its veth; the id of its link too),
+    all under one leaf, the bridge `br0`. No GPUs: the job runs on CPUs."""
+    return {"format": "steplens-topology", "version": 1, "name": f"steplens-testbed {layout.hosts} hosts",
+            "switches": [{"id": "br0", "tier": "leaf"}], "links": [],
+            "nodes": [{"id": node_id(i), "hostname": host_ns(i),
+                       "nics": [{"id": f"{node_id(i)}.eth0", "switch": "br0", "ip": host_ip(i)}], "gpus": []}
+                      for i in range(layout.hosts)]}
+
+
 def bin_path(name: str) -> str:
     """A console script next to the running interpreter (the venv's bin), else on PATH."""
     cand = os.path.join(os.path.dirname(sys.executable), name)
@@ -312,6 +323,8 @@ def up(layout: Layout, agents: bool = True) -> dict:
     except BaseException:
         down(layout)
         raise
+    with open(layout.path("topology.json"), "w") as fh:  # `steplens import topology` reads it
+        json.dump(topology_file(layout), fh, indent=1)
     state = {"hosts": layout.hosts, "collector": layout.collector_address, "agents": agents,
              "namespaces": {node_id(i): host_ns(i) for i in range(layout.hosts)},
              "ips": {node_id(i): host_ip(i) for i in range(layout.hosts)}, "up_ns": time.time_ns()}

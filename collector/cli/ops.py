@@ -11,9 +11,14 @@ import os
 import sys
 import time
 
-import grpc
+# gRPC's core logs failed handshakes at INFO on stderr ("I1124 ... Handshake failed ..."); the CLI says what
+# went wrong itself (conn.explain_unreachable), so only gRPC's errors get through. Read when grpc loads.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from steplens import conn
+import grpc  # noqa: E402
+
+from steplens import cliout, conn, stackfmt
+from steplens.collector.cli import diagnosis
 from steplens.collector.cli.serve import parse_duration
 from steplens.v1 import control_pb2 as cpb
 from steplens.v1 import control_pb2_grpc as cgrpc
@@ -147,9 +152,12 @@ def cmd_stacks(stub, args) -> int:
               f"{r['samples']} samples, last {r['last_state']}, {_ago(r['end_ns'])})")
         for s in r["stacks"][:args.top]:
             pct = 100.0 * s["count"] / max(r["samples"], 1)
-            inner = s["frames"][0] if s["frames"] else ["-", "-", "", -1]
+            if not s["frames"]:  # a thread state running no Python code: see steplens.stackfmt
+                print(f"  {pct:5.1f}%  gil {s['gil']:>4}  {stackfmt.NO_PYTHON_FRAME}  ({stackfmt.NO_PYTHON_FRAME_WHY})")
+                continue
+            inner = s["frames"][0]
             where = " <- ".join(f[1] for f in s["frames"][:6])
-            print(f"  {pct:5.1f}%  gil {s['gil']:>4}  {where}  ({inner[2]}:{inner[3]})")
+            print(f"  {pct:5.1f}%  gil {s['gil']:>4}  {where}  {stackfmt.location(inner[2], inner[3])}".rstrip())
     return 0
 
 
@@ -278,10 +286,10 @@ def cmd_detail(stub, args) -> int:
         return 0
     print(f"{args.node}: {reply.message}")
     for r in rows[-args.show:]:
-        inner = r["frames"][0] if r["frames"] else {"qualname": "-", "file": "", "line": -1}
-        chain = " <- ".join(f["qualname"] for f in r["frames"][:5])
+        inner = r["frames"][0] if r["frames"] else {"qualname": "", "file": "", "line": -1}
+        chain = " <- ".join(f["qualname"] for f in r["frames"][:5]) or stackfmt.NO_PYTHON_FRAME
         print(f"  {_ago(r['ts_ns']):>8}  pid {r['pid']} tid {r['tid']} {r['state']:<9}{' GIL' if r['gil'] else '    '}"
-              f"  {chain}  ({inner['file']}:{inner['line']})")
+              f"  {chain}  {stackfmt.location(inner['file'], inner['line'])}".rstrip())
     return 0
 
 
@@ -414,6 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
     ip.add_argument("--origin", help="name recorded with the flows (default: the file name)")
     ip.add_argument("--json", action="store_true")
     ip.set_defaults(func=cmd_import)
+    diagnosis.register_import(isub)
     sp = sub.add_parser("detail", help="fetch node-local detail from one agent on demand (raw stack samples)")
     sp.add_argument("kind", choices=["stacks"])
     sp.add_argument("--node", required=True, help="the agent's node id")
@@ -449,9 +458,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sources", help="comma-separated sources (default: all with a deep mode)")
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_deep)
+    diagnosis.register(sub)
     return p
 
 
+@cliout.quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -463,11 +474,22 @@ def main(argv: list[str] | None = None) -> int:
     except conn.SecurityError as exc:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        raise  # stdout closed by its reader (`| head`): cliout ends quietly
     except (ValueError, OSError) as exc:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except grpc.RpcError as exc:
-        print(f"steplens: {args.collector}: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        code, details = exc.code(), exc.details()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            why = conn.explain_unreachable(args.collector, args.insecure, f"{code.name}: {details}",
+                                           min(args.timeout, 3.0))
+            print(f"steplens: {why}", file=sys.stderr)
+        elif code == grpc.StatusCode.UNAUTHENTICATED:
+            print(f"steplens: {args.collector}: {code.name}: {details} (operators need --token-file, or "
+                  "--tls-cert/--tls-key with an operator certificate)", file=sys.stderr)
+        else:
+            print(f"steplens: {args.collector}: {code.name}: {details}", file=sys.stderr)
         return EXIT_RPC
 
 

@@ -22,7 +22,8 @@ else:  # pragma: no cover
 
 DEFAULT_CONFIG_PATH = "/etc/steplens/collector.toml"
 _KEYS = {"db", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
-         "operator_cns", "retention", "log_level"}
+         "operator_cns", "retention", "log_level", "metrics_listen"}
+_TABLES = {"collector", "analysis", "detectors"}
 
 
 def parse_duration(text: str) -> float:
@@ -34,16 +35,22 @@ def parse_duration(text: str) -> float:
 
 def _settings(args) -> tuple[CollectorSettings, str]:
     table: dict = {}
+    doc: dict = {}
     path = args.config or (DEFAULT_CONFIG_PATH if os.path.exists(DEFAULT_CONFIG_PATH) else None)
     if path:
         try:
             with open(path, "rb") as fh:
-                table = tomllib.load(fh).get("collector", {})
+                doc = tomllib.load(fh)
         except (OSError, tomllib.TOMLDecodeError) as exc:
             raise ValueError(f"cannot read config {path!r}: {exc}") from None
+        table = doc.get("collector", {})
         unknown = set(table) - _KEYS
         if unknown:
             raise ValueError(f"{path}: unknown key(s) in [collector]: {', '.join(sorted(unknown))}")
+        unknown = set(doc) - _TABLES
+        if unknown:
+            raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(_TABLES))})")
+    analysis, detector_configs = analysis_config(doc, path or "config")
     for key in _KEYS:
         value = getattr(args, key, None)
         if value not in (None, ""):
@@ -56,8 +63,33 @@ def _settings(args) -> tuple[CollectorSettings, str]:
         tls=conn.TlsFiles(table.get("tls_ca", ""), table.get("tls_cert", ""), table.get("tls_key", "")),
         token=conn.read_token(table.get("token_file", "")),
         operator_cns=tuple(table.get("operator_cns", ["steplens-operator"])),
-        retention_seconds=parse_duration(table.get("retention", "7d")))
+        retention_seconds=parse_duration(table.get("retention", "7d")), metrics_listen=table.get("metrics_listen", ""),
+        analysis=analysis, detector_configs=detector_configs)
     return s, table.get("log_level", "info")
+
+
+def analysis_config(doc: dict, where: str):
+    """[analysis] and [detectors.<name>] of a collector config: unknown keys or detectors are errors."""
+    import dataclasses
+
+    from steplens.collector.analysis import DETECTORS, load_spec
+    from steplens.collector.analysis.base import AnalysisSettings, build_config
+    table = doc.get("analysis", {})
+    known = {f.name for f in dataclasses.fields(AnalysisSettings)}
+    if set(table) - known:
+        raise ValueError(f"{where}: unknown key(s) in [analysis]: {', '.join(sorted(set(table) - known))}")
+    try:
+        analysis = AnalysisSettings(**table)
+        analysis.validate()
+    except TypeError as exc:
+        raise ValueError(f"{where}: [analysis]: {exc}") from None
+    configs = {}
+    for name, sub in doc.get("detectors", {}).items():
+        if name not in DETECTORS:
+            raise ValueError(f"{where}: [detectors.{name}]: no such detector (registered: "
+                             f"{', '.join(sorted(DETECTORS)) or 'none yet'})")
+        configs[name] = build_config(load_spec(name).config_class, sub, f"{where}: [detectors.{name}]")
+    return analysis, configs
 
 
 async def _serve(settings: CollectorSettings, ready_line: bool) -> int:
@@ -147,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-key", dest="tls_key", help="server key")
     p.add_argument("--token-file", dest="token_file", help="bearer token accepted on Control")
     p.add_argument("--retention", help="keep data this long (e.g. 7d, 12h; default 7d)")
+    p.add_argument("--metrics-listen", dest="metrics_listen",
+                   help="serve Prometheus /metrics on HOST:PORT (findings open per job and kind, analysis latency)")
     p.add_argument("--log-level", dest="log_level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("allinone", help="collector + one local agent on loopback (what `make run` starts)")

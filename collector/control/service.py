@@ -14,13 +14,14 @@ import uuid
 
 import grpc
 
+from steplens.collector.control.diagnosis import DiagnosisControl
 from steplens.collector.control.trigger import start_deep_mode
 from steplens.collector.store.queries import Reader
 from steplens.v1 import control_pb2 as cpb
 from steplens.v1 import control_pb2_grpc as cgrpc
 
 
-class ControlService(cgrpc.ControlServicer):
+class ControlService(DiagnosisControl, cgrpc.ControlServicer):
     def __init__(self, reader: Reader, ingest, clock, tls: bool, token: str = "",
                  operator_cns: tuple[str, ...] = ("steplens-operator",)) -> None:
         self.reader = reader
@@ -192,68 +193,17 @@ class ControlService(cgrpc.ControlServicer):
 
     async def FetchCommOps(self, request, context):
         """Comm ops of one job: ask every connected agent that hosts one of its ranks (or the given ranks),
-        concurrently, over the command channel; merge the answers in cluster time."""
+        concurrently, over the command channel; merge the answers in cluster time (control/fetch.py)."""
         await self._auth(context)
-        from steplens.collector.ingest.decode import BatchRejected, detail_json
-        from steplens.v1 import ingest_pb2 as ipb
-        if not request.job_key:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens procs --json`)")
-        kinds = list(request.kinds) or ["commops"]
-        bad = sorted(set(kinds) - {"commops", "kernels"})
-        if bad:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown kind(s) {', '.join(bad)}: commops, kernels")
-        procs = await asyncio.to_thread(self.reader.procs)
-        want = set(request.ranks)
-        by_node: dict[str, set[int]] = {}
-        for p in procs:
-            if p["job_key"] == request.job_key and (not want or p["rank"] in want):
-                by_node.setdefault(p["node_id"], set()).add(p["rank"])
-        if not by_node:
-            jobs = sorted({p["job_key"] for p in procs if p["job_key"]})
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no process of job {request.job_key!r}" + (f" with ranks {sorted(want)}" if want else "")
-                                + f" is known; jobs: {', '.join(jobs[:20]) or 'none'}")
-        now = self.clock.now_ns()
-        until = request.until_ns or now
-        if request.since_ns > until:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since_ns is after until_ns")
-        reply = cpb.CommOpsReply()
-        asks = {}
-        for node, ranks in sorted(by_node.items()):
-            session = self.ingest.sessions.get(node)
-            if session is None or session.clock is None:
-                reply.offline.append(node)
-                reply.messages[node] = "not connected: its detail stays on the node until it is"
-                continue
-            clock = session.clock
-            cmd = ipb.Command(command_id=uuid.uuid4().hex[:12], fetch=ipb.FetchDetail(
-                kinds=kinds, ranks=sorted(r for r in ranks if r >= 0), since_ns=request.since_ns, until_ns=until,
-                since_mono_ns=max(0, clock.to_agent(request.since_ns)) if request.since_ns else 0,
-                until_mono_ns=max(0, clock.to_agent(until)), limit=request.limit))
-            asks[node] = (clock, asyncio.ensure_future(asyncio.wait_for(session.send_command(cmd), 30)))
-        rows = []
-        for node, (clock, fut) in asks.items():
-            try:
-                result = await fut
-            except asyncio.TimeoutError:
-                reply.offline.append(node)
-                reply.messages[node] = "did not answer in 30 s"
-                continue
-            reply.messages[node] = result.message
-            if not result.ok:
-                reply.offline.append(node)
-                continue
-            try:
-                got = detail_json(result.payload, clock.to_cluster)
-            except BatchRejected as exc:
-                reply.offline.append(node)
-                reply.messages[node] = str(exc)
-                continue
-            for r in got:
-                r["node_id"] = node
-            rows.extend(got)
-        rows.sort(key=lambda r: (r.get("start_ns") or r.get("issue_ns") or r["ts_ns"], r.get("rank", -1)))
-        reply.records_json = json.dumps(rows, ensure_ascii=False)
+        from steplens.collector.control.fetch import FetchError, fetch_commops, rows_json
+        try:
+            got = await fetch_commops(self.ingest, self.reader, self.clock, request.job_key, list(request.ranks),
+                                      request.since_ns, request.until_ns, request.limit, list(request.kinds))
+        except FetchError as exc:
+            await context.abort(exc.code, str(exc))
+        reply = cpb.CommOpsReply(records_json=rows_json(got.rows), offline=got.offline)
+        for node, msg in got.messages.items():
+            reply.messages[node] = msg
         return reply
 
     async def SetDeepMode(self, request, context):

@@ -21,6 +21,9 @@ from steplens.v1 import records_pb2 as pb
 MAX_NAME = 256
 MAX_TEXT = 4096
 FUTURE_SLACK_NS = 60 * 10**9
+STEP_EVIDENCE = frozenset({"profiler", "comm_pattern", "anchor"})
+MAX_STEP_COMMS = 256       # communicators of one step
+MAX_STEP_OFFSETS = 4096    # issue offsets of one communicator in one step
 
 
 class BatchRejected(ValueError):
@@ -41,6 +44,7 @@ class DecodedBatch:
     flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
     comm_summaries: list = field(default_factory=list)  # (mono_ns, source, CommSummary msg)
     comm_members: list = field(default_factory=list)    # (mono_ns, CommMember msg)
+    steps: list = field(default_factory=list)           # (mono_ns, source, Step msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -124,6 +128,15 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
                 rej["comm member with bad id, host or rank"] += 1
                 continue
             out.comm_members.append((mono, c))
+        elif kind == "step":
+            st = rec.step
+            if (st.start_mono_ns > st.end_mono_ns or st.end_mono_ns > mono or st.evidence not in STEP_EVIDENCE
+                    or len(st.job_key) > MAX_NAME or len(st.comms) > MAX_STEP_COMMS
+                    or any(len(c.comm_id) > MAX_NAME or len(c.op) > MAX_NAME
+                           or len(c.issue_offsets_ns) > MAX_STEP_OFFSETS for c in st.comms)):
+                rej["step with bad times, evidence, names or sizes"] += 1
+                continue
+            out.steps.append((mono, rec.source, st))
         elif kind in ("commop", "kernel"):
             rej[f"{kind} record sent upstream (node-local detail: fetched on demand, not streamed)"] += 1
         else:
@@ -191,3 +204,10 @@ def detail_json(payload: bytes, to_cluster) -> list[dict]:
                             "gil": bool(c.gil), "state": st.last_state,
                             "frames": [frames[i] for i in c.frame_ids]})
     return out
+
+
+def step_comms_json(st) -> str:
+    """A Step's per-communicator summaries as JSON (the steps table's comms_json)."""
+    return json.dumps([{"comm_id": c.comm_id, "op": c.op, "calls": c.calls, "bytes": c.bytes, "busy_ns": c.busy_ns,
+                        "wait_ns": c.wait_ns, "seq_first": c.seq_first, "issue_offsets_ns": list(c.issue_offsets_ns),
+                        "offsets_dropped": c.offsets_dropped} for c in st.comms], separators=(",", ":"))

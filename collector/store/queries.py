@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from steplens.collector.store import schema
+from steplens.collector.store.diagnosis import DiagnosisQueries
 
 # per-process metric names emitted by the host source, shown by `steplens procs`
 PROC_CPU = "process_cpu_percent"
@@ -13,7 +14,7 @@ PROC_RSS = "process_resident_memory_bytes"
 PROC_THREADS = "process_threads"
 
 
-class Reader:
+class Reader(DiagnosisQueries):
     def __init__(self, path: str) -> None:
         self.path = path
 

@@ -126,6 +126,38 @@ CREATE TABLE comm_members (
 CREATE INDEX comm_members_job ON comm_members (job_key);
 """))
 
+# diagnosis: findings (collector/analysis/findings.py: one row per finding, `pending` rows are not listed)
+# and the imported physical topologies (collector/topology.py; the newest version is the current one)
+MIGRATIONS.append((6, """
+CREATE TABLE findings (
+  id TEXT PRIMARY KEY, job_key TEXT NOT NULL, detector TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
+  suspect_kind TEXT NOT NULL, suspect_id TEXT NOT NULL, onset_ns INTEGER NOT NULL, last_ns INTEGER NOT NULL,
+  resolved_ns INTEGER NOT NULL DEFAULT 0, first_seen_ns INTEGER NOT NULL, severity REAL NOT NULL,
+  peak_severity REAL NOT NULL, summary TEXT NOT NULL, suspects_json TEXT NOT NULL, evidence_json TEXT NOT NULL,
+  confirmations INTEGER NOT NULL, created_ns INTEGER NOT NULL, updated_ns INTEGER NOT NULL
+);
+CREATE INDEX findings_job ON findings (job_key, detector, status);
+CREATE INDEX findings_status ON findings (status, last_ns);
+CREATE TABLE topologies (
+  version INTEGER PRIMARY KEY, origin TEXT NOT NULL, imported_ns INTEGER NOT NULL, digest TEXT NOT NULL,
+  name TEXT NOT NULL, nodes INTEGER NOT NULL, gpus INTEGER NOT NULL, nics INTEGER NOT NULL,
+  switches INTEGER NOT NULL, links INTEGER NOT NULL, doc_json TEXT NOT NULL
+);
+"""))
+
+# per-rank steps segmented on the agent (agent/steps.py, issue 13 item 3); comms_json: the step's per-communicator
+# summaries, [{comm_id, op, calls, bytes, busy_ns, wait_ns, seq_first, issue_offsets_ns, offsets_dropped}]
+MIGRATIONS.append((7, """
+CREATE TABLE steps (
+  agent_id TEXT NOT NULL, source TEXT NOT NULL, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL,
+  job_key TEXT NOT NULL, rank INTEGER NOT NULL, step INTEGER NOT NULL, start_ns INTEGER NOT NULL,
+  end_ns INTEGER NOT NULL, evidence TEXT NOT NULL, period_ops INTEGER NOT NULL, ops INTEGER NOT NULL,
+  comms_json TEXT NOT NULL
+);
+CREATE INDEX steps_job ON steps (job_key, end_ns);
+CREATE INDEX steps_end ON steps (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

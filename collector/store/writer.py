@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from steplens.collector.ingest.clock import ClockEstimate
-from steplens.collector.ingest.decode import BatchRejected, decode_batch, process_row, stacks_json
+from steplens.collector.ingest.decode import BatchRejected, decode_batch, process_row, stacks_json, step_comms_json
 from steplens.collector.store import schema
 
 log = logging.getLogger("steplens.collector.writer")
@@ -52,6 +52,18 @@ class ImportJob:
     origin: str
     rows: list
     done: Callable[[str, int, str], None]
+
+
+@dataclass
+class StoreJob:
+    """Any other write (a topology import, findings of the analysis engine): apply(conn) runs in the writer
+    thread inside the group's transaction, under a savepoint of its own, so an exception in it undoes only
+    its own writes and reports it "failed" (the rest of the group commits). done runs after the commit with
+    (outcome, apply's return value, note)."""
+
+    apply: Callable[[sqlite3.Connection], int]
+    done: Callable[[str, int, str], None]
+    result: int = 0
 
 
 @dataclass
@@ -164,8 +176,11 @@ class StoreWriter:
             conn.execute("BEGIN IMMEDIATE")
             updates: dict[str, dict] = {}
             imports = []
+            jobs: list[tuple[StoreJob, str, str]] = []
             for item in group:
-                if isinstance(item, AgentUpdate):
+                if isinstance(item, StoreJob):
+                    jobs.append((item, *self._apply_job(item)))
+                elif isinstance(item, AgentUpdate):
                     updates.setdefault(item.agent_id, {}).update(item.fields)
                 elif isinstance(item, ImportJob):
                     conn.executemany(
@@ -191,15 +206,32 @@ class StoreWriter:
             self._series.clear()
             self._last_seq.clear()
             for item in group:
-                if isinstance(item, (BatchJob, ImportJob)):
+                if isinstance(item, (BatchJob, ImportJob, StoreJob)):
                     item.done("failed", 0, self.last_error)
             return
+        for sj, outcome, note in jobs:
+            sj.done(outcome, sj.result, note)
         for imp in imports:
             imp.done("stored", len(imp.rows), "")
         for job, outcome, rejected, note in outcomes:
             if outcome == "stored":
                 self.batches_written += 1
             job.done(outcome, rejected, note)
+
+    def _apply_job(self, job: StoreJob) -> tuple[str, str]:
+        conn = self.conn
+        conn.execute("SAVEPOINT store_job")
+        try:
+            job.result = job.apply(conn) or 0
+        except Exception as exc:  # its own writes are undone; a store failure still fails the whole group
+            conn.execute("ROLLBACK TO store_job")
+            conn.execute("RELEASE store_job")
+            if isinstance(exc, sqlite3.OperationalError):
+                raise
+            log.warning("store job failed: %s: %s", type(exc).__name__, exc)
+            return "failed", f"{type(exc).__name__}: {exc}"
+        conn.execute("RELEASE store_job")
+        return "stored", ""
 
     def _committed_seq(self, key: tuple[str, str]) -> int:
         seq = self._last_seq.get(key)
@@ -319,6 +351,13 @@ class StoreWriter:
                 " via=excluded.via, agent_id=excluded.agent_id, seen_ns=MAX(comm_members.seen_ns, excluded.seen_ns)",
                 [(c.comm_id, c.rank, c.nranks, c.host, c.pid, c.cuda_dev, c.nvml_dev, c.bus_id, c.global_rank,
                   c.job_key, c.via, agent, to_cluster(m)) for m, c in dec.comm_members])
+        if dec.steps:
+            conn.executemany(
+                "INSERT INTO steps(agent_id, source, pid, start_ticks, job_key, rank, step, start_ns, end_ns, evidence,"
+                " period_ops, ops, comms_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, src, st.pid, st.start_ticks, st.job_key, st.rank, st.step, to_cluster(st.start_mono_ns),
+                  to_cluster(st.end_mono_ns), st.evidence, st.period_ops, st.ops, step_comms_json(st))
+                 for m, src, st in dec.steps])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
@@ -397,12 +436,15 @@ class StoreWriter:
             deleted += self.conn.execute("DELETE FROM flows WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM conn_stats WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM comm_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM steps WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("
                                          "SELECT MAX(seq) FROM batches b2 WHERE b2.agent_id = batches.agent_id"
                                          " AND b2.spool_id = batches.spool_id)", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM processes WHERE exited_ns IS NOT NULL AND exited_ns < ?",
+                                         (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM findings WHERE status != 'open' AND updated_ns < ?",
                                          (cutoff_ns,)).rowcount
             self.conn.execute("COMMIT")
         except sqlite3.Error as exc:

@@ -131,5 +131,77 @@ def read_token(path: str) -> str:
     return token
 
 
+def probe_protocol(address: str, timeout_s: float = 2.0) -> str:
+    """What the server at HOST:PORT speaks: "plaintext" (HTTP/2 without TLS, as a collector run with --insecure:
+    it answers the HTTP/2 client preface with a SETTINGS frame), "tls" (it completes a TLS handshake, or
+    refuses it with a TLS alert), or "unknown". Raises OSError (socket.gaierror, ConnectionRefusedError,
+    TimeoutError, ...) when no connection can be made. Costs two short connections; for error messages only."""
+    import ssl
+    host, port = split_host_port(address)
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        try:
+            head = s.recv(9)
+        except OSError:
+            head = b""
+    if len(head) >= 4 and head[3] == 0x04:  # frame header: length(3) type(1); type 4 = SETTINGS
+        return "plaintext"
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, port), timeout=timeout_s) as raw:
+        try:
+            with ctx.wrap_socket(raw, server_hostname=host):
+                return "tls"
+        except ssl.SSLError as exc:
+            # an alert (certificate required, handshake failure) comes from a TLS server; WRONG_VERSION_NUMBER,
+            # RECORD_LAYER_FAILURE or an EOF from something else
+            return "tls" if "ALERT" in str(exc.reason or exc).upper() else "unknown"
+        except OSError:
+            return "unknown"
+
+
+def explain_unreachable(address: str, insecure: bool, details: str, timeout_s: float = 2.0) -> str:
+    """What to tell an operator (or log for an agent) whose call to the collector at `address` failed with
+    UNAVAILABLE or DEADLINE_EXCEEDED: which side is wrong and what to do, found by probing the address
+    (probe_protocol). `details` (gRPC's own text) is kept where the probe finds nothing better, and always
+    when client and collector speak the same protocol: then the status may be the collector's own answer."""
+    mode = "plaintext (--insecure)" if insecure else "TLS"
+    try:
+        host, port = split_host_port(address)
+    except SecurityError as exc:
+        return str(exc)
+    if host.startswith("unix:"):
+        return f"{address}: {details}"
+    hint = "check --collector (or STEPLENS_COLLECTOR)"
+    try:
+        server = probe_protocol(address, timeout_s)
+    except socket.gaierror as exc:
+        return f"cannot resolve {host!r} ({exc.strerror or exc}): {hint}"
+    except ConnectionRefusedError:
+        return (f"nothing listens on {address} (connection refused): is the collector running "
+                f"(`steplens-collector serve`, `make run`)? {hint}")
+    except (TimeoutError, socket.timeout):
+        return f"cannot reach {address}: no answer to a connection in {timeout_s:g}s (host down, route or firewall?); {hint}"
+    except OSError as exc:
+        return f"cannot reach {address}: {exc.strerror or exc}; {hint}"
+    if server == "plaintext" and not insecure:
+        fix = ("pass --insecure (allowed for loopback collectors only)" if is_loopback(address)
+               else "plaintext is refused beyond loopback: run the collector with TLS (--tls-cert/--tls-key)")
+        return f"the collector at {address} speaks plaintext (it runs with --insecure) and this client tried TLS: {fix}"
+    if server == "tls" and insecure:
+        return (f"the collector at {address} speaks TLS and this client connected in plaintext (--insecure): drop "
+                "--insecure and pass --tls-ca (the CA of the collector's certificate) with --token-file, or "
+                "--tls-cert/--tls-key")
+    if server == "tls" and any(k in details for k in ("andshake", "SSL", "ertificate", "TSI_")):
+        return (f"the TLS handshake with the collector at {address} failed: pass --tls-ca with the CA that signed "
+                f"its certificate (which must name {host!r}), and a client certificate (--tls-cert/--tls-key) if it "
+                f"asks for one. gRPC said: {details}")
+    if server == "unknown":
+        return f"{address} accepts connections but does not answer as a gRPC collector would ({mode}); {hint}"
+    return f"{address}: {details}"
+
+
 def hostname() -> str:
     return os.environ.get("STEPLENS_HOSTNAME") or socket.gethostname()

@@ -453,3 +453,228 @@ class DeepReply(_message.Message):
     offline: _containers.RepeatedScalarFieldContainer[str]
     messages: _containers.ScalarMap[str, str]
     def __init__(self, command_id: _Optional[str] = ..., start_ns: _Optional[int] = ..., delivered: _Optional[_Iterable[str]] = ..., offline: _Optional[_Iterable[str]] = ..., messages: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Suspect(_message.Message):
+    __slots__ = ("kind", "id", "score", "cause", "evidence_json")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    id: str
+    score: float
+    cause: str
+    evidence_json: str
+    def __init__(self, kind: _Optional[str] = ..., id: _Optional[str] = ..., score: _Optional[float] = ..., cause: _Optional[str] = ..., evidence_json: _Optional[str] = ...) -> None: ...
+
+class Finding(_message.Message):
+    __slots__ = ("id", "job_key", "kind", "detector", "status", "onset_ns", "last_ns", "resolved_ns", "severity", "peak_severity", "summary", "suspects", "evidence_json", "confirmations")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ONSET_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_NS_FIELD_NUMBER: _ClassVar[int]
+    RESOLVED_NS_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    PEAK_SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    SUSPECTS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIRMATIONS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    job_key: str
+    kind: str
+    detector: str
+    status: str
+    onset_ns: int
+    last_ns: int
+    resolved_ns: int
+    severity: float
+    peak_severity: float
+    summary: str
+    suspects: _containers.RepeatedCompositeFieldContainer[Suspect]
+    evidence_json: str
+    confirmations: int
+    def __init__(self, id: _Optional[str] = ..., job_key: _Optional[str] = ..., kind: _Optional[str] = ..., detector: _Optional[str] = ..., status: _Optional[str] = ..., onset_ns: _Optional[int] = ..., last_ns: _Optional[int] = ..., resolved_ns: _Optional[int] = ..., severity: _Optional[float] = ..., peak_severity: _Optional[float] = ..., summary: _Optional[str] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., evidence_json: _Optional[str] = ..., confirmations: _Optional[int] = ...) -> None: ...
+
+class FindingsRequest(_message.Message):
+    __slots__ = ("job_key", "since_ns", "open_only", "limit")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_ONLY_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    since_ns: int
+    open_only: bool
+    limit: int
+    def __init__(self, job_key: _Optional[str] = ..., since_ns: _Optional[int] = ..., open_only: _Optional[bool] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class FindingList(_message.Message):
+    __slots__ = ("findings",)
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    def __init__(self, findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+
+class DiagnoseRequest(_message.Message):
+    __slots__ = ("job_key", "since_ns")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    since_ns: int
+    def __init__(self, job_key: _Optional[str] = ..., since_ns: _Optional[int] = ...) -> None: ...
+
+class DiagnoseReply(_message.Message):
+    __slots__ = ("findings", "detectors", "errors", "since_ns", "until_ns", "seconds", "ranks_fetched")
+    class ErrorsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    DETECTORS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    detectors: _containers.RepeatedScalarFieldContainer[str]
+    errors: _containers.ScalarMap[str, str]
+    since_ns: int
+    until_ns: int
+    seconds: float
+    ranks_fetched: int
+    def __init__(self, findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., detectors: _Optional[_Iterable[str]] = ..., errors: _Optional[_Mapping[str, str]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., seconds: _Optional[float] = ..., ranks_fetched: _Optional[int] = ...) -> None: ...
+
+class WatchFindingsRequest(_message.Message):
+    __slots__ = ("job_key", "include_open")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_OPEN_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    include_open: bool
+    def __init__(self, job_key: _Optional[str] = ..., include_open: _Optional[bool] = ...) -> None: ...
+
+class FindingEvent(_message.Message):
+    __slots__ = ("event", "finding", "dropped")
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    FINDING_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    event: str
+    finding: Finding
+    dropped: int
+    def __init__(self, event: _Optional[str] = ..., finding: _Optional[_Union[Finding, _Mapping]] = ..., dropped: _Optional[int] = ...) -> None: ...
+
+class JobRank(_message.Message):
+    __slots__ = ("rank", "node_id", "pid", "local_rank", "alive", "source")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_RANK_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    node_id: str
+    pid: int
+    local_rank: int
+    alive: bool
+    source: str
+    def __init__(self, rank: _Optional[int] = ..., node_id: _Optional[str] = ..., pid: _Optional[int] = ..., local_rank: _Optional[int] = ..., alive: _Optional[bool] = ..., source: _Optional[str] = ...) -> None: ...
+
+class JobComm(_message.Message):
+    __slots__ = ("comm_id", "nranks", "ranks", "ops", "via")
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    NRANKS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    VIA_FIELD_NUMBER: _ClassVar[int]
+    comm_id: str
+    nranks: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    ops: _containers.RepeatedScalarFieldContainer[str]
+    via: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, comm_id: _Optional[str] = ..., nranks: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., ops: _Optional[_Iterable[str]] = ..., via: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Job(_message.Message):
+    __slots__ = ("job_key", "world_size", "ranks", "nodes", "comms", "alive", "first_seen_ns", "last_seen_ns", "step_seconds", "baseline_step_seconds", "step_source", "steps", "open_findings")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    COMMS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_NS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BASELINE_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    world_size: int
+    ranks: _containers.RepeatedCompositeFieldContainer[JobRank]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    comms: _containers.RepeatedCompositeFieldContainer[JobComm]
+    alive: bool
+    first_seen_ns: int
+    last_seen_ns: int
+    step_seconds: float
+    baseline_step_seconds: float
+    step_source: str
+    steps: int
+    open_findings: _containers.RepeatedCompositeFieldContainer[Finding]
+    def __init__(self, job_key: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[JobRank, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., comms: _Optional[_Iterable[_Union[JobComm, _Mapping]]] = ..., alive: _Optional[bool] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., step_seconds: _Optional[float] = ..., baseline_step_seconds: _Optional[float] = ..., step_source: _Optional[str] = ..., steps: _Optional[int] = ..., open_findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+
+class JobsRequest(_message.Message):
+    __slots__ = ("job_key",)
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    def __init__(self, job_key: _Optional[str] = ...) -> None: ...
+
+class JobList(_message.Message):
+    __slots__ = ("jobs",)
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[Job]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[Job, _Mapping]]] = ...) -> None: ...
+
+class ImportTopologyRequest(_message.Message):
+    __slots__ = ("origin", "topology_json")
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_JSON_FIELD_NUMBER: _ClassVar[int]
+    origin: str
+    topology_json: str
+    def __init__(self, origin: _Optional[str] = ..., topology_json: _Optional[str] = ...) -> None: ...
+
+class TopologyRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TopologyReply(_message.Message):
+    __slots__ = ("version", "origin", "imported_ns", "digest", "name", "nodes", "gpus", "nics", "switches", "links", "topology_json")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    IMPORTED_NS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    GPUS_FIELD_NUMBER: _ClassVar[int]
+    NICS_FIELD_NUMBER: _ClassVar[int]
+    SWITCHES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    TOPOLOGY_JSON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    origin: str
+    imported_ns: int
+    digest: str
+    name: str
+    nodes: int
+    gpus: int
+    nics: int
+    switches: int
+    links: int
+    topology_json: str
+    def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., imported_ns: _Optional[int] = ..., digest: _Optional[str] = ..., name: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus: _Optional[int] = ..., nics: _Optional[int] = ..., switches: _Optional[int] = ..., links: _Optional[int] = ..., topology_json: _Optional[str] = ...) -> None: ...

@@ -94,6 +94,36 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.DeepReply.FromString,
                 _registered_method=True)
+        self.ListJobs = channel.unary_unary(
+                '/steplens.v1.Control/ListJobs',
+                request_serializer=steplens_dot_v1_dot_control__pb2.JobsRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.JobList.FromString,
+                _registered_method=True)
+        self.ListFindings = channel.unary_unary(
+                '/steplens.v1.Control/ListFindings',
+                request_serializer=steplens_dot_v1_dot_control__pb2.FindingsRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.FindingList.FromString,
+                _registered_method=True)
+        self.Diagnose = channel.unary_unary(
+                '/steplens.v1.Control/Diagnose',
+                request_serializer=steplens_dot_v1_dot_control__pb2.DiagnoseRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.DiagnoseReply.FromString,
+                _registered_method=True)
+        self.WatchFindings = channel.unary_stream(
+                '/steplens.v1.Control/WatchFindings',
+                request_serializer=steplens_dot_v1_dot_control__pb2.WatchFindingsRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.FindingEvent.FromString,
+                _registered_method=True)
+        self.ImportTopology = channel.unary_unary(
+                '/steplens.v1.Control/ImportTopology',
+                request_serializer=steplens_dot_v1_dot_control__pb2.ImportTopologyRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
+                _registered_method=True)
+        self.GetTopology = channel.unary_unary(
+                '/steplens.v1.Control/GetTopology',
+                request_serializer=steplens_dot_v1_dot_control__pb2.TopologyRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -171,6 +201,42 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListJobs(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListFindings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Diagnose(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchFindings(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportTopology(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTopology(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -233,6 +299,36 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.SetDeepMode,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.DeepRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.DeepReply.SerializeToString,
+            ),
+            'ListJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListJobs,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.JobsRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.JobList.SerializeToString,
+            ),
+            'ListFindings': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListFindings,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.FindingsRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.FindingList.SerializeToString,
+            ),
+            'Diagnose': grpc.unary_unary_rpc_method_handler(
+                    servicer.Diagnose,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.DiagnoseRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.DiagnoseReply.SerializeToString,
+            ),
+            'WatchFindings': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchFindings,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.WatchFindingsRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.FindingEvent.SerializeToString,
+            ),
+            'ImportTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportTopology,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.ImportTopologyRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.TopologyReply.SerializeToString,
+            ),
+            'GetTopology': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTopology,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.TopologyRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.TopologyReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +655,168 @@ class Control:
             '/steplens.v1.Control/SetDeepMode',
             steplens_dot_v1_dot_control__pb2.DeepRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.DeepReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListJobs',
+            steplens_dot_v1_dot_control__pb2.JobsRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListFindings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListFindings',
+            steplens_dot_v1_dot_control__pb2.FindingsRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.FindingList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Diagnose(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/Diagnose',
+            steplens_dot_v1_dot_control__pb2.DiagnoseRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.DiagnoseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchFindings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/steplens.v1.Control/WatchFindings',
+            steplens_dot_v1_dot_control__pb2.WatchFindingsRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.FindingEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ImportTopology',
+            steplens_dot_v1_dot_control__pb2.ImportTopologyRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTopology(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/GetTopology',
+            steplens_dot_v1_dot_control__pb2.TopologyRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -242,7 +242,7 @@ class Flow(_message.Message):
     def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., bytes: _Optional[int] = ..., packets: _Optional[int] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class CommOp(_message.Message):
-    __slots__ = ("timing", "pid", "start_ticks", "tid", "device", "comm_id", "comm_desc", "rank", "group_rank", "nranks", "members", "op", "peer", "root", "count", "dtype", "bytes", "seq", "p2p_seq", "stream", "issue_mono_ns", "start_mono_ns", "end_mono_ns", "job_key")
+    __slots__ = ("timing", "pid", "start_ticks", "tid", "device", "comm_id", "comm_desc", "rank", "group_rank", "nranks", "members", "op", "peer", "root", "count", "dtype", "bytes", "seq", "p2p_seq", "stream", "issue_mono_ns", "start_mono_ns", "end_mono_ns", "job_key", "seq_source")
     TIMING_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     START_TICKS_FIELD_NUMBER: _ClassVar[int]
@@ -267,6 +267,7 @@ class CommOp(_message.Message):
     START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_SOURCE_FIELD_NUMBER: _ClassVar[int]
     timing: str
     pid: int
     start_ticks: int
@@ -291,7 +292,8 @@ class CommOp(_message.Message):
     start_mono_ns: int
     end_mono_ns: int
     job_key: str
-    def __init__(self, timing: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., device: _Optional[int] = ..., comm_id: _Optional[str] = ..., comm_desc: _Optional[str] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., nranks: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., peer: _Optional[int] = ..., root: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., p2p_seq: _Optional[int] = ..., stream: _Optional[int] = ..., issue_mono_ns: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., job_key: _Optional[str] = ...) -> None: ...
+    seq_source: str
+    def __init__(self, timing: _Optional[str] = ..., pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., device: _Optional[int] = ..., comm_id: _Optional[str] = ..., comm_desc: _Optional[str] = ..., rank: _Optional[int] = ..., group_rank: _Optional[int] = ..., nranks: _Optional[int] = ..., members: _Optional[_Iterable[int]] = ..., op: _Optional[str] = ..., peer: _Optional[int] = ..., root: _Optional[int] = ..., count: _Optional[int] = ..., dtype: _Optional[str] = ..., bytes: _Optional[int] = ..., seq: _Optional[int] = ..., p2p_seq: _Optional[int] = ..., stream: _Optional[int] = ..., issue_mono_ns: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., job_key: _Optional[str] = ..., seq_source: _Optional[str] = ...) -> None: ...
 
 class KernelRec(_message.Message):
     __slots__ = ("pid", "start_ticks", "tid", "device", "stream", "name", "grid", "block", "start_mono_ns", "end_mono_ns", "correlation_id", "launch_api", "launch_start_mono_ns", "launch_end_mono_ns", "graph_id", "rank")
@@ -367,6 +369,54 @@ class CommSummary(_message.Message):
     kernels: int
     def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., comm_id: _Optional[str] = ..., op: _Optional[str] = ..., step: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_ns: _Optional[int] = ..., max_ns: _Optional[int] = ..., seq_first: _Optional[int] = ..., seq_last: _Optional[int] = ..., timing: _Optional[str] = ..., issue_latency_ns_sum: _Optional[int] = ..., kernels: _Optional[int] = ...) -> None: ...
 
+class StepComm(_message.Message):
+    __slots__ = ("comm_id", "op", "calls", "bytes", "busy_ns", "wait_ns", "seq_first", "issue_offsets_ns", "offsets_dropped")
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUSY_NS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIRST_FIELD_NUMBER: _ClassVar[int]
+    ISSUE_OFFSETS_NS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    comm_id: str
+    op: str
+    calls: int
+    bytes: int
+    busy_ns: int
+    wait_ns: int
+    seq_first: int
+    issue_offsets_ns: _containers.RepeatedScalarFieldContainer[int]
+    offsets_dropped: int
+    def __init__(self, comm_id: _Optional[str] = ..., op: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., busy_ns: _Optional[int] = ..., wait_ns: _Optional[int] = ..., seq_first: _Optional[int] = ..., issue_offsets_ns: _Optional[_Iterable[int]] = ..., offsets_dropped: _Optional[int] = ...) -> None: ...
+
+class Step(_message.Message):
+    __slots__ = ("pid", "start_ticks", "job_key", "rank", "step", "start_mono_ns", "end_mono_ns", "evidence", "period_ops", "ops", "comms")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    PERIOD_OPS_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    COMMS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    job_key: str
+    rank: int
+    step: int
+    start_mono_ns: int
+    end_mono_ns: int
+    evidence: str
+    period_ops: int
+    ops: int
+    comms: _containers.RepeatedCompositeFieldContainer[StepComm]
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., evidence: _Optional[str] = ..., period_ops: _Optional[int] = ..., ops: _Optional[int] = ..., comms: _Optional[_Iterable[_Union[StepComm, _Mapping]]] = ...) -> None: ...
+
 class CommMember(_message.Message):
     __slots__ = ("comm_id", "rank", "nranks", "host", "pid", "cuda_dev", "nvml_dev", "bus_id", "global_rank", "job_key", "via")
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -394,7 +444,7 @@ class CommMember(_message.Message):
     def __init__(self, comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., cuda_dev: _Optional[int] = ..., nvml_dev: _Optional[int] = ..., bus_id: _Optional[str] = ..., global_rank: _Optional[int] = ..., job_key: _Optional[str] = ..., via: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member", "step")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -411,6 +461,7 @@ class Record(_message.Message):
     KERNEL_FIELD_NUMBER: _ClassVar[int]
     COMM_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     COMM_MEMBER_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -427,7 +478,8 @@ class Record(_message.Message):
     kernel: KernelRec
     comm_summary: CommSummary
     comm_member: CommMember
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ...) -> None: ...
+    step: Step
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)

@@ -1,0 +1,107 @@
+"""The contract between the analysis engine and its detectors: a window, a config, a spec.
+
+A detector is a pure function `detect(reader, window, config) -> list[Finding]`:
+  reader  the store's read side (steplens.collector.store.queries.Reader, or the engine's AnalysisReader,
+          which adds `fetch_commops` for progressive fetching); no writes, no wall clock;
+  window  one job and a span of cluster time [since_ns, until_ns] (until_ns is the newest data);
+  config  its validated config (a DetectorConfig subclass: every field with a default and a unit in its name).
+It returns what it sees in that window; the engine sets job_key and detector on each finding and merges them
+into the stored ones (findings.merge: `for` and resolve). A detector with state across windows (a model fitted
+on one window and applied to the next) keeps it in an object whose `detect` is the function registered, and
+says so in its module docstring; the engine holds one instance per collector.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from steplens.collector.analysis.findings import Finding, Policy
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; raised at start-up, before any thread starts."""
+
+
+@dataclass(frozen=True)
+class Window:
+    job_key: str
+    since_ns: int
+    until_ns: int
+
+    @property
+    def seconds(self) -> float:
+        return (self.until_ns - self.since_ns) / 1e9
+
+
+@dataclass
+class DetectorConfig:
+    """Keys every detector has; a detector's own config subclasses this."""
+
+    enabled: bool = True
+    window_seconds: float = 600.0          # data handed to the detector by the loop (diagnose --since overrides)
+    for_seconds: float = 0.0               # confirmed this long before a finding opens (0: at once)
+    resolve_after_seconds: float = 120.0   # open finding not re-confirmed this long (data time): resolved
+
+    def validate(self) -> None:
+        if not 1 <= self.window_seconds <= 7 * 86400:
+            raise ConfigError(f"window_seconds must be within 1..604800, got {self.window_seconds}")
+        if not 0 <= self.for_seconds <= 86400:
+            raise ConfigError(f"for_seconds must be within 0..86400, got {self.for_seconds}")
+        if not 0 < self.resolve_after_seconds <= 7 * 86400:
+            raise ConfigError(f"resolve_after_seconds must be within 0..604800 (not 0), got "
+                              f"{self.resolve_after_seconds}")
+
+    def policy(self) -> Policy:
+        return Policy(int(self.for_seconds * 1e9), int(self.resolve_after_seconds * 1e9))
+
+
+@dataclass(frozen=True)
+class DetectorSpec:
+    """What a detector module exports as SPEC and DETECTORS names."""
+
+    name: str                      # lower_snake_case: module, config table [detectors.<name>], metric label
+    description: str
+    kinds: tuple[str, ...]         # finding kinds it may emit
+    config_class: type[DetectorConfig]
+    detect: Callable[[Any, Window, DetectorConfig], list[Finding]]
+
+
+@dataclass
+class AnalysisSettings:
+    """The collector's [analysis] table: the loop that runs detectors per job on new data."""
+
+    enabled: bool = True
+    interval_seconds: float = 5.0          # how often the loop looks for jobs with new data
+    max_cpu_fraction: float = 0.25         # of one core, over the loop's runs (duty cycle: it sleeps to stay under)
+    nice: int = 10                         # the analysis thread's niceness (Linux, best effort)
+    max_jobs_per_cycle: int = 64           # jobs analysed per pass at most (the rest wait for the next pass)
+    watch_queue_size: int = 1024           # findings events buffered per WatchFindings stream (oldest dropped)
+
+    def validate(self) -> None:
+        if not 0.05 <= self.interval_seconds <= 3600:
+            raise ConfigError(f"interval_seconds must be within 0.05..3600, got {self.interval_seconds}")
+        if not 0.01 <= self.max_cpu_fraction <= 1.0:
+            raise ConfigError(f"max_cpu_fraction must be within 0.01..1, got {self.max_cpu_fraction}")
+        if not 0 <= self.nice <= 19:
+            raise ConfigError(f"nice must be within 0..19, got {self.nice}")
+        if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
+            raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
+
+
+def build_config(cls: type[DetectorConfig], table: dict, where: str) -> DetectorConfig:
+    """A detector's config from its TOML table: unknown keys and bad values are errors."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(table) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(known))})")
+    try:
+        cfg = cls(**table)
+    except TypeError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    return cfg

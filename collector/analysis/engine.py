@@ -1,0 +1,342 @@
+"""The analysis engine: runs the registered detectors per job, merges their output into stored findings, and
+announces the changes; its loop does that on new data, on a thread of its own, within a CPU budget.
+
+  run_job()   every enabled detector on one job's window, each timed and isolated (an exception is counted and
+              reported, the others run on); then one writer.StoreJob that reads the job's live findings, merges
+              (findings.merge: `for` and resolve) and writes the changes in the writer's transaction, so the loop
+              and an operator's `diagnose` never race; then the changes go to WatchFindings subscribers (hub).
+  the loop    every interval_seconds asks the store which jobs got data since the last pass (an incremental read
+              past the last rowid seen) and runs those jobs with the window ending at their newest data.
+              Bounded CPU: after each job it sleeps long enough that its thread's CPU time stays under
+              max_cpu_fraction of one core, and it runs at a lower priority (nice), so ingest (the event loop and
+              the writer thread) keeps the cores; it never writes except through the writer's queue.
+With no detector registered the loop finds the jobs and runs nothing (and says so in /metrics: runs stay 0).
+Cost: one small indexed read per pass; per job, what its detectors cost, capped by the duty cycle.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.findings import Change, Finding, merge
+from steplens.collector.store import diagnosis as store
+from steplens.collector.store.writer import StoreJob
+
+log = logging.getLogger("steplens.collector.analysis")
+
+DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class FetchUnavailable(RuntimeError):
+    """Progressive fetching is not wired to this reader (a test store, or a collector without agents)."""
+
+
+class AnalysisReader:
+    """What a detector reads: the store's Reader (every read method), plus `fetch_commops` for progressive
+    fetching of node-local CommOps from the ranks a search visits; counts what was fetched."""
+
+    def __init__(self, reader, fetch: Callable | None = None) -> None:
+        self._reader = reader
+        self._fetch = fetch
+        self.ranks_fetched: set[int] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._reader, name)
+
+    def fetch_commops(self, job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0) -> list[dict]:
+        if self._fetch is None:
+            raise FetchUnavailable("no agent connection to fetch CommOps from")
+        self.ranks_fetched.update(ranks)
+        return self._fetch(job_key, list(ranks), since_ns, until_ns, limit)
+
+
+class Histogram:
+    def __init__(self, buckets=DURATION_BUCKETS) -> None:
+        self.buckets = buckets
+        self.counts = [0] * len(buckets)
+        self.count = 0
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.count += 1
+        self.sum += v
+        for i, b in enumerate(self.buckets):
+            if v <= b:
+                self.counts[i] += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        return [(repr(float(b)), c) for b, c in zip(self.buckets, self.counts)] + [("+Inf", self.count)]
+
+
+@dataclass
+class DetectorStats:
+    runs: int = 0
+    errors: int = 0
+    last_duration_seconds: float = 0.0
+    last_success: bool = True
+    findings: int = 0
+    duration: Histogram = field(default_factory=Histogram)
+
+
+@dataclass
+class RunResult:
+    job_key: str
+    since_ns: int
+    until_ns: int
+    detectors: list[str]
+    errors: dict[str, str]
+    findings: list[Finding]      # what this run found, after the merge (open, or pending under `for`), best first
+    changes: list[Change]
+    seconds: float
+    ranks_fetched: int = 0
+
+
+class Subscription:
+    """One WatchFindings stream: a bounded queue on the subscriber's event loop (oldest dropped, counted)."""
+
+    def __init__(self, loop, job_key: str, size: int) -> None:
+        import asyncio
+        self.loop = loop
+        self.job_key = job_key
+        self.items: collections.deque = collections.deque()
+        self.size = size
+        self.dropped = 0
+        self.event = asyncio.Event()
+
+    def _push(self, items: list) -> None:  # on the subscriber's loop
+        for it in items:
+            if len(self.items) >= self.size:
+                self.items.popleft()
+                self.dropped += 1
+            self.items.append(it)
+        self.event.set()
+
+    async def get(self) -> tuple[str, Finding, int]:
+        while not self.items:
+            self.event.clear()
+            await self.event.wait()
+        event, finding = self.items.popleft()
+        dropped, self.dropped = self.dropped, 0
+        return event, finding, dropped
+
+
+class FindingsHub:
+    """Fans finding changes out to subscribers; publish() is callable from any thread."""
+
+    def __init__(self, queue_size: int = 1024) -> None:
+        self.queue_size = queue_size
+        self._subs: set[Subscription] = set()
+        self._lock = threading.Lock()
+        self.published = 0
+
+    def subscribe(self, loop, job_key: str = "") -> Subscription:
+        sub = Subscription(loop, job_key, self.queue_size)
+        with self._lock:
+            self._subs.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            self._subs.discard(sub)
+
+    @property
+    def watchers(self) -> int:
+        return len(self._subs)
+
+    def publish(self, changes: list[Change]) -> None:
+        events = [(c.action, c.finding) for c in changes if c.action in ("opened", "updated", "resolved")]
+        if not events:
+            return
+        self.published += len(events)
+        with self._lock:
+            subs = list(self._subs)
+        for sub in subs:
+            mine = [e for e in events if not sub.job_key or e[1].job_key == sub.job_key]
+            if mine:
+                try:
+                    sub.loop.call_soon_threadsafe(sub._push, mine)
+                except RuntimeError:  # its loop is closed: the stream is gone
+                    self.unsubscribe(sub)
+
+
+class AnalysisEngine:
+    def __init__(self, reader, writer, settings: AnalysisSettings | None = None,
+                 detectors: dict[str, DetectorSpec] | None = None,
+                 configs: dict[str, DetectorConfig] | None = None, now_ns: Callable[[], int] = time.time_ns,
+                 fetch: Callable | None = None) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.settings = settings or AnalysisSettings()
+        self.settings.validate()
+        if detectors is None:
+            from steplens.collector.analysis import all_specs
+            detectors = all_specs()
+        self.detectors = dict(detectors)
+        self.configs = {n: (configs or {}).get(n) or s.config_class() for n, s in self.detectors.items()}
+        for cfg in self.configs.values():
+            cfg.validate()
+        self.now_ns = now_ns
+        self.fetch = fetch
+        self.hub = FindingsHub(self.settings.watch_queue_size)
+        self.stats = {n: DetectorStats() for n in self.detectors}
+        self.cycle = Histogram()
+        self.lag = Histogram((0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.changes = collections.Counter()
+        self.cpu_seconds = 0.0
+        self.jobs_analysed = 0
+        self.passes = 0
+        self.jobs_waiting = 0
+        self.store_failures = 0
+        self._locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._marks: dict[str, int] = {}
+        self._rowid = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- on demand and from the loop --------------------------------------------------------------
+    def run_job(self, job_key: str, since_ns: int = 0, until_ns: int = 0, confirm: bool = False,
+                data_ns: int = 0, timeout: float = 60.0) -> RunResult:
+        """Run every enabled detector on one job. until_ns: window end (default now); since_ns: window start
+        (default: each detector's window_seconds before until_ns); confirm: open findings at once (`diagnose`);
+        data_ns: newest data time of the job (resolution clock; default read from the store)."""
+        t0 = time.perf_counter()
+        until = until_ns or self.now_ns()
+        reader = AnalysisReader(self.reader, self.fetch)
+        outputs: dict[str, list[Finding]] = {}
+        errors: dict[str, str] = {}
+        ran = []
+        with self._locks[job_key]:
+            for name, spec in self.detectors.items():
+                cfg = self.configs[name]
+                if not cfg.enabled:
+                    continue
+                since = since_ns or max(0, until - int(cfg.window_seconds * 1e9))
+                st = self.stats[name]
+                d0 = time.perf_counter()
+                try:
+                    out = spec.detect(reader, Window(job_key, since, until), cfg)
+                    outputs[name] = [self._own(f, job_key, name) for f in out or []]
+                    st.last_success = True
+                except Exception as exc:  # one failing detector never stops the others
+                    errors[name] = f"{type(exc).__name__}: {exc}"
+                    st.errors += 1
+                    st.last_success = False
+                    log.warning("detector %s failed on job %s: %s", name, job_key, errors[name])
+                st.runs += 1
+                st.last_duration_seconds = time.perf_counter() - d0
+                st.duration.observe(st.last_duration_seconds)
+                st.findings += len(outputs.get(name, []))
+                ran.append(name)
+            changes: list[Change] = []
+            if outputs:
+                if not data_ns:
+                    data_ns = max(self.reader.data_watermarks([job_key]).get(job_key, 0),
+                                  max((f.last_ns for fs in outputs.values() for f in fs), default=0))
+                changes = self._store(job_key, outputs, data_ns, confirm, timeout)
+        self.hub.publish(changes)
+        for c in changes:
+            self.changes[c.action] += 1
+        emitted = {f.key for fs in outputs.values() for f in fs}
+        found = sorted((c.finding for c in changes if c.finding.key in emitted and c.action != "dropped"),
+                       key=lambda f: -f.severity)
+        seconds = time.perf_counter() - t0
+        self.cycle.observe(seconds)
+        return RunResult(job_key, since_ns or min((max(0, until - int(self.configs[n].window_seconds * 1e9))
+                                                  for n in ran), default=until), until, ran, errors, found, changes,
+                         seconds, len(reader.ranks_fetched))
+
+    @staticmethod
+    def _own(f: Finding, job_key: str, name: str) -> Finding:
+        if not isinstance(f, Finding):
+            raise TypeError(f"a detector returns Finding objects, got {type(f).__name__}")
+        if not f.kind or not f.summary or not math.isfinite(f.severity):
+            raise ValueError(f"a finding needs a kind, a summary and a finite severity: {f!r}")
+        return replace(f, job_key=job_key, detector=name)
+
+    def _store(self, job_key: str, outputs: dict[str, list[Finding]], data_ns: int, confirm: bool,
+               timeout: float) -> list[Change]:
+        policies = {n: self.configs[n].policy() for n in outputs}
+        now = self.now_ns()
+        result: list[Change] = []
+
+        def apply(conn) -> int:
+            result.clear()
+            for name, found in outputs.items():
+                result.extend(merge(store.live_findings(conn, job_key, name), found, data_ns, policies[name], confirm))
+            return store.write_changes(conn, result, now)
+        done = threading.Event()
+        outcome: list = []
+
+        def finished(status: str, n: int, note: str) -> None:
+            outcome.append((status, note))
+            done.set()
+        while not self.writer.submit(StoreJob(apply, finished)):
+            if self._stop.wait(0.01):
+                return []
+        if not done.wait(timeout) or outcome[0][0] != "stored":
+            self.store_failures += 1
+            note = outcome[0][1] if outcome else f"no commit within {timeout:.0f} s"
+            raise RuntimeError(f"findings of job {job_key!r} were not stored: {note}")
+        return list(result)
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not self.settings.enabled or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._main, name="analysis", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        try:  # Linux: niceness is per thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.settings.nice)
+        except (OSError, AttributeError):
+            pass
+        s = self.settings
+        while not self._stop.wait(s.interval_seconds):
+            try:
+                self.run_pass()
+            except Exception as exc:  # the store went away for a moment, a bug: log and go on
+                log.error("analysis pass failed: %s: %s", type(exc).__name__, exc)
+
+    def run_pass(self) -> int:
+        """One pass of the loop: jobs with new data since the last pass, each run within the CPU budget."""
+        self.passes += 1
+        self._rowid, marks = self.reader.new_data_since(self._rowid)
+        for job, mark in marks.items():
+            self._marks[job] = max(self._marks.get(job, 0), mark)
+        due = sorted(self._marks.items(), key=lambda kv: kv[1])
+        self.jobs_waiting = max(0, len(due) - self.settings.max_jobs_per_cycle)
+        ran = 0
+        for job, mark in due[:self.settings.max_jobs_per_cycle]:
+            if self._stop.is_set():
+                break
+            del self._marks[job]
+            if not self.detectors:
+                continue
+            c0 = time.thread_time()
+            try:
+                self.run_job(job, until_ns=mark, data_ns=mark)
+            except Exception as exc:
+                log.error("analysis of job %s failed: %s", job, exc)
+            cpu = time.thread_time() - c0
+            self.cpu_seconds += cpu
+            self.jobs_analysed += 1
+            self.lag.observe(max(0.0, (self.now_ns() - mark) / 1e9))
+            ran += 1
+            f = self.settings.max_cpu_fraction
+            if f < 1.0 and cpu > 0:
+                self._stop.wait(cpu * (1.0 / f - 1.0))
+        return ran

@@ -1,0 +1,210 @@
+"""The operators' diagnosis commands (`steplens jobs|findings|diagnose|topology`, `steplens import topology`),
+a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, ImportTopology and GetTopology.
+
+register() adds them to the `steplens` parser built in ops.py. JSON output: a finding is
+{id, job_key, kind, detector, status, onset_ns, last_ns, resolved_ns, severity, peak_severity, summary,
+ suspects: [{kind, id, score, cause, evidence}], evidence, confirmations}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from steplens.collector.cli.serve import parse_duration
+from steplens.collector.topology import parse as parse_topology
+from steplens.v1 import control_pb2 as cpb
+
+
+def finding_json(f: cpb.Finding) -> dict:
+    return {"id": f.id, "job_key": f.job_key, "kind": f.kind, "detector": f.detector, "status": f.status,
+            "onset_ns": f.onset_ns, "last_ns": f.last_ns, "resolved_ns": f.resolved_ns, "severity": f.severity,
+            "peak_severity": f.peak_severity, "summary": f.summary,
+            "suspects": [{"kind": s.kind, "id": s.id, "score": s.score, "cause": s.cause,
+                          "evidence": json.loads(s.evidence_json or "{}")} for s in f.suspects],
+            "evidence": json.loads(f.evidence_json or "{}"), "confirmations": f.confirmations}
+
+
+def _since_ns(text: str) -> int:
+    return time.time_ns() - int(parse_duration(text) * 1e9) if text else 0
+
+
+def _ago(ns: int) -> str:
+    from steplens.collector.cli.ops import _ago as ago
+    return ago(ns)
+
+
+def _print_findings(rows: list[dict], empty: str) -> None:
+    from steplens.collector.cli.ops import _table
+    if not rows:
+        print(empty)
+        return
+    table = []
+    for f in rows:
+        top = f["suspects"][0] if f["suspects"] else None
+        table.append([f["status"], f["job_key"], f["kind"], f"{f['severity']:.2f}x",
+                      f"{top['kind']} {top['id']} ({top['cause'] or '-'})" if top else "-", _ago(f["onset_ns"]),
+                      _ago(f["last_ns"]), f["detector"], f["summary"]])
+    print(_table(table, ["STATUS", "JOB", "KIND", "SEVERITY", "TOP SUSPECT", "ONSET", "LAST", "DETECTOR", "SUMMARY"]))
+
+
+def cmd_findings(stub, args) -> int:
+    if args.watch:
+        return _watch(stub, args)
+    reply = stub.ListFindings(cpb.FindingsRequest(job_key=args.job or "", since_ns=_since_ns(args.since),
+                                                  open_only=args.open, limit=args.limit), timeout=args.timeout)
+    rows = [finding_json(f) for f in reply.findings]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    _print_findings(rows, "no findings" + (" open" if args.open else "") +
+                    (f" for job {args.job}" if args.job else "") + (f" in the last {args.since}" if args.since else ""))
+    return 0
+
+
+def _watch(stub, args) -> int:
+    """One JSON line per event ({event, dropped, finding}) until interrupted (or --count events)."""
+    call = stub.WatchFindings(cpb.WatchFindingsRequest(job_key=args.job or "", include_open=args.open))
+    n = 0
+    try:
+        for ev in call:
+            print(json.dumps({"event": ev.event, "dropped": ev.dropped, "finding": finding_json(ev.finding)}),
+                  flush=True)
+            n += 1
+            if args.count and n >= args.count:
+                call.cancel()
+                break
+    except KeyboardInterrupt:
+        call.cancel()
+    return 0
+
+
+def cmd_diagnose(stub, args) -> int:
+    reply = stub.Diagnose(cpb.DiagnoseRequest(job_key=args.job, since_ns=_since_ns(args.since)),
+                          timeout=args.timeout + 120)
+    rows = [finding_json(f) for f in reply.findings]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        ran = ", ".join(reply.detectors) or "none registered"
+        print(f"job {args.job}: {len(reply.detectors)} detector(s) ran ({ran}) over "
+              f"{(reply.until_ns - reply.since_ns) / 1e9:.0f} s of data in {reply.seconds:.2f} s"
+              + (f", node-local detail fetched from {reply.ranks_fetched} rank(s)" if reply.ranks_fetched else ""))
+        _print_findings(rows, "no findings: nothing abnormal in that window" if reply.detectors else
+                        "no findings (no detector is registered yet)")
+    for name, err in sorted(reply.errors.items()):
+        print(f"steplens: detector {name} failed: {err}", file=__import__("sys").stderr)
+    return 1 if reply.errors else 0
+
+
+def _fmt_seconds(v) -> str:
+    return "-" if v is None else f"{v * 1e3:.1f}ms" if v < 10 else f"{v:.2f}s"
+
+
+def cmd_jobs(stub, args) -> int:
+    from steplens.collector.cli.ops import _table
+    reply = stub.ListJobs(cpb.JobsRequest(job_key=args.job or ""), timeout=args.timeout)
+    jobs = []
+    for j in reply.jobs:
+        jobs.append({
+            "job_key": j.job_key, "world_size": j.world_size, "alive": j.alive,
+            "ranks": [{"rank": r.rank, "node_id": r.node_id, "pid": r.pid, "local_rank": r.local_rank,
+                       "alive": r.alive if r.HasField("alive") else None, "source": r.source} for r in j.ranks],
+            "nodes": list(j.nodes),
+            "comms": [{"comm_id": c.comm_id, "nranks": c.nranks, "ranks": list(c.ranks), "ops": list(c.ops),
+                       "via": list(c.via)} for c in j.comms],
+            "step_seconds": j.step_seconds if j.HasField("step_seconds") else None,
+            "baseline_step_seconds": j.baseline_step_seconds if j.HasField("baseline_step_seconds") else None,
+            "step_source": j.step_source or None, "steps": j.steps,
+            "first_seen_ns": j.first_seen_ns, "last_seen_ns": j.last_seen_ns,
+            "open_findings": [finding_json(f) for f in j.open_findings]})
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    if not jobs:
+        print("no jobs known (workload processes with a job key: `steplens procs`)")
+        return 0
+    rows = []
+    for j in jobs:
+        ranks = sorted(r["rank"] for r in j["ranks"] if r["rank"] >= 0)
+        rows.append([j["job_key"], f"{len(ranks)}/{j['world_size'] if j['world_size'] >= 0 else '?'}",
+                     len(j["nodes"]), len(j["comms"]), _fmt_seconds(j["step_seconds"]),
+                     _fmt_seconds(j["baseline_step_seconds"]), len(j["open_findings"]),
+                     "alive" if j["alive"] else "-", _ago(j["last_seen_ns"])])
+    print(_table(rows, ["JOB", "RANKS", "NODES", "COMMS", "STEP", "BASELINE", "OPEN FINDINGS", "STATE", "LAST"]))
+    return 0
+
+
+def _topology_json(r: cpb.TopologyReply, doc: bool) -> dict:
+    out = {"version": r.version, "origin": r.origin, "imported_ns": r.imported_ns, "digest": r.digest,
+           "name": r.name, "nodes": r.nodes, "gpus": r.gpus, "nics": r.nics, "switches": r.switches,
+           "links": r.links}
+    if doc:
+        out["topology"] = json.loads(r.topology_json) if r.topology_json else None
+    return out
+
+
+def cmd_topology(stub, args) -> int:
+    reply = stub.GetTopology(cpb.TopologyRequest(), timeout=args.timeout)
+    if args.json:
+        print(json.dumps(_topology_json(reply, True) if reply.version else None, indent=2))
+        return 0
+    if not reply.version:
+        print("no topology imported (steplens import topology FILE)")
+        return 0
+    print(f"topology v{reply.version} {reply.name or ''} from {reply.origin}, imported {_ago(reply.imported_ns)}: "
+          f"{reply.nodes} nodes, {reply.gpus} GPUs, {reply.nics} NICs, {reply.switches} switches, {reply.links} "
+          f"switch links (digest {reply.digest})")
+    return 0
+
+
+def cmd_import_topology(stub, args) -> int:
+    with open(args.file, "rb") as fh:
+        data = fh.read()
+    topo = parse_topology(data)  # raises TopologyError (a ValueError) listing every problem: nothing is sent
+    origin = args.origin or os.path.basename(args.file)
+    reply = stub.ImportTopology(cpb.ImportTopologyRequest(origin=origin, topology_json=json.dumps(topo.to_dict())),
+                                timeout=args.timeout + 30)
+    out = {"file": args.file, **_topology_json(reply, False)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"imported topology v{reply.version} from {args.file}: {reply.nodes} nodes, {reply.gpus} GPUs, "
+              f"{reply.nics} NICs, {reply.switches} switches, {reply.links} switch links")
+    return 0
+
+
+def register(sub) -> None:
+    """Add jobs, findings, diagnose and topology to the `steplens` subcommands."""
+    sp = sub.add_parser("jobs", help="jobs: ranks, nodes, communicators, step time and baseline, open findings")
+    sp.add_argument("--job", help="only this job key")
+    sp.add_argument("--json", action="store_true", help="one JSON list of jobs")
+    sp.set_defaults(func=cmd_jobs)
+    sp = sub.add_parser("findings", help="findings of the detectors: what happened to which job, who is to blame")
+    sp.add_argument("--job", help="only this job key")
+    sp.add_argument("--since", default="", help="only findings active in the last DURATION (e.g. 1h)")
+    sp.add_argument("--open", action="store_true", help="only open findings (with --watch: start with them)")
+    sp.add_argument("--limit", type=int, default=1000)
+    sp.add_argument("--watch", action="store_true", help="stream new/updated/resolved findings as JSON lines")
+    sp.add_argument("--count", type=int, default=0, help="with --watch: stop after this many events")
+    sp.add_argument("--json", action="store_true", help="one JSON list of findings")
+    sp.set_defaults(func=cmd_findings)
+    sp = sub.add_parser("diagnose", help="run every detector on one job now and print its findings")
+    sp.add_argument("job", help="the job key (see `steplens jobs`)")
+    sp.add_argument("--since", default="10m", help="window: the last DURATION of data (default 10m)")
+    sp.add_argument("--json", action="store_true", help="one JSON list of the findings of this run")
+    sp.set_defaults(func=cmd_diagnose)
+    sp = sub.add_parser("topology", help="the physical topology the collector holds (imported from a file)")
+    sp.add_argument("--json", action="store_true", help="summary plus the whole document")
+    sp.set_defaults(func=cmd_topology)
+
+
+def register_import(isub) -> None:
+    """Add `import topology FILE` under `steplens import`."""
+    ip = isub.add_parser("topology", help="import the physical topology (node -> GPUs -> NIC -> leaf -> spine) "
+                                          "from a JSON file in the documented format (README: Topology file)")
+    ip.add_argument("file")
+    ip.add_argument("--origin", help="name recorded with it (default: the file name)")
+    ip.add_argument("--json", action="store_true")
+    ip.set_defaults(func=cmd_import_topology)

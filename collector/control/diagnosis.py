@@ -1,0 +1,148 @@
+"""Control handlers for diagnosis: jobs, findings (list, diagnose on demand, watch), topology (import, get).
+
+A mixin of ControlService (it uses its reader, _auth, ingest.writer and clock) with the analysis engine set as
+`engine` by the collector. The handlers only translate: the work is in collector/analysis (engine, findings),
+collector/store/diagnosis.py and collector/topology.py. Blocking work runs in a thread (asyncio.to_thread),
+so a long diagnose never stalls the event loop that serves Ingest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+
+from steplens.collector.analysis.findings import Finding
+from steplens.collector.analysis.steptime import step_times
+from steplens.collector.topology import TopologyError, parse
+from steplens.v1 import control_pb2 as cpb
+
+MAX_TOPOLOGY_BYTES = 64 << 20
+
+
+def finding_pb(f: Finding) -> cpb.Finding:
+    return cpb.Finding(
+        id=f.id, job_key=f.job_key, kind=f.kind, detector=f.detector, status=f.status, onset_ns=f.onset_ns,
+        last_ns=f.last_ns, resolved_ns=f.resolved_ns, severity=f.severity,
+        peak_severity=max(f.peak_severity, f.severity), summary=f.summary,
+        suspects=[cpb.Suspect(kind=s.kind, id=s.id, score=s.score, cause=s.cause,
+                              evidence_json=json.dumps(s.evidence)) for s in f.suspects],
+        evidence_json=json.dumps(f.evidence), confirmations=f.confirmations)
+
+
+def _topology_reply(rec: dict | None, with_doc: bool) -> cpb.TopologyReply:
+    if rec is None:
+        return cpb.TopologyReply()
+    return cpb.TopologyReply(version=rec["version"], origin=rec["origin"], imported_ns=rec["imported_ns"],
+                             digest=rec["digest"], name=rec["name"], nodes=rec["nodes"], gpus=rec["gpus"],
+                             nics=rec["nics"], switches=rec["switches"], links=rec["links"],
+                             topology_json=json.dumps(rec["topology"].to_dict()) if with_doc else "")
+
+
+class DiagnosisControl:
+    engine = None  # AnalysisEngine, set by the collector
+
+    def _jobs(self, job_key: str) -> list[dict]:
+        jobs = self.reader.jobs(job_key)
+        open_by_job: dict[str, list[Finding]] = {}
+        for f in self.reader.findings(job_key=job_key, open_only=True, limit=10000):
+            open_by_job.setdefault(f.job_key, []).append(f)
+        for j in jobs:
+            j.update(step_times(self.reader, j["job_key"]).to_json())
+            j["open_findings"] = open_by_job.get(j["job_key"], [])
+        return jobs
+
+    async def ListJobs(self, request, context):
+        await self._auth(context)
+        jobs = await asyncio.to_thread(self._jobs, request.job_key)
+        out = cpb.JobList()
+        for j in jobs:
+            pj = out.jobs.add(job_key=j["job_key"], world_size=j["world_size"], nodes=j["nodes"], alive=j["alive"],
+                              first_seen_ns=j["first_seen_ns"], last_seen_ns=j["last_seen_ns"],
+                              step_source=j["step_source"] or "", steps=j["steps"])
+            if j["step_seconds"] is not None:
+                pj.step_seconds = j["step_seconds"]
+            if j["baseline_step_seconds"] is not None:
+                pj.baseline_step_seconds = j["baseline_step_seconds"]
+            for r in j["ranks"]:
+                pr = pj.ranks.add(rank=r["rank"], node_id=r["node_id"], pid=r["pid"], local_rank=r["local_rank"],
+                                  source=r["source"])
+                if r["alive"] is not None:
+                    pr.alive = r["alive"]
+            for c in j["comms"]:
+                pj.comms.add(comm_id=c["comm_id"], nranks=c["nranks"], ranks=c["ranks"], ops=c["ops"], via=c["via"])
+            pj.open_findings.extend(finding_pb(f) for f in j["open_findings"])
+        return out
+
+    async def ListFindings(self, request, context):
+        await self._auth(context)
+        rows = await asyncio.to_thread(self.reader.findings, request.job_key, request.since_ns, request.open_only,
+                                       request.limit or 1000)
+        return cpb.FindingList(findings=[finding_pb(f) for f in rows])
+
+    async def Diagnose(self, request, context):
+        await self._auth(context)
+        if not request.job_key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens jobs`)")
+        known = await asyncio.to_thread(self.reader.jobs, request.job_key)
+        if not known:
+            jobs = await asyncio.to_thread(self.reader.jobs)
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no job {request.job_key!r} is known; jobs: "
+                                f"{', '.join(j['job_key'] for j in jobs[:20]) or 'none'}")
+        now = self.clock.now_ns()
+        if request.since_ns > now:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since_ns is in the future")
+        try:
+            res = await asyncio.to_thread(self.engine.run_job, request.job_key, request.since_ns, now, True)
+        except RuntimeError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return cpb.DiagnoseReply(findings=[finding_pb(f) for f in res.findings], detectors=res.detectors,
+                                 errors=res.errors, since_ns=res.since_ns, until_ns=res.until_ns,
+                                 seconds=res.seconds, ranks_fetched=res.ranks_fetched)
+
+    async def WatchFindings(self, request, context):
+        await self._auth(context)
+        sub = self.engine.hub.subscribe(asyncio.get_running_loop(), request.job_key)
+        try:
+            if request.include_open:
+                for f in await asyncio.to_thread(self.reader.findings, request.job_key, 0, True, 10000):
+                    yield cpb.FindingEvent(event="open", finding=finding_pb(f))
+            while True:
+                event, f, dropped = await sub.get()
+                yield cpb.FindingEvent(event=event, finding=finding_pb(f), dropped=dropped)
+        finally:
+            self.engine.hub.unsubscribe(sub)
+
+    async def ImportTopology(self, request, context):
+        await self._auth(context)
+        from steplens.collector.store.diagnosis import write_topology
+        from steplens.collector.store.writer import StoreJob
+        if not request.origin or len(request.origin) > 200:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin must be 1-200 characters")
+        if len(request.topology_json) > MAX_TOPOLOGY_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "topology over 64 MiB")
+        try:
+            topo = await asyncio.to_thread(parse, request.topology_json)
+        except TopologyError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        now = self.clock.now_ns()
+        job = StoreJob(lambda conn: write_topology(conn, topo, request.origin, now),
+                       lambda outcome, n, note: loop.call_soon_threadsafe(
+                           lambda: fut.done() or fut.set_result((outcome, n, note))))
+        while not self.ingest.writer.submit(job):
+            await asyncio.sleep(0.01)
+        outcome, version, note = await fut
+        if outcome != "stored":
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"topology not stored: {note}")
+        c = topo.counts()
+        return cpb.TopologyReply(version=version, origin=request.origin, imported_ns=now, digest=topo.digest(),
+                                 name=topo.name, **c)
+
+    async def GetTopology(self, request, context):
+        await self._auth(context)
+        rec = await asyncio.to_thread(self.reader.topology_record)
+        return _topology_reply(rec, True)

@@ -1,0 +1,274 @@
+"""Store side of diagnosis: findings and topologies written in the writer thread, read for Control and the CLI.
+
+Writes are functions of a sqlite3 connection run inside the store writer's transaction (writer.StoreJob), so
+a findings merge reads the stored findings and writes its changes atomically, and a topology import lands
+whole or not at all. Reads are DiagnosisQueries, mixed into queries.Reader (one read-only connection per call).
+Cost: findings and topologies are small tables; `jobs()` reads the newest 10 minutes of comm summaries per job
+through the (job_key, end_ns) index.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+from steplens.collector.analysis.findings import Change, Finding, Suspect
+from steplens.collector.topology import Topology, from_dict
+
+JOB_COMMS_WINDOW_NS = 600 * 10**9
+DATA_TABLES = ("comm_summaries", "steps")   # per-job, per-step data: what makes the analysis loop run a job
+LISTED = ("open", "resolved")
+
+_FCOLS = ("id, job_key, detector, kind, status, suspect_kind, suspect_id, onset_ns, last_ns, resolved_ns,"
+          " first_seen_ns, severity, peak_severity, summary, suspects_json, evidence_json, confirmations,"
+          " created_ns, updated_ns")
+
+
+def finding_from_row(r) -> Finding:
+    r = dict(r)
+    return Finding(kind=r["kind"], onset_ns=r["onset_ns"], last_ns=r["last_ns"], severity=r["severity"],
+                   summary=r["summary"], suspects=tuple(Suspect.from_json(s) for s in json.loads(r["suspects_json"])),
+                   evidence=json.loads(r["evidence_json"]), job_key=r["job_key"], detector=r["detector"],
+                   id=r["id"], status=r["status"], resolved_ns=r["resolved_ns"], peak_severity=r["peak_severity"],
+                   confirmations=r["confirmations"], first_seen_ns=r["first_seen_ns"])
+
+
+def _dict_rows(cur: sqlite3.Cursor) -> list[dict]:
+    names = [d[0] for d in cur.description]
+    return [dict(zip(names, row)) for row in cur.fetchall()]
+
+
+def live_findings(conn: sqlite3.Connection, job_key: str, detector: str) -> list[Finding]:
+    """Pending and open findings of one job and detector (what findings.merge folds new output into)."""
+    cur = conn.execute(f"SELECT {_FCOLS} FROM findings WHERE job_key=? AND detector=? AND status IN"
+                       " ('pending', 'open')", (job_key, detector))
+    return [finding_from_row(r) for r in _dict_rows(cur)]
+
+
+def write_changes(conn: sqlite3.Connection, changes: list[Change], now_ns: int) -> int:
+    """Store the lifecycle's changes: insert new findings, update the others, delete dropped pending ones."""
+    for ch in changes:
+        f = ch.finding
+        if ch.action == "dropped":
+            conn.execute("DELETE FROM findings WHERE id=? AND status='pending'", (f.id,))
+            continue
+        top = f.suspects[0] if f.suspects else None
+        conn.execute(
+            f"INSERT INTO findings({_FCOLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)"
+            " ON CONFLICT(id) DO UPDATE SET status=excluded.status, onset_ns=excluded.onset_ns,"
+            " last_ns=excluded.last_ns, resolved_ns=excluded.resolved_ns, severity=excluded.severity,"
+            " peak_severity=excluded.peak_severity, summary=excluded.summary, suspects_json=excluded.suspects_json,"
+            " evidence_json=excluded.evidence_json, confirmations=excluded.confirmations,"
+            " updated_ns=excluded.updated_ns",
+            (f.id, f.job_key, f.detector, f.kind, f.status, top.kind if top else "", top.id if top else "",
+             f.onset_ns, f.last_ns, f.resolved_ns, f.first_seen_ns, f.severity, max(f.peak_severity, f.severity),
+             f.summary, json.dumps([s.to_json() for s in f.suspects]), json.dumps(f.evidence), f.confirmations,
+             now_ns, now_ns))
+    return len(changes)
+
+
+def write_topology(conn: sqlite3.Connection, topo: Topology, origin: str, now_ns: int) -> int:
+    """Store a validated topology as the new current version; returns the version number."""
+    c = topo.counts()
+    cur = conn.execute("INSERT INTO topologies(origin, imported_ns, digest, name, nodes, gpus, nics, switches,"
+                       " links, doc_json) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                       (origin, now_ns, topo.digest(), topo.name, c["nodes"], c["gpus"], c["nics"], c["switches"],
+                        c["links"], json.dumps(topo.to_dict())))
+    return cur.lastrowid
+
+
+class DiagnosisQueries:
+    """Read side; mixed into queries.Reader, whose _db() opens a read-only connection."""
+
+    def findings(self, job_key: str = "", since_ns: int = 0, open_only: bool = False, limit: int = 1000,
+                 ids: list[str] | None = None) -> list[Finding]:
+        """Open and resolved findings (never pending ones), newest activity first."""
+        cond, args = ["status IN ('open', 'resolved')", "last_ns >= ?"], [since_ns]
+        if job_key:
+            cond.append("job_key = ?")
+            args.append(job_key)
+        if open_only:
+            cond.append("status = 'open'")
+        if ids is not None:
+            cond.append("id IN (%s)" % ",".join("?" * len(ids)))
+            args += list(ids)
+        db = self._db()
+        try:
+            cur = db.conn.execute(f"SELECT {_FCOLS} FROM findings WHERE {' AND '.join(cond)}"
+                                  " ORDER BY status = 'open' DESC, last_ns DESC, severity DESC LIMIT ?", args + [limit])
+            return [finding_from_row(r) for r in _dict_rows(cur)]
+        finally:
+            db.conn.close()
+
+    def open_finding_counts(self) -> list[tuple[str, str, int]]:
+        """(job_key, kind, open findings) for /metrics."""
+        db = self._db()
+        try:
+            return db.conn.execute("SELECT job_key, kind, COUNT(*) FROM findings WHERE status = 'open'"
+                                   " GROUP BY job_key, kind ORDER BY job_key, kind").fetchall()
+        finally:
+            db.conn.close()
+
+    def topology_record(self) -> dict | None:
+        """The current topology: {version, origin, imported_ns, digest, name, counts..., topology (Topology)}."""
+        db = self._db()
+        try:
+            cur = db.conn.execute("SELECT * FROM topologies ORDER BY version DESC LIMIT 1")
+            rows = _dict_rows(cur)
+        finally:
+            db.conn.close()
+        if not rows:
+            return None
+        r = rows[0]
+        r["topology"] = from_dict(json.loads(r.pop("doc_json")))
+        return r
+
+    def topology(self) -> Topology | None:
+        rec = self.topology_record()
+        return rec["topology"] if rec else None
+
+    def data_watermarks(self, job_keys: list[str]) -> dict[str, int]:
+        """Newest cluster time of per-job data of these jobs (the resolution clock of findings.merge), over the
+        per-step tables (DATA_TABLES)."""
+        db = self._db()
+        try:
+            out = {}
+            for key in job_keys:
+                for table in DATA_TABLES:
+                    row = db.conn.execute(f"SELECT MAX(end_ns) FROM {table} WHERE job_key = ?", (key,)).fetchone()
+                    if row and row[0]:
+                        out[key] = max(out.get(key, 0), row[0])
+            return out
+        finally:
+            db.conn.close()
+
+    def new_data_since(self, rowid: int | tuple = 0) -> tuple[tuple, dict[str, int]]:
+        """Per-job data stored after `rowid` (an incremental read, so a pass costs what arrived, not what is
+        kept): (new high rowids, {job_key: newest end_ns among the new rows}). rowid: what the previous call
+        returned (one rowid per DATA_TABLES entry), or 0 to read everything."""
+        marks = tuple(rowid) if isinstance(rowid, (tuple, list)) else (rowid,) + (0,) * (len(DATA_TABLES) - 1)
+        tops, out = [], {}
+        db = self._db()
+        try:
+            for table, since in zip(DATA_TABLES, marks):
+                top = db.conn.execute(f"SELECT MAX(rowid) FROM {table}").fetchone()[0] or 0
+                if top < since:  # the table was emptied (retention, a new store): start over
+                    since = 0
+                rows = db.conn.execute(f"SELECT job_key, MAX(end_ns) FROM {table} WHERE rowid > ? AND rowid <= ?"
+                                       " AND job_key != '' GROUP BY job_key", (since, top)).fetchall()
+                for k, v in rows:
+                    if v:
+                        out[k] = max(out.get(k, 0), v)
+                tops.append(top)
+        finally:
+            db.conn.close()
+        return tuple(tops), out
+
+    def steps(self, job_key: str, ranks: list[int] | None = None, since_ns: int = 0, limit: int = 200_000,
+              with_comms: bool = False) -> list[dict]:
+        """The newest `limit` Step rows of a job (optionally some ranks), oldest first; `comms` (the parsed
+        comms_json) only with with_comms."""
+        cond, args = ["job_key = ?", "end_ns >= ?"], [job_key, since_ns]
+        if ranks:
+            cond.append("rank IN (%s)" % ",".join("?" * len(ranks)))
+            args += list(ranks)
+        cols = "*" if with_comms else ("agent_id, source, pid, start_ticks, job_key, rank, step, start_ns, end_ns,"
+                                       " evidence, period_ops, ops")
+        db = self._db()
+        try:
+            rows = _dict_rows(db.conn.execute(f"SELECT {cols} FROM steps WHERE {' AND '.join(cond)}"
+                                              " ORDER BY end_ns DESC LIMIT ?", args + [limit]))
+        finally:
+            db.conn.close()
+        for r in rows:
+            r["node_id"] = r.pop("agent_id")
+            if with_comms:
+                r["comms"] = json.loads(r.pop("comms_json"))
+        rows.reverse()
+        return rows
+
+    def jobs(self, job_key: str = "") -> list[dict]:
+        """Every job known from processes (job key, rank, world size) or comm summaries, with its ranks,
+        nodes and communicators (members from NCCL topology records and from who ran ops on which comm)."""
+        db = self._db()
+        try:
+            conn = db.conn
+            where, args = ("AND job_key = ?", [job_key]) if job_key else ("", [])
+            procs = _dict_rows(conn.execute(
+                "SELECT agent_id, pid, start_ticks, job_key, rank, local_rank, world_size, started_ns, exited_ns"
+                f" FROM processes WHERE job_key IS NOT NULL AND job_key != '' {where}"
+                " ORDER BY job_key, rank, started_ns", args))
+            tails = conn.execute(f"SELECT job_key, MAX(end_ns) FROM comm_summaries WHERE job_key != '' {where}"
+                                 " GROUP BY job_key", args).fetchall()
+            summ: dict[str, list[dict]] = {}
+            for key, last in tails:
+                summ[key] = _dict_rows(conn.execute(
+                    "SELECT rank, comm_id, agent_id, GROUP_CONCAT(DISTINCT op) AS ops, MIN(start_ns) AS first_ns,"
+                    " MAX(end_ns) AS last_ns FROM comm_summaries WHERE job_key = ? AND end_ns >= ?"
+                    " GROUP BY rank, comm_id, agent_id", (key, last - JOB_COMMS_WINDOW_NS)))
+            members = _dict_rows(conn.execute(
+                "SELECT m.*, (SELECT j.job_key FROM comm_members j WHERE j.comm_id = m.comm_id AND j.job_key != ''"
+                " LIMIT 1) AS comm_job FROM comm_members m ORDER BY comm_id, rank"))
+        finally:
+            db.conn.close()
+        jobs: dict[str, dict] = {}
+
+        def job(key: str) -> dict:
+            return jobs.setdefault(key, {"job_key": key, "world_size": -1, "ranks": {}, "comms": {},
+                                         "first_seen_ns": 0, "last_seen_ns": 0})
+        for p in procs:
+            j = job(p["job_key"])
+            j["world_size"] = max(j["world_size"], p["world_size"] if p["world_size"] is not None else -1)
+            seen = [x for x in (p["started_ns"], p["exited_ns"]) if x]
+            if seen:
+                j["first_seen_ns"] = min([j["first_seen_ns"] or seen[0]] + seen)
+                j["last_seen_ns"] = max([j["last_seen_ns"]] + seen)
+            rank = p["rank"] if p["rank"] is not None else -1
+            alive = p["exited_ns"] is None
+            key = rank if rank >= 0 else f"pid:{p['agent_id']}:{p['pid']}"
+            old = j["ranks"].get(key)
+            # a rank restarted (or re-found) keeps its live process, else its newest one
+            if old is None or (alive and not old["alive"]) or (alive == old["alive"] and
+                                                              (p["started_ns"] or 0) >= old["_started"]):
+                j["ranks"][key] = {"rank": rank, "node_id": p["agent_id"], "pid": p["pid"],
+                                   "local_rank": p["local_rank"] if p["local_rank"] is not None else -1,
+                                   "alive": alive, "source": "procs", "_started": p["started_ns"] or 0}
+        for key, rows in summ.items():
+            j = job(key)
+            for r in rows:
+                j["last_seen_ns"] = max(j["last_seen_ns"], r["last_ns"] or 0)
+                if r["rank"] >= 0 and r["rank"] not in j["ranks"]:
+                    j["ranks"][r["rank"]] = {"rank": r["rank"], "node_id": r["agent_id"], "pid": 0, "local_rank": -1,
+                                             "alive": None, "source": "comm_summaries", "_started": 0}
+                if r["comm_id"]:
+                    c = j["comms"].setdefault(r["comm_id"], {"comm_id": r["comm_id"], "nranks": 0, "ranks": set(),
+                                                             "ops": set(), "via": set()})
+                    if r["rank"] >= 0:
+                        c["ranks"].add(r["rank"])
+                    c["ops"].update(x for x in (r["ops"] or "").split(",") if x)
+                    c["via"].add("comm_summaries")
+        for m in members:
+            key = m["job_key"] or m["comm_job"]
+            if not key or (job_key and key != job_key):
+                continue
+            c = job(key)["comms"].setdefault(m["comm_id"], {"comm_id": m["comm_id"], "nranks": 0, "ranks": set(),
+                                                             "ops": set(), "via": set()})
+            c["nranks"] = max(c["nranks"], m["nranks"])
+            if m["global_rank"] >= 0:
+                c["ranks"].add(m["global_rank"])
+            c["via"].add(m["via"])
+        out = []
+        for key in sorted(jobs):
+            j = jobs[key]
+            ranks = sorted(j["ranks"].values(), key=lambda x: (x["rank"] < 0, x["rank"], x["node_id"], x["pid"]))
+            for r in ranks:
+                r.pop("_started")
+            comms = []
+            for c in sorted(j["comms"].values(), key=lambda c: (-max(c["nranks"], len(c["ranks"])), c["comm_id"])):
+                comms.append({"comm_id": c["comm_id"], "nranks": max(c["nranks"], len(c["ranks"])),
+                              "ranks": sorted(c["ranks"]), "ops": sorted(c["ops"]), "via": sorted(c["via"])})
+            out.append({"job_key": key, "world_size": j["world_size"], "ranks": ranks,
+                        "nodes": sorted({r["node_id"] for r in ranks if r["node_id"]}),
+                        "alive": any(r["alive"] for r in ranks if r["source"] == "procs"),
+                        "first_seen_ns": j["first_seen_ns"], "last_seen_ns": j["last_seen_ns"], "comms": comms})
+        return out
