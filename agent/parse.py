@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gzip
 import io
-import json
 import pickle
 import re
 from collections import Counter

@@ -13,7 +13,7 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from steplens.agent.records import Event, Gap, Mode

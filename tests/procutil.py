@@ -74,3 +74,27 @@ def own_prog_ids(baseline: set[int], names) -> set[int]:
     names = set(names)
     ids = prog_ids_of(os.getpid(), prefix="") - baseline
     return {p["id"] for p in bpftool_progs() if p["id"] in ids and p.get("name", "") in names}
+
+
+def bootstrapped_env(run_dir, port: int, rank: int, world: int, job_key: str, **extra) -> dict:
+    """The environment of one rank of a torch.distributed job under the steplens bootstrap (Flight Recorder
+    worker server in run_dir), rendezvous on 127.0.0.1:port."""
+    from steplens.agent.bootstrap import site_dir
+    return dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(run_dir),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_JOB=job_key, OMP_NUM_THREADS="1", **extra)
+
+
+def capture_commlog(src) -> tuple[list, list]:
+    """Keep every CommOp and KernelRec a comm-op source hands its CommLog (the full stream, which stays
+    node-local): returns the (ops, kernels) lists that fill as the source steps."""
+    ops: list = []
+    kernels: list = []
+    real_add = src.log.add
+
+    def add(o, k=(), steps=()):
+        ops.extend(o)
+        kernels.extend(k)
+        return real_add(o, k, steps)
+    src.log.add = add
+    return ops, kernels

@@ -19,9 +19,9 @@ import time
 import pytest
 
 from conftest import REPO, free_port, wait_for
-from procutil import start_ticks
+from procutil import capture_commlog, start_ticks
 from steplens.agent.bootstrap import site_dir
-from steplens.agent.records import CommOp, Event, KernelRec, Mode, ProcessInfo
+from steplens.agent.records import Event, Mode, ProcessInfo
 from steplens.agent.sources.base import HostContext, WorkloadRegistry
 from steplens.agent.sources.flightrec import FlightrecConfig, FlightrecSource
 from steplens.agent.sources.kineto import KinetoConfig, KinetoSource
@@ -99,13 +99,7 @@ def test_flightrec_reads_a_live_nccl_job_with_cuda_event_durations(tmp_path):
         _register(ctx, proc)
         src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)]))
         src.start()
-        captured: list[CommOp] = []
-        real_add = src.log.add
-
-        def add(ops, kernels=(), steps=()):
-            captured.extend(ops)
-            return real_add(ops, kernels, steps)
-        src.log.add = add
+        captured, _ = capture_commlog(src)
         out = []
         for _ in range(6):
             time.sleep(0.5)
@@ -147,15 +141,7 @@ def test_kineto_on_demand_traces_gpu_kernels_and_nccl_ops(tmp_path):
     src = KinetoSource(ctx, cfg)
     src.start()
     proc = _start(tmp_path, 90, {"KINETO_USE_DAEMON": "1", "KINETO_IPC_SOCKET_DIR": sockdir})
-    captured_ops: list[CommOp] = []
-    captured_kernels: list[KernelRec] = []
-    real_add = src.log.add
-
-    def add(ops, kernels=(), steps=()):
-        captured_ops.extend(ops)
-        captured_kernels.extend(kernels)
-        return real_add(ops, kernels, steps)
-    src.log.add = add
+    captured_ops, captured_kernels = capture_commlog(src)
     out = []
     try:
         wait_for(lambda: (tmp_path / "ready").exists() or proc.poll() is not None, 120, what="the NCCL job")

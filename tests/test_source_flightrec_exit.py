@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conftest import REPO, free_port
-from steplens.agent.bootstrap import site_dir
-from steplens.agent.records import CommOp, Event
+from procutil import bootstrapped_env, capture_commlog
+from steplens.agent.records import Event
 from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.flightrec import FlightrecConfig, FlightrecSource
 from steplens.agent.sources.procs import ProcsConfig, ProcsSource
@@ -48,9 +48,7 @@ def _start_job(tmp_path, n: int, job_key: str):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(run),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_JOB=job_key, OMP_NUM_THREADS="1")
+        env = bootstrapped_env(run, port, rank, 2, job_key)
         procs.append(subprocess.Popen([VENV_PY, str(script), str(go), str(n)], env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"rank{rank}.err", "wb")))
     return procs, run, go
@@ -63,13 +61,7 @@ def test_every_allreduce_of_a_short_job_arrives_once(tmp_path):
     src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)]))
     finder.start()
     src.start()
-    captured: list[CommOp] = []
-    real_add = src.log.add
-
-    def add(ops, kernels=(), steps=()):
-        captured.extend(ops)
-        return real_add(ops, kernels, steps)
-    src.log.add = add
+    captured, _ = capture_commlog(src)
     events: list = []
     try:
         deadline = time.monotonic() + 120

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO
 from steplens.agent.commlog import CommLog, RealtimeClock
-from steplens.agent.kineto import ipc, trace
+from steplens.agent.kineto import trace
 from steplens.agent.records import CommSummary, Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, WorkloadRegistry
 from steplens.agent.sources.kineto import KinetoConfig, KinetoSource

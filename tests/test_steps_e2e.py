@@ -20,7 +20,7 @@ from statistics import median
 import pytest
 
 from conftest import REPO, free_port
-from steplens.agent.bootstrap import site_dir
+from procutil import bootstrapped_env
 from steplens.agent.records import Step
 from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.flightrec import FlightrecConfig, FlightrecSource
@@ -99,9 +99,7 @@ def test_steps_of_a_real_gloo_job_match_its_own_boundaries(tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(run),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                   STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_JOB="steps-job", OMP_NUM_THREADS="1")
+        env = bootstrapped_env(run, port, rank, 2, "steps-job")
         procs.append(subprocess.Popen([VENV_PY, str(script), str(go), str(N_STEPS), str(tmp_path / f"steps{rank}.jsonl")],
                                       env=env, stdout=subprocess.DEVNULL,
                                       stderr=open(tmp_path / f"rank{rank}.err", "wb")))
@@ -177,10 +175,7 @@ def test_steps_of_the_testbed_job_dp2_pp2_on_loopback(tmp_path):
     port = free_port()
     procs = []
     for rank in range(4):
-        env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(run),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4",
-                   STEPLENS_BOOTSTRAP_POLL_S="0.05", STEPLENS_JOB="tb-job", OMP_NUM_THREADS="1",
-                   MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+        env = bootstrapped_env(run, port, rank, 4, "tb-job", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen([VENV_PY, TESTBED_JOB, "--rank", str(rank), "--dp", "2", "--pp", "2",
                                        "--steps", str(TB_STEPS), "--state-dir", str(tmp_path)],
                                       env=env, stdout=subprocess.DEVNULL,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from steplens.agent.pyframes import elf, layouts
 from steplens.agent.pyframes.linetable import DECODERS
-from steplens.agent.pyframes.memory import Memory, ProcessChanged, ProcessGone, PyFramesError, ReadError, process_state
+from steplens.agent.pyframes.memory import Memory, ProcessGone, PyFramesError, ReadError, process_state
 from steplens.agent.pyframes.model import Frame, Sample, ThreadStack
 
 _U64 = struct.Struct("<Q")
