@@ -183,6 +183,7 @@ def simulate_figures(big: tuple, specs: list[str], tmp: str, res: dict) -> None:
           f"  (DP={dp} PP={pp} TP={tp} EP={ep}, {len(cfg.moe_layers())} MoE layers/stage, 6 faults)")
     res[f"seconds_{cfg.gpus}x{cfg.iterations}_ep{ep}"] = round(s, 2)
     res["ep_rank_iterations_per_s"] = round(rate)
+    agentview_figures(big, specs, res)
     cfg = ModelConfig(dp=big[0] // 8, pp=8, tp=8, iterations=big[2], seed=1)
     sink = FileSink(cfg, tmp, ("steps",))
     t0 = time.perf_counter()
@@ -192,6 +193,29 @@ def simulate_figures(big: tuple, specs: list[str], tmp: str, res: dict) -> None:
     print(f"simulate + write steps.jsonl ({sink.counts['steps']:,} rows, "
           f"{os.path.getsize(os.path.join(tmp, 'steps.jsonl')) / 1e6:.0f} MB)  {s:6.2f} s")
     res["seconds_with_steps_output"] = round(s, 2)
+
+
+def agentview_figures(big: tuple, specs: list[str], res: dict) -> None:
+    """What the emulated agents send (bench/sim/agentview.py): every kind at 1,024 GPUs x 20 iterations, and
+    the ProcessInfo + Step records a step-time detector reads at the big size (simulation included)."""
+    from collections import Counter
+
+    from bench.sim.agentview import agent_records
+    for (dp, its), kinds, name in (((128, 20), None, "all"), ((big[0], big[2]), frozenset({"process", "step"}),
+                                                              "steps")):
+        cfg = ModelConfig(dp=dp, pp=8, tp=1, iterations=its, seed=1)
+        faults = [parse_fault(x, cfg.topology()) for x in specs[:2]]
+        count: Counter = Counter()
+        t0 = time.perf_counter()
+        for _aid, rec in agent_records(cfg, faults, **({"kinds": kinds} if kinds else {})):
+            count[type(rec).__name__] += 1
+        s = time.perf_counter() - t0
+        n = sum(count.values())
+        print(f"agentview {cfg.gpus:>6} GPUs x {cfg.iterations:>3} it  {s:6.2f} s  {n / s:>10,.0f} records/s  "
+              f"{cfg.gpus * cfg.iterations / s:>8,.0f} rank-iterations/s  ({name}: "
+              + ", ".join(f"{v:,} {k}" for k, v in sorted(count.items())) + ")")
+        res[f"agentview_seconds_{cfg.gpus}x{cfg.iterations}_{name}"] = round(s, 2)
+        res[f"agentview_records_per_s_{name}"] = round(n / s)
 
 
 def print_stream(st: dict, res: dict) -> None:

@@ -46,7 +46,10 @@ def test_light_agents_stream_every_record_exactly_once(tmp_path):
         assert st["agents"] == agents and st["spools"] == agents, st
         assert st["seq_not_contiguous"] == [], st
         assert st["batches"] == out["batches"] and st["records"] == out["records"] and st["rejected"] == 0, st
-        # the rows themselves: every metric and flow record landed once
-        assert st["metric_rows"] + st["flow_rows"] == out["records"], st
+        # the rows themselves: every record landed once (what real agents send: bench/sim/agentview.py)
+        assert st["process_rows"] == cfg.gpus and st["step_rows"] == cfg.gpus * cfg.iterations, st
+        assert st["sim_series"] == 0, st
+        assert (st["metric_rows"] + st["flow_rows"] + st["process_rows"] + st["step_rows"]
+                + st["comm_summary_rows"]) == out["records"], st
     finally:
         c.stop()

@@ -86,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     ps.add_argument("--pace", choices=("none", "realtime"), default="none")
     ps.add_argument("--batch-records", type=int, default=2000)
     ps.add_argument("--insecure", action="store_true", help="plaintext (loopback only)")
+    ps.add_argument("--linger", type=float, default=0.0, metavar="SECONDS",
+                    help="light agents: stay connected this long after the last ack, answering FetchDetail (commops)")
+    ps.add_argument("--job-key", default="simjob", help="job key of the emulated processes (default simjob)")
+    ps.add_argument("--steps", choices=("constructed", "segmenter"), default="constructed",
+                    help="Step records built from the op times, or by the real agent/steps.py (slow; see agentview.py)")
     ps.add_argument("--out", default="", help="also write truth.json here")
     args = ap.parse_args(argv)
     try:
@@ -109,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--insecure needs a loopback collector address")
         sc = StreamConfig(collector=args.collector, agents=args.agents, procs=args.procs, state_dir=args.state_dir,
                           pace=args.pace, batch_records=args.batch_records, insecure=True,
-                          agent_kind=args.agent_kind)
+                          agent_kind=args.agent_kind, job_key=args.job_key, steps=args.steps,
+                          linger_s=args.linger)
         out = stream(cfg, faults, sc)
         if args.out:
             os.makedirs(args.out, exist_ok=True)

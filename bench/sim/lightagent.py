@@ -9,14 +9,16 @@ It speaks proto/steplens/v1/ingest.proto the way agent/transport/client.py does:
   from HelloAck.last_seq + 1 with contiguous seq, at most `window_batches` unacknowledged, payloads a
   RecordList from agent/transport/codec.py encode_records (built by the caller), cumulative Acks applied,
   AgentStatus at connect, every `status_interval_s` and a final one after the last ack, and every Command
-  answered with a CommandResult(ok=False, "simulated agent runs no commands") plus a status.
+  answered with a CommandResult plus a status: by `on_command` where one is given (stream.py answers
+  FetchDetail for commops from bench/sim/agentview.py `commops()`, as a real agent answers from its node-local
+  detail store), else ok=False, "simulated agent runs no commands".
 
 What it leaves out (the real agent has these; the collector cannot tell the difference on the wire):
   - no spool, no durability: unacknowledged batches live in memory only (the caller bounds them; see
     `backlog`), and records are never dropped or turned into Gap records;
   - reconnects resend only what is still in memory from HelloAck.last_seq + 1; if the collector's last_seq
     is behind what it already acknowledged (a collector that lost its store), those batches are gone;
-  - no sources, no deep mode, no node-local detail: commands are refused;
+  - no sources, no deep mode, no node-local store: commands are refused unless `on_command` answers them;
   - plaintext channels only (loopback), no mutual TLS.
 
 Threading: every method runs on the event loop except `produced` / `acked_seq` reads, which a producer
@@ -30,7 +32,7 @@ import collections
 import random
 import time
 import uuid
-from typing import Callable
+from typing import Awaitable, Callable
 
 import grpc
 
@@ -62,8 +64,10 @@ class LightAgent:
     def __init__(self, agent_id: str, *, window_batches: int = 8, status_interval_s: float = 5.0,
                  hello_timeout_s: float = 15.0, reconnect_min_s: float = 0.5, reconnect_max_s: float = 5.0,
                  spool_id: str | None = None, boot_id: str | None = None, hostname: str | None = None,
-                 on_ack: Callable[["LightAgent"], None] | None = None) -> None:
+                 on_ack: Callable[["LightAgent"], None] | None = None,
+                 on_command: Callable[[ipb.Command], Awaitable[ipb.CommandResult]] | None = None) -> None:
         self.agent_id = agent_id
+        self.on_command = on_command
         self.spool_id = spool_id or uuid.uuid4().hex
         self.boot_id = boot_id or uuid.uuid4().hex
         self.hostname = hostname or agent_id
@@ -212,9 +216,12 @@ class LightAgent:
                     self._pump()
                 elif kind == "command":
                     self.commands += 1
-                    out.put_nowait(ipb.AgentMessage(result=ipb.CommandResult(
-                        command_id=msg.command.command_id, ok=False, message="simulated agent runs no commands")))
-                    out.put_nowait(ipb.AgentMessage(status=self._status()))
+                    if self.on_command is not None:  # answered when ready; reads and acks go on meanwhile
+                        asyncio.create_task(self._answer(msg.command, out))
+                    else:
+                        out.put_nowait(ipb.AgentMessage(result=ipb.CommandResult(
+                            command_id=msg.command.command_id, ok=False, message="simulated agent runs no commands")))
+                        out.put_nowait(ipb.AgentMessage(status=self._status()))
         finally:
             timer.cancel()
             self.connected = False
@@ -226,6 +233,14 @@ class LightAgent:
             self._call = None
             if self._stopping:
                 self._closed.set()
+
+    async def _answer(self, cmd: ipb.Command, out: asyncio.Queue) -> None:
+        try:
+            result = await self.on_command(cmd)
+        except Exception as exc:  # the handler's failure is the command's, never the stream's
+            result = ipb.CommandResult(command_id=cmd.command_id, ok=False, message=f"{type(exc).__name__}: {exc}")
+        out.put_nowait(ipb.AgentMessage(result=result))
+        out.put_nowait(ipb.AgentMessage(status=self._status()))
 
     async def _write_loop(self, call, out: asyncio.Queue) -> None:
         try:

@@ -9,11 +9,14 @@ Two kinds of emulated agent (`agent_kind`):
   real   each agent a real Spool (SQLite) plus a real StreamClient (agent/transport/client.py: 2 threads and a
          gRPC stream each). Faithful down to the spool, but ~250 agents is the most 2 cores start in time.
 
-Per agent (nodes are dealt round-robin: node n belongs to agent n % N):
-  Metric sim_step_seconds / sim_comm_wait_seconds, entity rank<r>, at each step's end
-  Metric gpu_utilization_percent / gpu_sm_clock_mhz / gpu_power_watts, entity gpu<i> (node<n>.gpu<i> when
-         an agent hosts several nodes), once per GPU per simulated second
-  Flow   for each inter-node transfer the node sends (records.Flow has no switches: those are in the files)
+Per agent (nodes are dealt round-robin: node n belongs to agent n % N), exactly what bench/sim/agentview.py
+says real agents send, each under the real source's name (procs, flightrec, gpu, netflows):
+  ProcessInfo per rank at start (job key `job_key`, rank, local rank, world size); per rank per step the Step
+  record with its per-communicator summaries and the CommSummary records (`steps`: constructed or the real
+  StepSegmenter, see agentview.py); Metric gpu_utilization_percent / gpu_sm_clock_mhz / gpu_power_watts, entity
+  gpu<i> (node<n>.gpu<i> when an agent hosts several nodes), once per GPU per simulated second; Flow for each
+  inter-node transfer the node sends (records.Flow has no switches: those are in the files). No simulator-only
+  value (step compute / wait split, ground truth): those stay in the files and truth.json for scoring.
 mono_ns = mono_base + simulated ns, with mono_base = now - job length (so every record lies in the past and
 the collector's 'not ahead of the send time' check holds) or, with pace='realtime', now (records are
 appended when their simulated time comes).
@@ -21,7 +24,7 @@ appended when their simulated time comes).
 Phases: every worker connects all its agents (waiting for each HelloAck), reports, and waits until the
 parent says go, so `connect_s` (time until every agent of every worker has its HelloAck) and the streaming
 figures do not mix. Each worker then re-runs the (deterministic, ~2 µs per rank-iteration) simulation and
-builds only its own agents' records, so no records cross processes. A worker keeps each agent's
+builds only its own agents' records (agentview.py, ~1 µs per comm op), so no records cross processes. A worker keeps each agent's
 unacknowledged backlog at or below `max_backlog` batches, waiting otherwise; that wait is `backpressure_s`
 (time the collector was the bottleneck), against `build_s` (building records) and `encode_s` (encoding and
 handing batches over): the simulator side.
@@ -38,8 +41,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .faults import Fault
-from .model import Iteration, ModelConfig, simulate
-from .output import Rows
+from .model import ModelConfig, simulate
 
 AGENT_KINDS = ("light", "real")
 
@@ -58,6 +60,9 @@ class StreamConfig:
     connect_wave: int = 25     # real agents a worker starts at once, waiting for their HelloAck before the next
     insecure: bool = True
     agent_kind: str = "real"   # light | real
+    job_key: str = "simjob"    # the job key the emulated processes' ProcessInfo / Step records carry
+    steps: str = "constructed"  # constructed | segmenter (agentview.py: how Step records are made)
+    linger_s: float = 0.0      # light: stay connected this long after the last ack, answering FetchDetail
     agents_per_channel: int = 100  # light: streams sharing one channel (one TCP connection)
     window_batches: int = 8    # unacknowledged batches per agent on the wire (the real client's default)
 
@@ -72,11 +77,13 @@ class StreamConfig:
             raise ValueError(f"more worker processes ({self.procs}) than agents ({self.agents or nodes})")
         if self.agents_per_channel < 1 or self.window_batches < 1 or self.max_backlog < 1:
             raise ValueError("agents_per_channel, window_batches and max_backlog must be >= 1")
+        if self.steps not in ("constructed", "segmenter") or not self.job_key:
+            raise ValueError("steps must be constructed or segmenter, and job_key non-empty")
 
 
 class _Builder:
-    """Builds the records of this worker's agents from the simulation (a sink for model.simulate) and hands
-    each agent's records to `emit(k, items)` in batches of `batch_records`."""
+    """Builds the records of this worker's agents (bench/sim/agentview.py: what real agents send) and hands
+    each agent's records to `emit(k, items)` in batches of `batch_records`; run() does the whole job."""
 
     def __init__(self, cfg: ModelConfig, sc: StreamConfig, agent_ids: list[int], n_agents: int, mono_base: int,
                  emit: Callable[[int, list], None]) -> None:
@@ -87,11 +94,11 @@ class _Builder:
         self.mono_base = mono_base
         self.emit = emit
         self.items: dict[int, list] = {k: [] for k in agent_ids}
-        self.rows = Rows(cfg)
         self.build_s = 0.0
         self.pace_wait_s = 0.0
         self.records = 0
         self.batches = 0
+        self.emit_s = 0.0          # time inside emit (encoding, waiting on the collector): not building
 
     def flush(self, k: int, force: bool) -> None:
         items = self.items[k]
@@ -100,54 +107,38 @@ class _Builder:
         self.items[k] = []
         self.records += len(items)
         self.batches += 1
+        t0 = time.perf_counter()
         self.emit(k, items)
+        self.emit_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         for k in self.items:
             self.flush(k, True)
 
-    def __call__(self, it: Iteration) -> None:
-        from steplens.agent.records import Flow, Metric
+    def run(self, faults: list[Fault]) -> None:
+        from .agentview import _records
+        n_agents, items, batch = self.n_agents, self.items, self.sc.batch_records
+        nodes = {n for n in range(self.topo.nodes) if n % n_agents in self.mine}
+        index = {f"sim-node-{k}": k for k in self.mine}
+        realtime = self.sc.pace == "realtime"
         t0 = time.perf_counter()
-        cfg, topo, rows, mine, items = self.cfg, self.topo, self.rows, self.mine, self.items
-        gpn = topo.gpus_per_node
-        n_agents = self.n_agents
-        one_node = n_agents >= topo.nodes
-        mono_base, base = self.mono_base, cfg.base_ns
-        for r, i, a_ns, b_ns, comp, wait, stall in rows.steps(it):
-            k = (r // gpn) % n_agents
-            if k not in mine:
-                continue
-            mono = mono_base + (b_ns - base)
-            items[k] += [("sim", Metric(mono, "sim_step_seconds", f"rank{r}", (b_ns - a_ns) / 1e9)),
-                         ("sim", Metric(mono, "sim_comm_wait_seconds", f"rank{r}", wait / 1e9))]
-        for ts, r, util, clock, power in rows.telemetry(it):
-            k = (r // gpn) % n_agents
-            if k not in mine:
-                continue
-            mono = mono_base + (ts - base)
-            ent = f"gpu{r % gpn}" if one_node else f"node{r // gpn}.gpu{r % gpn}"
-            items[k] += [("sim", Metric(mono, "gpu_utilization_percent", ent, util)),
-                         ("sim", Metric(mono, "gpu_sm_clock_mhz", ent, clock)),
-                         ("sim", Metric(mono, "gpu_power_watts", ent, power))]
-        ip = topo.ip
-        for st, src, dst, nb, dur, _path in rows.flows(it):
-            k = (src // gpn) % n_agents
-            if k not in mine:
-                continue
-            smono = mono_base + (st - base)
-            emono = smono + max(1, int(dur * 1e9))
-            items[k].append(("sim", Flow(emono, smono, ip(src), 40000 + src % 20000, ip(dst), 29500,
-                                         nb, max(1, nb // 4096))))
-        self.build_s += time.perf_counter() - t0
-        if self.sc.pace == "realtime":
-            due = mono_base + int(max(it.end))
-            t1 = time.perf_counter()
-            while time.monotonic_ns() < due:
-                time.sleep(min(0.05, (due - time.monotonic_ns()) / 1e9))
-            self.pace_wait_s += time.perf_counter() - t1
-        for k in items:
-            self.flush(k, False)
+        for aid, source, rec in _records(self.cfg, faults, self.sc.job_key, self.mono_base,
+                                         n_agents if n_agents < self.topo.nodes else 0, self.sc.steps, nodes,
+                                         sources=True):
+            if realtime and rec.mono_ns > time.monotonic_ns():
+                for k in items:  # what is due goes out before waiting for the next record's time
+                    self.flush(k, True)
+                t1 = time.perf_counter()
+                while time.monotonic_ns() < rec.mono_ns:
+                    time.sleep(min(0.05, max(0.0, (rec.mono_ns - time.monotonic_ns()) / 1e9)))
+                self.pace_wait_s += time.perf_counter() - t1
+            k = index[aid]
+            lst = items[k]
+            lst.append((source, rec))
+            if len(lst) >= batch:
+                self.flush(k, False)
+        self.finish()
+        self.build_s = time.perf_counter() - t0 - self.pace_wait_s - self.emit_s
 
 
 def _mono_base(sc: StreamConfig, job_ns: float) -> int:
@@ -229,8 +220,7 @@ def _real_worker(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, agent_
 
     builder = _Builder(cfg, sc, agent_ids, n_agents, _mono_base(sc, job_ns), emit)
     t_start = time.perf_counter()
-    simulate(cfg, faults, builder)
-    builder.finish()
+    builder.run(faults)
     t_gen = time.perf_counter() - t_start
     t_drain = time.perf_counter()
     drained = {a.agent_id: a.client.drain_and_stop(sc.drain_timeout_s) for a in agents.values()}
@@ -279,8 +269,10 @@ async def _light_main(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, a
 
     n_ch = max(1, -(-len(agent_ids) // sc.agents_per_channel))
     channels = [channel(sc.collector) for _ in range(n_ch)]
+    streaming = {"mono_base": None}
     agents = {k: LightAgent(f"sim-node-{k}", window_batches=sc.window_batches, on_ack=on_ack,
-                            hello_timeout_s=max(15.0, sc.connect_timeout_s / 2)) for k in agent_ids}
+                            hello_timeout_s=max(15.0, sc.connect_timeout_s / 2),
+                            on_command=_fetch_handler(cfg, faults, sc, k, n_agents, streaming)) for k in agent_ids}
     t_conn = time.perf_counter()
     # connect the channels first: hundreds of streams started on a channel that is still connecting
     # sometimes fail at once (CANCELLED / INTERNAL from gRPC core, nothing reaches the collector)
@@ -322,15 +314,21 @@ async def _light_main(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, a
         stats["encode_s"] += time.perf_counter() - t1
 
     builder = _Builder(cfg, sc, agent_ids, n_agents, _mono_base(sc, job_ns), emit)
+    streaming["mono_base"] = builder.mono_base
 
     def produce() -> None:
-        simulate(cfg, faults, builder)
-        builder.finish()
+        builder.run(faults)
 
     t_start = time.perf_counter()
     await loop.run_in_executor(None, produce)
     t_gen = time.perf_counter() - t_start
     t_drain = time.perf_counter()
+    if sc.linger_s > 0:  # every batch acknowledged, then answer FetchDetail for a while
+        deadline = time.monotonic() + sc.drain_timeout_s
+        while time.monotonic() < deadline and any(a.acked_seq < a.appended for a in agents.values()):
+            await asyncio.sleep(0.05)
+        q.put({"phase": "lingering", "linger_s": sc.linger_s})
+        await asyncio.sleep(sc.linger_s)
     drained = await asyncio.gather(*(a.drain_and_close(sc.drain_timeout_s) for a in agents.values()))
     drain_s = time.perf_counter() - t_drain
     total_s = time.perf_counter() - t_start
@@ -348,6 +346,42 @@ async def _light_main(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, a
                   reconnect_errors=sorted({a.first_error for a in al if a.first_error})[:5],
                   not_drained=[a.agent_id for a, ok in zip(al, drained) if not ok],
                   stuck_sample=[a.debug_state() for a, ok in zip(al, drained) if not ok][:5], **stats))
+
+
+def _fetch_handler(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, k: int, n_agents: int, streaming: dict):
+    """A light agent's answer to commands: FetchDetail for commops from agentview.commops() over the ranks of
+    the nodes this agent hosts (what a real agent answers from its node-local detail store), in a thread so
+    the event loop's other streams go on; anything else is refused."""
+    import asyncio
+
+    from steplens.agent.transport.codec import encode_records
+    from steplens.v1 import ingest_pb2 as ipb
+
+    from .agentview import commops
+    topo = cfg.topology()
+    gpn = topo.gpus_per_node
+    mine = [r for r in range(cfg.gpus) if (r // gpn) % n_agents == k]
+
+    async def handle(cmd):
+        if cmd.WhichOneof("kind") != "fetch":
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False,
+                                     message="simulated agent runs only FetchDetail (commops)")
+        f = cmd.fetch
+        kinds = list(f.kinds) or ["stacks", "commops", "kernels"]
+        if streaming["mono_base"] is None:
+            return ipb.CommandResult(command_id=cmd.command_id, ok=False, message="no node-local detail yet")
+        ranks = sorted(set(f.ranks) & set(mine)) if f.ranks else mine
+        if "commops" not in kinds or not ranks:
+            return ipb.CommandResult(command_id=cmd.command_id, ok=True, message="0 records", payload=b"")
+        limit = min(f.limit or 100_000, 100_000)
+        ops = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: commops(cfg, faults, ranks, f.since_mono_ns, f.until_mono_ns, streaming["mono_base"],
+                                  job_key=sc.job_key))
+        note = f"{min(len(ops), limit)} commops records" + (" (truncated: narrow the time range or ranks, or raise "
+                                                           "the limit)" if len(ops) > limit else "")
+        return ipb.CommandResult(command_id=cmd.command_id, ok=True, message=note,
+                                 payload=encode_records([("flightrec", o) for o in ops[:limit]]))
+    return handle
 
 
 class _TaggedQueue:
@@ -374,8 +408,10 @@ def _worker(w: int, cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, age
 def stream(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig,
            on_phase: Callable[[str, dict], None] | None = None) -> dict:
     """Run the workers, wait for them, return the summed figures. `on_phase("connected", info)` is called
-    once every worker has connected its agents (before streaming starts), `on_phase("streamed", out)` at
-    the end (e.g. to sample the collector's CPU time per phase)."""
+    once every worker has connected its agents (before streaming starts), `on_phase("lingering", info)` (with
+    `linger_s` > 0, light agents) once every record is acknowledged and the agents wait, connected, answering
+    FetchDetail (called on this thread: return quickly, or run the fetches elsewhere), `on_phase("streamed",
+    out)` at the end (e.g. to sample the collector's CPU time per phase)."""
     topo = cfg.topology()
     sc.validate(topo.nodes)
     n_agents = sc.agents or topo.nodes
@@ -415,8 +451,14 @@ def stream(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig,
             on_phase("connected", info)
         t1 = time.perf_counter()
         go.set()
+        lingering: set[int] = set()
         while len(results) < len(procs):
-            m = q.get(timeout=sc.connect_timeout_s + sc.drain_timeout_s + 3600)
+            m = q.get(timeout=sc.connect_timeout_s + sc.drain_timeout_s + sc.linger_s + 3600)
+            if m.get("phase") == "lingering":  # every batch of that worker acknowledged: its agents answer fetches
+                lingering.add(m["worker"])
+                if len(lingering) == len(procs) and on_phase is not None:
+                    on_phase("lingering", {"linger_s": sc.linger_s})
+                continue
             results[m["worker"]] = m
         results = list(results.values())
         stream_s = time.perf_counter() - t1
@@ -486,9 +528,14 @@ def store_check(db_path: str, prefix: str = "sim-node-") -> dict:
         metric_rows = db.execute("SELECT COUNT(*) FROM metrics m JOIN series s ON s.id = m.series_id"
                                  " WHERE s.agent_id LIKE ?", (prefix + "%",)).fetchone()[0]
         flow_rows = db.execute("SELECT COUNT(*) FROM flows WHERE agent_id LIKE ?", (prefix + "%",)).fetchone()[0]
+        other = {t: db.execute(f"SELECT COUNT(*) FROM {t} WHERE agent_id LIKE ?", (prefix + "%",)).fetchone()[0]
+                 for t in ("processes", "steps", "comm_summaries")}
+        sim_metrics = db.execute("SELECT COUNT(*) FROM series WHERE agent_id LIKE ? AND name LIKE 'sim\\_%' ESCAPE '\\'",
+                                 (prefix + "%",)).fetchone()[0]
     finally:
         db.close()
     return {"agents": len({r[0] for r in rows}), "spools": len(rows), "batches": sum(r[1] for r in rows),
             "records": sum(r[4] for r in rows), "rejected": sum(r[5] for r in rows),
             "seq_not_contiguous": [r[0] for r in rows if not (r[2] == 1 and r[3] == r[1])],
-            "metric_rows": metric_rows, "flow_rows": flow_rows}
+            "metric_rows": metric_rows, "flow_rows": flow_rows, "process_rows": other["processes"],
+            "step_rows": other["steps"], "comm_summary_rows": other["comm_summaries"], "sim_series": sim_metrics}

@@ -1,0 +1,479 @@
+"""What real node agents would send upstream for a simulated job, and the node-local comm-op detail they keep:
+the simulator's only interface to the collector and the detectors (issue 13, item 5: simulator parity).
+
+Reads one simulation (model.simulate, re-run on each call: it is deterministic) and turns it into the records a
+real agent produces, under the names and with the fields the real sources give them:
+  ProcessInfo  per rank, once at start (source `procs`): pid, start_ticks, job_key, rank, local_rank, world_size,
+               the launcher's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT, STEPLENS_JOB);
+  Step         per rank per step (source `flightrec`): boundaries and per-communicator StepComm summaries as
+               agent/steps.py makes them (see "Steps" below);
+  CommSummary  per rank per step (source `flightrec`): agent/commlog.py `summarize()` of the rank's ops of one
+               poll, the poll taken as one step's ops (step -1: no ProfilerStep windows, as in sentinel mode);
+  Metric       gpu_utilization_percent / gpu_sm_clock_mhz / gpu_power_watts (agent/sources/gpu.py names, the
+               DCGM_NAMES keys), entity gpu<i> (node<n>.gpu<i> when an emulated agent hosts several nodes),
+               once per GPU per simulated second (source `gpu`);
+  Flow         each inter-node transfer the node sends (source `netflows`; records.Flow has no switches).
+Nothing else: no simulator-only value (step compute / wait split, fault ground truth) leaves this module; that
+stays in truth.json and the files (output.py) for scoring.
+
+CommOps (`commops()`, what FetchDetail returns from an agent's node-local store) look like Flight Recorder's
+with CUDA-event timing: comm_id as output.py names communicators (`dp.s<s>.t<t>`, `pp.s<a>-<b>.d<d>.t<t>`,
+`tp.s<s>.d<d>`, `ep.s<s>.e<e>.t<t>`, `edp.s<s>.t<t>.x<j>`), issue = start = the rank's arrival (recv: when it was
+posted), end = completion; collectives carry their per-communicator `seq` (seq_source `trace`), send/recv their
+`p2p_seq` and seq -1, as flightrec.py parses them; members / nranks / group_rank from the job's layout.
+
+Steps: `steps="segmenter"` feeds each rank's CommOps, one step's worth per call, through the real
+agent/steps.py StepSegmenter (one per node, as one agent runs one) and `commlog.summarize()`, so boundaries,
+numbers, the steps lost while it learns the pattern (the first 1-2 per rank) and its errors are exactly a real
+agent's. It costs what the real agent's code costs: the segmenter ~640k ops/s here, building the CommOp records
+~700k ops/s, ~330k ops/s together; 8,192 GPUs x 100 iterations (DP=1024 PP=8, ~24M ops) would take ~75 s, so it
+is not the default. `steps="constructed"` (the default) builds Step records from the simulated op times without
+CommOp records: each step is one iteration's ops of the rank, from the previous step's end to its latest op end,
+number = the iteration, evidence `comm_pattern`, period_ops = ops per step, StepComm fields as
+StepSegmenter._step fills them. What differs from the segmenter (tests/test_agentview.py pins both): (1) it cuts at
+the iteration boundary, where the segmenter cuts before the op with the largest median idle gap, which in a 1F1B
+schedule is often inside the pipeline bubble (stage 0: the second backward recv), so its boundaries have a
+constant phase against the segmenter's while ops per step, calls, bytes per communicator and mean step time agree;
+(2) it emits every step, the segmenter none until it has learnt the pattern (3 cycles); (3) numbers are always
+the iteration, the segmenter's come from a collective's seq (the same where DP or TP > 1) or a counter; (4) the
+real segmenter, on these schedules, often cuts a middle pipeline stage's iteration in two (the cut op's signature
+recurs inside the cycle after a gap of at least half the cut gap: the bubble on both sides), which the constructed
+steps do not reproduce (an agent/steps.py issue, pinned as a strict xfail in tests/test_agentview.py).
+Dense jobs (ep == 1) take a column-wise path (`_dense_records`: per op, list arithmetic over all ranks of a
+stage; tests/test_agentview.py checks it equals the per-rank path record for record); EP jobs the per-rank one.
+
+Cost (2-core machine, simulation included): 1,024 GPUs x 20 iterations (DP=128 PP=8 TP=1) ~63k rank-iterations/s
+for ProcessInfo + Step records, ~35k with CommSummary, ~16k with every kind (~340k records/s: 2/3 of them Flows,
+since every PP transfer crosses nodes there); 8,192 GPUs x 100 iterations (DP=1024 PP=8): ProcessInfo + Steps
+14.0 s, with CommSummary 22.8 s (4.5M records), every kind would add ~12M Flows (`bench/sim_speed.py`).
+`kinds` builds only what a consumer reads. No numpy (not a dependency): hence lists, not arrays.
+
+Time: mono_ns = mono_base + simulated ns since the job start (cluster base_ns), one clock for every agent.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Iterator
+
+from steplens.agent.records import (
+    CommOp,
+    CommSummary,
+    Flow,
+    Metric,
+    ProcessInfo,
+    Step,
+    StepComm,
+)
+
+from .faults import Fault
+from .model import Iteration, ModelConfig, simulate
+from .output import Rows
+
+PID_BASE = 4000                  # local rank l runs as pid PID_BASE + l on its node
+START_TICKS = 1_000_000
+MASTER_PORT = 29500
+MAX_COLLECTIVES = 64             # StepConfig.max_collectives: issue offsets kept per step
+STEP_MODES = ("constructed", "segmenter")
+KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow"})
+
+
+def agent_of(node: int, n_nodes: int, agents: int = 0) -> str:
+    """The emulated agent id of a node (stream.py deals nodes round-robin: node n belongs to agent n % agents)."""
+    return f"sim-node-{node % agents if agents > 0 else node}"
+
+
+def _iterations(cfg: ModelConfig, faults: list[Fault]) -> Iterator[Iteration]:
+    """model.simulate's iterations as a generator: the simulation runs in a thread that hands over one
+    Iteration and waits until the consumer is done with it (so it never runs ahead of, or mutates, what the
+    consumer reads)."""
+    q: queue.Queue = queue.Queue(maxsize=1)
+    done = threading.Semaphore(0)
+    stop = threading.Event()
+
+    class _Stop(Exception):
+        pass
+
+    def sink(it: Iteration) -> None:
+        if stop.is_set():
+            raise _Stop
+        q.put(("it", it))
+        done.acquire()
+        if stop.is_set():
+            raise _Stop
+
+    def run() -> None:
+        try:
+            simulate(cfg, faults, sink)
+            q.put(("end", None))
+        except _Stop:
+            pass
+        except BaseException as exc:  # handed to the consumer, raised there
+            q.put(("error", exc))
+
+    th = threading.Thread(target=run, name="sim-agentview", daemon=True)
+    th.start()
+    try:
+        while True:
+            kind, val = q.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise val
+            try:
+                yield val
+            finally:
+                done.release()
+    finally:
+        stop.set()
+        done.release()
+        th.join(5)
+
+
+def _members(cfg: ModelConfig) -> dict[str, list[int]]:
+    """Every communicator of the job and its members (global ranks, group rank order)."""
+    D, P, T, E = cfg.dp, cfg.pp, cfg.tp, cfg.ep
+    out: dict[str, list[int]] = {}
+    for s in range(P):
+        for d in range(D):
+            if T > 1:
+                out[f"tp.s{s}.d{d}"] = [cfg.rank(s, d, t) for t in range(T)]
+            for t in range(T):
+                if s < P - 1:
+                    out[f"pp.s{s}-{s + 1}.d{d}.t{t}"] = [cfg.rank(s, d, t), cfg.rank(s + 1, d, t)]
+        for t in range(T):
+            if D > 1:
+                out[f"dp.s{s}.t{t}"] = [cfg.rank(s, d, t) for d in range(D)]
+            if E > 1:
+                for e in range(D // E):
+                    out[f"ep.s{s}.e{e}.t{t}"] = [cfg.rank(s, d, t) for d in range(e * E, (e + 1) * E)]
+                if D > E:
+                    for j in range(E):
+                        out[f"edp.s{s}.t{t}.x{j}"] = [cfg.rank(s, d, t) for d in range(j, D, E)]
+    return out
+
+
+def _by_rank(rows: Rows, it: Iteration, want=None) -> dict[int, list[tuple]]:
+    """The iteration's comm ops per rank, (comm_id, op, seq, bytes, start_ns, end_ns), in issue order."""
+    out: dict[int, list[tuple]] = {}
+    for r, cid, op, seq, nb, a, b in rows.commops(it):
+        if want is not None and r not in want:
+            continue
+        lst = out.get(r)
+        if lst is None:
+            lst = out[r] = []
+        lst.append((cid, op, seq, nb, a, b))
+    for lst in out.values():
+        lst.sort(key=lambda o: o[4])
+    return out
+
+
+class _Proc:
+    """One emulated training process: pid, start_ticks and the identity its records carry."""
+    __slots__ = ("rank", "pid", "node", "local")
+
+    def __init__(self, cfg: ModelConfig, r: int) -> None:
+        gpn = cfg.gpus_per_node
+        self.rank, self.node, self.local = r, r // gpn, r % gpn
+        self.pid = PID_BASE + self.local
+
+
+def _commop(p: _Proc, job_key: str, cid: str, op: str, seq: int, nb: int, a: int, b: int,
+            members: dict[str, list[int]] | None = None) -> CommOp:
+    p2p = op in ("send", "recv")
+    m = members.get(cid, []) if members is not None else []
+    return CommOp(mono_ns=b, timing="cuda_event", pid=p.pid, comm_id=cid, op=op, start_ticks=START_TICKS,
+                  device=p.local, rank=p.rank, group_rank=m.index(p.rank) if p.rank in m else -1, nranks=len(m),
+                  members=list(m), dtype="bfloat16", count=nb // 2, bytes=nb, seq=-1 if p2p else seq,
+                  p2p_seq=seq if p2p else -1, issue_mono_ns=a, start_mono_ns=a, end_mono_ns=b, job_key=job_key,
+                  seq_source="" if p2p else "trace")
+
+
+def _constructed_step(p: _Proc, job_key: str, number: int, start: int, ops: list[tuple]) -> Step:
+    """StepSegmenter._step over one step's ops (issue order), without building CommOp records. ops are
+    (comm_id, op, seq, bytes, issue_mono, end_mono); every op has start == issue and an end, timing cuda_event
+    (so wait_ns is -1: not measured)."""
+    comms: dict[str, StepComm] = {}
+    budget = MAX_COLLECTIVES
+    end = 0
+    for cid, op, seq, nb, a, b in ops:
+        c = comms.get(cid)
+        if c is None:
+            c = comms[cid] = StepComm(cid, op, 0, 0, 0, -1, -1, [], 0)
+        elif c.op != op:
+            c.op = "mixed"
+        c.calls += 1
+        c.bytes += nb
+        if a and b:
+            c.busy_ns += b - a if b > a else 0
+        if op not in ("send", "recv") and seq >= 0 and (c.seq_first < 0 or seq < c.seq_first):
+            c.seq_first = seq
+        if budget > 0:
+            c.issue_offsets_ns.append(a - start)
+            budget -= 1
+        else:
+            c.offsets_dropped += 1
+        if b > end:
+            end = b
+    return Step(end, p.pid, START_TICKS, job_key, p.rank, number, min(start, end), end, "comm_pattern", len(ops),
+                len(ops), list(comms.values()))
+
+
+def _summaries(p: _Proc, job_key: str, ops: list[tuple]) -> list[CommSummary]:
+    """commlog.summarize() of one poll's ops of one process, without building CommOp records."""
+    groups: dict[tuple, CommSummary] = {}
+    for cid, op, seq, nb, a, b in ops:
+        s = groups.get((cid, op))
+        if s is None:
+            q = seq if op not in ("send", "recv") else -1
+            s = groups[(cid, op)] = CommSummary(b, p.pid, cid, op, a, 0, 0, 0, 0, START_TICKS, job_key, p.rank, -1,
+                                                q, q, "cuda_event")
+        dur = b - a if b > a else 0
+        s.calls += 1
+        s.bytes += nb
+        s.busy_ns += dur
+        if dur > s.max_ns:
+            s.max_ns = dur
+        if a < s.start_mono_ns:
+            s.start_mono_ns = a
+        if b > s.mono_ns:
+            s.mono_ns = b
+        if op not in ("send", "recv") and seq >= 0:
+            s.seq_first = seq if s.seq_first < 0 else min(s.seq_first, seq)
+            s.seq_last = max(s.seq_last, seq)
+    return sorted(groups.values(), key=lambda s: (s.mono_ns, s.pid, s.comm_id, s.op))
+
+
+def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int) -> tuple[list, list[list[str]]]:
+    """Rows.commops() of stage s (dense model) column-wise: [(slot, op, seq, bytes, issue[col], end[col])] in
+    every rank's issue order, col = d * T + t, and the comm id of each slot per column. The same values as
+    Rows.commops(), computed per op over all ranks of the stage at once."""
+    D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
+    fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
+    act = cfg.activation_bytes
+    s0 = (s * D) * T
+    fac = it.factor[s0:s0 + D * T]
+    i2m = it.it * 2 * M
+
+    def ns(xs):
+        v = [base + int(round(x)) for x in xs]
+        return [x for x in v for _ in range(T)] if T > 1 else v
+
+    rows = []
+    names = {"prev": [f"pp.s{s - 1}-{s}.d{c // T}.t{c % T}" for c in range(D * T)] if s > 0 else None,
+             "next": [f"pp.s{s}-{s + 1}.d{c // T}.t{c % T}" for c in range(D * T)] if s < P - 1 else None,
+             "tp": [f"tp.s{s}.d{c // T}" for c in range(D * T)] if T > 1 else None,
+             "dp": [f"dp.s{s}.t{c % T}" for c in range(D * T)] if D > 1 else None}
+    for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
+        comp = fwd if kind == "F" else bwd
+        if kind == "F" and s > 0:
+            rows.append(("prev", "recv", i2m + m, act, ns(posted), ns(start)))
+        elif kind == "B" and s < P - 1:
+            rows.append(("next", "recv", i2m + M + m, act, ns(posted), ns(start)))
+        if T > 1:
+            st = [x for x in start for _ in range(T)]
+            rows.append(("tp", "all_reduce", i2m + k, act,
+                         [base + int(round(a + comp * f)) for a, f in zip(st, fac)], ns(end)))
+        if kind == "F" and s < P - 1:
+            rows.append(("next", "send", i2m + m, act, ns(end), ns([a + x for a, x in zip(end, it.xfer_ns[s])])))
+        elif kind == "B" and s > 0:
+            rows.append(("prev", "send", i2m + M + m, act, ns(end),
+                         ns([a + x for a, x in zip(end, it.xfer_ns[s - 1])])))
+    if D > 1:
+        last = it.ops[s][-1][4]
+        ar = it.ar_ns[s]
+        rows.append(("dp", "all_reduce", it.it, cfg.grad_bytes, ns(last),
+                     [base + int(round(it.last_b[s] + ar[c % T])) for c in range(D * T)]))
+    return rows, names
+
+
+def _dense_records(cfg: ModelConfig, it: Iteration, base: int, procs: list, job_key: str, last_end: dict,
+                   want_step: bool, want_sum: bool, mine) -> Iterator[tuple[int, object]]:
+    """(rank, Step | CommSummary) of one iteration of a dense job: what _constructed_step() and _summaries()
+    make of each rank's Rows.commops(), ~4x faster (per op work is list arithmetic over a stage's ranks)."""
+    D, T = cfg.dp, cfg.tp
+    for s in range(cfg.pp):
+        rows, names = _dense_stage(cfg, it, s, base)
+        n = len(rows)
+        slots: dict[str, list[int]] = {}
+        pairs: dict[tuple[str, str], list[int]] = {}
+        for i, row in enumerate(rows):
+            slots.setdefault(row[0], []).append(i)
+            pairs.setdefault((row[0], row[1]), []).append(i)
+        durs = [[b - a if b > a else 0 for a, b in zip(row[4], row[5])] for row in rows]
+        ends = [max(col) for col in zip(*(row[5] for row in rows))]
+        issues = list(zip(*(row[4] for row in rows)))
+        slot_info = []
+        for slot, idx in slots.items():
+            ops = {rows[i][1] for i in idx}
+            seqs = [rows[i][2] for i in idx if rows[i][1] not in ("send", "recv")]
+            busy = [sum(c) for c in zip(*(durs[i] for i in idx))]
+            slot_info.append((slot, ops.pop() if len(ops) == 1 else "mixed", len(idx), sum(rows[i][3] for i in idx),
+                              min(seqs) if seqs else -1, [i for i in idx if i < MAX_COLLECTIVES],
+                              sum(1 for i in idx if i >= MAX_COLLECTIVES), busy))
+        pair_info = []
+        if want_sum:
+            for (slot, op), idx in pairs.items():
+                p2p = op in ("send", "recv")
+                pair_info.append((slot, op, len(idx), sum(rows[i][3] for i in idx),
+                                  [sum(c) for c in zip(*(durs[i] for i in idx))],
+                                  [max(c) for c in zip(*(durs[i] for i in idx))], rows[idx[0]][4],
+                                  [max(c) for c in zip(*(rows[i][5] for i in idx))],
+                                  -1 if p2p else min(rows[i][2] for i in idx),
+                                  -1 if p2p else max(rows[i][2] for i in idx)))
+        r0 = s * D * T
+        for c in range(D * T):
+            r = r0 + c
+            if not mine(r):
+                continue
+            p = procs[r]
+            if want_step:
+                tup = issues[c]
+                start = last_end.get(r) or tup[0]
+                end = ends[c]
+                comms = [StepComm(names[slot][c], op, calls, nb, busy[c], -1, seq, [tup[i] - start for i in off],
+                                  dropped) for slot, op, calls, nb, seq, off, dropped, busy in slot_info]
+                last_end[r] = end
+                yield r, Step(end, p.pid, START_TICKS, job_key, r, it.it, min(start, end), end, "comm_pattern", n, n,
+                              comms)
+            if want_sum:
+                out = [CommSummary(mono[c], p.pid, names[slot][c], op, first[c], calls, nb, busy[c], mx[c],
+                                   START_TICKS, job_key, r, -1, q0, q1, "cuda_event")
+                       for slot, op, calls, nb, busy, mx, first, mono, q0, q1 in pair_info]
+                out.sort(key=lambda x: (x.mono_ns, x.pid, x.comm_id, x.op))
+                for x in out:
+                    yield r, x
+
+
+def process_infos(cfg: ModelConfig, job_key: str, mono_ns: int) -> Iterator[tuple[int, ProcessInfo]]:
+    """(node, ProcessInfo) of every rank, as the procs source describes a torchrun/SLURM worker."""
+    world = cfg.gpus
+    for r in range(world):
+        p = _Proc(cfg, r)
+        env = {"RANK": str(r), "LOCAL_RANK": str(p.local), "WORLD_SIZE": str(world), "MASTER_ADDR": "sim-node-0",
+               "MASTER_PORT": str(MASTER_PORT), "STEPLENS_JOB": job_key}
+        yield p.node, ProcessInfo(mono_ns, p.pid, START_TICKS, ppid=PID_BASE - 1, exe="/usr/bin/python3",
+                                  cmdline=["python3", "train.py"], framework="torch", job_key=job_key, rank=r,
+                                  local_rank=p.local, world_size=world, master_addr="sim-node-0",
+                                  master_port=MASTER_PORT, env=env)
+
+
+def agent_records(cfg: ModelConfig, faults: list[Fault], job_key: str = "simjob", mono_base: int = 0,
+                  agents: int = 0, *, steps: str = "constructed", nodes: set[int] | None = None,
+                  kinds: frozenset[str] = KINDS, _dense: bool = True) -> Iterator[tuple[str, object]]:
+    """(agent_id, record) in (roughly) time order: what real node agents would send upstream for this job:
+    ProcessInfo per rank once at start, then per step per rank the Step record and its CommSummary
+    records, NVML Metrics under real names, Flows. agent_id 'sim-node-<n>' (node n; with agents>0, node n
+    belongs to agent n % agents, as stream.py deals them). mono_ns = mono_base + simulated ns.
+    steps: "constructed" (default) or "segmenter" (the real agent/steps.py code; slow, see the module
+    docstring). nodes: only these nodes' records (a streaming worker builds its own agents' only). kinds: a
+    subset of KINDS (process, step, comm_summary, metric, flow) to build only those: at 8,192 GPUs the flows
+    alone are ~12M records per 100 iterations (every PP transfer crosses nodes), and a detector that reads
+    steps need not pay for them."""
+    yield from _records(cfg, faults, job_key, mono_base, agents, steps, nodes, kinds=kinds, dense=_dense)
+
+
+def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: bool = False, kinds=KINDS,
+             dense: bool = True):
+    """agent_records(); with sources=True, (agent_id, source, record)."""
+    if steps not in STEP_MODES:
+        raise ValueError(f"steps must be one of {', '.join(STEP_MODES)}")
+    bad = set(kinds) - KINDS
+    if bad:
+        raise ValueError(f"unknown kinds {sorted(bad)}: {', '.join(sorted(KINDS))}")
+    want_step, want_sum = "step" in kinds, "comm_summary" in kinds
+    topo = cfg.topology()
+    gpn, n_nodes = topo.gpus_per_node, topo.nodes
+    one_node = agents <= 0 or agents >= n_nodes
+    aid = [agent_of(n, n_nodes, agents) for n in range(n_nodes)]
+    mine = (lambda n: True) if nodes is None else nodes.__contains__
+
+    def out(node, source, rec):
+        return (aid[node], source, rec) if sources else (aid[node], rec)
+
+    for node, info in process_infos(cfg, job_key, mono_base):
+        if mine(node) and "process" in kinds:
+            yield out(node, "procs", info)
+    procs = [_Proc(cfg, r) for r in range(cfg.gpus)]
+    ranks = [r for r in range(cfg.gpus) if mine(r // gpn)]
+    want = set(ranks) if nodes is not None else None
+    rows = Rows(cfg)
+    rows.base = mono_base  # every time Rows makes is agent-monotonic from here on
+    last_end: dict[int, int] = {}
+    segs: dict[int, object] = {}
+    if steps == "segmenter":
+        from steplens.agent.commlog import summarize
+        from steplens.agent.steps import StepSegmenter
+        members = _members(cfg)
+    ip = topo.ip
+    dense = dense and steps == "constructed" and cfg.ep == 1
+    mine_rank = (lambda r: True) if want is None else want.__contains__
+    for it in _iterations(cfg, faults):
+        if dense and (want_step or want_sum):
+            for r, rec in _dense_records(cfg, it, mono_base, procs, job_key, last_end, want_step, want_sum,
+                                         mine_rank):
+                yield out(r // gpn, "flightrec", rec)
+            per_rank = {}
+        else:
+            per_rank = _by_rank(rows, it, want) if want_step or want_sum else {}
+        for r in ranks:
+            ops = per_rank.get(r)
+            if not ops:
+                continue
+            p = procs[r]
+            if steps == "segmenter":
+                cops = [_commop(p, job_key, *o, members) for o in ops]
+                seg = segs.get(p.node)
+                if seg is None:
+                    seg = segs[p.node] = StepSegmenter()
+                for st in seg.add(cops):
+                    if want_step:
+                        yield out(p.node, "flightrec", st)
+                for s in summarize(cops) if want_sum else ():
+                    yield out(p.node, "flightrec", s)
+                continue
+            if want_step:
+                st = _constructed_step(p, job_key, it.it, last_end.get(r) or ops[0][4], ops)
+                last_end[r] = st.end_mono_ns
+                yield out(p.node, "flightrec", st)
+            for s in _summaries(p, job_key, ops) if want_sum else ():
+                yield out(p.node, "flightrec", s)
+        for ts, r, util, clock, power in rows.telemetry(it) if "metric" in kinds else ():
+            n = r // gpn
+            if not mine(n):
+                continue
+            ent = f"gpu{r % gpn}" if one_node else f"node{n}.gpu{r % gpn}"
+            yield out(n, "gpu", Metric(ts, "gpu_utilization_percent", ent, util))
+            yield out(n, "gpu", Metric(ts, "gpu_sm_clock_mhz", ent, clock))
+            yield out(n, "gpu", Metric(ts, "gpu_power_watts", ent, power))
+        for st, src, dst, nb, dur, _path in rows.flows(it) if "flow" in kinds else ():
+            n = src // gpn
+            if not mine(n):
+                continue
+            yield out(n, "netflows", Flow(st + max(1, int(dur * 1e9)), st, ip(src), 40000 + src % 20000, ip(dst),
+                                          29500, nb, max(1, nb // 4096)))
+
+
+def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: int, until_ns: int,
+            mono_base: int = 0, *, job_key: str = "simjob") -> list[CommOp]:
+    """The node-local CommOp detail of `ranks` in [since, until] (what FetchDetail returns from an agent).
+    since/until in the agents' mono ns (mono_base + simulated ns); an op is in the window when it overlaps it
+    (issue <= until and end >= since); until_ns <= 0 means no upper bound. Re-simulates up to `until`."""
+    want = set(ranks)
+    members = _members(cfg)
+    procs = {r: _Proc(cfg, r) for r in want}
+    rows = Rows(cfg)
+    rows.base = mono_base
+    hi = until_ns if until_ns > 0 else None
+    out: list[CommOp] = []
+    for it in _iterations(cfg, faults):
+        if hi is not None and it.start and mono_base + min(it.start) > hi:
+            break
+        for r, ops in _by_rank(rows, it, want).items():
+            p = procs[r]
+            for cid, op, seq, nb, a, b in ops:
+                if b >= since_ns and (hi is None or a <= hi):
+                    out.append(_commop(p, job_key, cid, op, seq, nb, a, b, members))
+    out.sort(key=lambda o: (o.issue_mono_ns, o.rank))
+    return out
