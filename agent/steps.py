@@ -20,15 +20,23 @@ so the step is found in the ops themselves:
   phase (-0.3 ms, the last all-reduce) is taken out; step durations 0.5-0.6 %. On the testbed's DP2 x PP2 job
   (loopback) gloo's recorder shows only the 8 MB DP all-reduce, issue time only: 25-29 %, 4.6-6.9 % after the
   phase (-16..-20 ms, its duration), durations 6-12 %: the 1 % goal needs completion times (NCCL, CUPTI).
+  The cut is one phase of the cycle, fixed when the pattern is learnt (the position of the learnt cycle's start
+  in the ops): from one cut, the next is Q ops on when those Q ops are the pattern's signatures and the op
+  after them has at least half the cut gap; a step is emitted every Q ops. Re-finding the cut op by its
+  signature and gap at every op would also cut where that signature follows another long idle gap: on a middle
+  1F1B pipeline stage the TP all-reduce (or recv) after the bubble that waits for the first gradient, which cut
+  the iteration in two (16 + 9 of a 25-op cycle in bench/sim).
 - **Step numbers** come from the collective sequence numbers where the source has them (Flight Recorder), so
   ranks of one group number a step alike and a step lost to a ring wrap leaves a hole, not a shift; otherwise
   a counter.
-- **Robustness.** Ops missing from a poll shorten a step but keep its boundaries (the cut op is found by its
-  signature and gap); a stretch that spans lost steps (sequence numbers jump, or twice the ops) is not a step
-  and is dropped (counted); a job that changes its pattern (no cut op for a while, `relearn_after`
-  mismatching steps in a row, or cut-to-cut times that lost their rhythm) is learnt afresh from its recent
-  ops. A slower step is not a lost one: without sequence numbers only explicit losses (a dropped stretch, ops
-  dropped from the buffer) break the chain of consecutive steps.
+- **Robustness.** Ops missing from a poll shorten a step but keep its boundaries: only there is the cut op
+  found again by its signature and a gap above the median gaps of that signature's other positions in the
+  cycle (their geometric mean with the cut gap; half the cut gap where no other position comes close); a
+  stretch that spans lost steps (sequence numbers jump, or twice the ops) is not a step and is dropped
+  (counted); a job that changes its pattern (no cut op for a while, `relearn_after` mismatching steps in a
+  row, or cut-to-cut times that lost their rhythm) is learnt afresh from its recent ops. A slower step is not
+  a lost one: without sequence numbers only explicit losses (a dropped stretch, ops dropped from the buffer)
+  break the chain of consecutive steps.
 - **ProfilerStep windows win**: ops inside a window are that step's (evidence `profiler`), and comm-pattern
   steps of the same process overlapping a window are not emitted.
 Evidence values: `profiler`, `comm_pattern` (`anchor`, from the sampler's Python anchor functions, is reserved
@@ -92,6 +100,9 @@ class Pattern:
     seq_comm: str = ""              # communicator whose sequence numbers number the steps ("" = counter)
     seq_per_cycle: int = 0          # its ops per cycle
     seq_residue: int = 0            # seq - seq_residue of any of its ops, // seq_per_cycle: the step number
+    cut_thr_ns: float = 0.0         # idle gap a re-found cut op needs: above those of its signature's other
+                                    # positions in the cycle (a 1F1B stage's bubble precedes two of them)
+    anchor: int = 0                 # ops from the newest learnt cycle start to the end of the learning window
 
     @property
     def ops(self) -> int:
@@ -139,7 +150,11 @@ def learn(ops: list[CommOp], cfg: StepConfig = StepConfig()) -> Pattern | None:
                 seq_comm = next((o.comm_id for o in cyc_ops if o.seq >= 0 and o.seq_source == "trace"), "")
                 mine = [o.seq for o in cyc_ops if o.comm_id == seq_comm and o.seq >= 0] if seq_comm else []
                 residue = mine[0] % len(mine) if mine else 0
-                return Pattern(tuple(sigs[first:first + q]), float(ref), seq_comm, len(mine), residue)
+                decoy = max((med[k] for k in range(q) if k != cut and sigs[base + k] == sigs[base + cut]),
+                            default=0.0)
+                thr = max(0.5 * ref, (ref * decoy) ** 0.5) if decoy < ref else 0.5 * ref
+                return Pattern(tuple(sigs[first:first + q]), float(ref), seq_comm, len(mine), residue, float(thr),
+                               n - first)
             m += 1
         return None  # the shortest signature period has no consistent multiple (yet): more data
     return None
@@ -156,6 +171,7 @@ class _Proc:
     last_cut: int = 0                           # issue time of the last segment's cut op
     cycles: list = field(default_factory=list)  # cut op to cut op of the last steps (ns)
     lost: bool = False                          # the cycles lost their rhythm: learn again
+    synced: bool = False                        # buf[0] is a cut op (the start of a cycle)
     profiled: list = field(default_factory=list)  # (start, end) ProfilerStep windows seen, newest last
 
 
@@ -223,48 +239,102 @@ class StepSegmenter:
             del st.buf[:drop]
             self.ops_dropped += drop
             st.last_end = 0  # the next step's start is gone with them
+            st.synced = False
         for _ in range(2):  # a pattern dropped below is learnt again at once from the same ops
             if st.pattern is None:
                 st.pattern = learn(st.buf[-(cfg.max_period_ops * (cfg.confirm_cycles + 1) + 1):], cfg)
                 if st.pattern is None:
                     return
                 st.mismatches, st.lost, st.cycles, st.last_cut = 0, False, [], 0
+                self._align(st)
             if self._segment(st, out):
                 return
             st.pattern = None
             self.relearned += 1
 
+    def _align(self, st: _Proc) -> None:
+        """Start st.buf at a cut: the newest learnt cycle start, back one whole cycle at a time while the
+        signatures and the cut gap fit; before a cycle with ops missing, the earliest whole cycle that does (a
+        whole cycle of a primitive signature sequence fixes the phase, where one op's signature and gap could
+        be the pipeline bubble's; the steps between are cut as after any loss)."""
+        pat, buf = st.pattern, st.buf
+        q, thr = pat.ops, pat.cut_thr_ns
+
+        def cut_gap(i: int) -> bool:
+            return _issue(buf[i]) - _issue(buf[i - 1]) >= thr if i else \
+                not st.prev_issue or _issue(buf[0]) - st.prev_issue >= thr
+
+        a = len(buf) - pat.anchor
+        while a - q >= 0 and tuple(_sig(o) for o in buf[a - q:a]) == pat.sigs and cut_gap(a - q):
+            a -= q
+        sg = [_sig(o) for o in buf[:a]] if a > q else []
+        a = next((i for i in range(len(sg) - q) if sg[i] == pat.sigs[0] and tuple(sg[i:i + q]) == pat.sigs
+                  and cut_gap(i)), a)
+        if a > 0:  # a step whose start was not seen (before learning)
+            self.ops_dropped += a
+            st.prev_issue = _issue(buf[a - 1])
+            del buf[:a]
+        st.synced = True
+
     def _segment(self, st: _Proc, out: list[Step]) -> bool:
-        """Emit the steps of st.buf that close; False when the pattern no longer fits (learn again)."""
+        """Emit the steps of st.buf that close; False when the pattern no longer fits (learn again).
+
+        The cut is one phase of the cycle, learnt once: from a cut, a whole cycle of the pattern's signatures
+        whose next op has the cut gap ends the step and begins the next, q ops on. Only where that fails (ops
+        missing or extra) is the next cut found again, by its signature and a gap above those of the other
+        ops with that signature (re-matching every op of that signature would also cut after the pipeline
+        bubble of a middle 1F1B stage, which precedes another op of the cut op's signature)."""
         pat, cfg = st.pattern, self.config
-        buf, q = st.buf, pat.ops
-        thr = 0.5 * pat.cut_gap_ns
-        cuts = []
-        prev = st.prev_issue
-        for i, o in enumerate(buf):
-            t = _issue(o)
-            if _sig(o) == pat.sigs[0] and (not prev or t - prev >= thr):
-                cuts.append(i)
-            prev = t
-        if not cuts:
-            return len(buf) <= (cfg.relearn_after + 1) * q
-        if cuts[0] > 0:  # a step whose start was not seen (before learning, or after a loss)
-            self.ops_dropped += cuts[0]
-        tail = buf[cuts[-1]:]
-        if len(tail) >= q and tuple(_sig(o) for o in tail[:q]) == pat.sigs:
-            cuts.append(cuts[-1] + q)  # the last cycle is complete: close it now, not at the next one
+        buf, q, sigs = st.buf, pat.ops, pat.sigs
+        n = len(buf)
+        sg = [(o.comm_id, o.op, o.bytes) for o in buf]
+        t = [_issue(o) for o in buf]
+        s0, thr, loose = sigs[0], pat.cut_thr_ns, 0.5 * pat.cut_gap_ns
+        prev0 = st.prev_issue
+
+        def gap_ok(i: int, g: float) -> bool:
+            if i:
+                return t[i] - t[i - 1] >= g
+            return not prev0 or t[0] - prev0 >= g
+
+        a = 0
+        if not st.synced:
+            a = next((i for i in range(n) if sg[i] == s0 and gap_ok(i, thr)), -1)
+            if a < 0:
+                return n <= (cfg.relearn_after + 1) * q
+            if a > 0:  # a step whose start was not seen (after a loss)
+                self.ops_dropped += a
+                st.prev_issue = prev0 = t[a - 1]
+                del buf[:a], sg[:a], t[:a]
+                n, a = n - a, 0
+            st.synced = True
+        cuts, whole = [a], []
+        while True:
+            b = a + q
+            if tuple(sg[a:b]) == sigs[:n - a]:
+                if b > n:
+                    break  # the cycle is not complete yet
+                if b == n or (sg[b] == s0 and gap_ok(b, loose)):
+                    cuts.append(b)  # the last cycle is complete: close it now, not at the next one
+                    whole.append(True)
+                    a = b
+                    continue
+            b = next((i for i in range(a + 1, n) if sg[i] == s0 and gap_ok(i, thr)), -1)
+            if b < 0:
+                break
+            cuts.append(b)
+            whole.append(tuple(sg[a:b]) == sigs)
+            a = b
+        if len(cuts) == 1:
+            return n - a <= (cfg.relearn_after + 1) * q
         done = cuts[-1]
-        for a, b in zip(cuts, cuts[1:]):
-            seg = buf[a:b]
-            if tuple(_sig(o) for o in seg) == pat.sigs:
-                st.mismatches = 0
-            else:
-                st.mismatches += 1
-            self._emit(st, seg, out)
+        for a, b, w in zip(cuts, cuts[1:], whole):
+            st.mismatches = 0 if w else st.mismatches + 1
+            self._emit(st, buf[a:b], out)
             if st.lost:
                 done = b
                 break
-        st.prev_issue = _issue(buf[done - 1]) if done > 0 else st.prev_issue
+        st.prev_issue = t[done - 1] if done > 0 else st.prev_issue
         del buf[:done]
         return st.mismatches < cfg.relearn_after and not st.lost
 

@@ -128,6 +128,56 @@ def test_pp_stage_with_p2p_and_dp_all_reduce():
         assert st.end_mono_ns == dp_ends[st.step]
 
 
+def one_f_one_b_middle_stage(n_steps, rng, jitter=0.05):
+    """Stage 1 of 4, 1F1B with 4 micro-batches and TP: each forward/backward is recv (posted at once), then the
+    TP all-reduce after the wait and the compute, then the send; then the DP all-reduce. The idle gap before
+    the first TP all-reduce (optimizer and pipeline fill, 30 ms) is the cut; the one before the first backward's
+    (the bubble until the first gradient comes, 22 ms) is more than half of it, on the same signature.
+    Returns (ops, [(step, first op issue, DP all-reduce end)]), 25 ops per step."""
+    ops, truth, t, tp_seq = [], [], T0, 0
+    j = lambda x: int(x * MS * (1 + rng.uniform(-jitter, jitter)))  # noqa: E731
+    for s in range(n_steps):
+        start = None
+        for k, (phase, wait_ms) in enumerate([("F", 30), ("F", 5), ("F", 5), ("B", 22), ("F", 5), ("B", 10),
+                                              ("B", 10), ("B", 10)]):
+            src, dst = ("pg:prev", "pg:next") if phase == "F" else ("pg:next", "pg:prev")
+            ops.append(op(t, j(wait_ms), src, "recv", 1 << 20))
+            start = start or t
+            t += j(wait_ms)
+            ops.append(op(t, j(0.5), "pg:tp", "all_reduce", 4 << 20, tp_seq))
+            tp_seq += 1
+            t += j(0.5) + int(0.2 * MS)
+            ops.append(op(t, j(0.3), dst, "send", 1 << 20))
+            t += int(0.1 * MS)
+        t += j(0.3)
+        d = j(5)
+        ops.append(op(t, d, "pg:dp", "all_reduce", 64 << 20, s))
+        truth.append((s, start, t + d))
+        t += int(0.2 * MS)
+    return ops, truth
+
+
+def test_pp_middle_stage_1f1b_is_one_step_per_iteration():
+    """The cut op's signature (the TP all-reduce) recurs inside the cycle after the pipeline bubble, with a gap
+    over half the cut gap: the cut is still one phase of the 25-op cycle, one step per iteration."""
+    rng = random.Random(11)
+    ops, truth = one_f_one_b_middle_stage(30, rng)
+    for chunk in (25, 7, 60):
+        steps = feed(StepSegmenter(), ops, chunk=chunk)
+        assert len(steps) >= 26 and all(s.ops == s.period_ops == 25 for s in steps), [s.ops for s in steps]
+        numbers = [s.step for s in steps]
+        assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))  # TP seq // 8: the iteration
+        assert all(b.start_mono_ns == a.end_mono_ns for a, b in zip(steps, steps[1:]))
+        # one iteration each: the cut is after the first recv, whose end (the next iteration's first
+        # activation) closes the step
+        its = sorted(b[1] - a[1] for a, b in zip(truth, truth[1:]))
+        assert all(0.9 < (s.end_mono_ns - s.start_mono_ns) / its[len(its) // 2] < 1.1 for s in steps[1:])
+    # a missing op: that step is dropped or shorter, the next ones are whole again
+    kept = [o for i, o in enumerate(ops) if i != 25 * 15 + 10]
+    steps = feed(StepSegmenter(), kept, chunk=25)
+    assert len(steps) >= 25 and all(s.ops == s.period_ops == 25 for s in steps if s.step != 15)
+
+
 def test_missing_ops_and_a_ring_wrap_keep_the_boundaries():
     rng = random.Random(4)
     ops, truth = dp_job(80, rng)

@@ -35,10 +35,8 @@ the iteration boundary, where the segmenter cuts before the op with the largest 
 schedule is often inside the pipeline bubble (stage 0: the second backward recv), so its boundaries have a
 constant phase against the segmenter's while ops per step, calls, bytes per communicator and mean step time agree;
 (2) it emits every step, the segmenter none until it has learnt the pattern (3 cycles); (3) numbers are always
-the iteration, the segmenter's come from a collective's seq (the same where DP or TP > 1) or a counter; (4) the
-real segmenter, on these schedules, often cuts a middle pipeline stage's iteration in two (the cut op's signature
-recurs inside the cycle after a gap of at least half the cut gap: the bubble on both sides), which the constructed
-steps do not reproduce (an agent/steps.py issue, pinned as a strict xfail in tests/test_agentview.py).
+the iteration, the segmenter's come from a collective's seq (the same where DP or TP > 1) or a counter.
+(tests/test_agentview.py checks that the segmenter cuts one step per iteration on every stage.)
 Dense jobs (ep == 1) take a column-wise path (`_dense_records`: per op, list arithmetic over all ranks of a
 stage; tests/test_agentview.py checks it equals the per-rank path record for record); EP jobs the per-rank one.
 
