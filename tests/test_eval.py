@@ -1,4 +1,5 @@
-"""`make eval`'s harness runs named simulator scenarios and reports their ground truth and effect."""
+"""`make eval`'s harness runs named simulator scenarios, reports their ground truth and effect, and scores the
+registered detectors on them through a real store."""
 
 import json
 import os
@@ -17,4 +18,10 @@ def test_eval_reports_scenarios_with_truth():
     res = {r["scenario"]: r for r in last["results"]}
     assert res["healthy"]["worst_ratio"] == 1.0
     assert res["slow_gpu"]["worst_ratio"] > 1.5 and res["hang"]["worst_ratio"] > 5
-    assert "slow_gpu 13 it 10-20" in out.stdout and "detectors: none registered yet" in out.stdout
+    assert "slow_gpu 13 it 10-20" in out.stdout and "detectors (irregularity) through a real store" in out.stdout
+    det = last["detection"]
+    assert det["healthy_runs"] == 1 and det["healthy_findings"] == 0
+    assert det["per_kind"]["slow_gpu"]["top1"] == 1.0 and det["recall"] > 0
+    # a hang is the hang detector's: not scored here, and its run is not a healthy one
+    assert det["excluded_faults"] == 1 and "hang" not in det["per_kind"] and "not scored: 1 fault(s)" in out.stdout
+    assert det["visible"]["faults"] >= 1 and "faults visible in the job step time" in out.stdout

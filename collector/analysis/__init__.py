@@ -4,14 +4,15 @@ Each entry is a module of its own in this package exporting SPEC (a base.Detecto
 imported when the engine starts, with no import side effects. tests/test_detectors_registry.py checks that
 every entry loads, has a valid default config, a [detectors.<name>] table in systemd/collector.toml.example
 showing the defaults, and a test file of its own (tests/test_detector_<name>.py).
-The list is empty until the first detectors land (issue 13 item 4): the analysis loop then runs nothing.
 """
 
 from __future__ import annotations
 
 import importlib
 
-DETECTORS: dict[str, str] = {}
+DETECTORS: dict[str, str] = {
+    "irregularity": "steplens.collector.analysis.irregularity:SPEC",
+}
 
 
 def load_spec(name: str, paths: dict[str, str] | None = None):

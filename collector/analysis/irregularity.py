@@ -1,0 +1,619 @@
+"""The δ-irregularity gate per job and its kinds (Holmes §3.2-3.3), localized by cross-rank arrival skew.
+
+Reads the window's Step records (steps table, with their per-communicator summaries) and, for network
+suspects, the stored topology and the job's processes (rank -> node, local rank -> GPU -> NIC); nothing else.
+Pure: `detect(reader, window, cfg) -> list[Finding]`, no writes, no clock, no state across windows.
+
+Gate. The job's step time of step s is the max over its ranks of end_ns - start_ns (or the pivot rank's, with
+pivot_rank >= 0), over steps that most ranks have reported (a step still arriving is left out). Step s is
+flagged when it is >= delta x the baseline: the median of the last baseline_steps non-flagged steps (Holmes'
+trailing window, REC W = 100, flagged steps excluded so the baseline is not contaminated; median, not mean,
+so a lone outlier that slipped under delta does not move it).
+Kinds (ALGORITHMS.md §3.3's [VAGUE→REC] classifier, adapted to what a finding needs):
+  degradation  a run of flagged steps (gaps of one step allowed) of >= degradation_steps whose median ratio is
+               >= delta: a level shift. The baseline is then re-taken from the new level (so spikes on top of it
+               are seen); the state lasts while the median of the last degradation_steps steps stays >= delta x
+               the level before it, and its finding is re-confirmed until then (then it resolves itself);
+  slowdown     such a run shorter than degradation_steps (a transient slowdown, or a level shift still too
+               young to call one); also a persistent straggler below the gate (see below);
+  fluctuation  within fluctuation_steps steps, >= fluctuation_fraction of them flagged in >= 3 separate runs,
+               with a periodic component (a DFT peak of the ratio series, period 2..50 steps, power >= 
+               periodic_power x the mean power) or a small mean excess (< spike_ratio);
+  spike        a run of <= spike_max_run flagged steps with ratio >= spike_ratio outside the states above.
+Severity: the step-time ratio against the job's baseline (peak of the finding's steps; for a state still on,
+the median of its last steps).
+Suspects, best first, from the finding's flagged steps F against the window's healthy steps H:
+  compute  arrival skew per collective ("who arrives last keeps the others waiting"): for each communicator
+           that is not point-to-point and its k-th collective in a step, the members' arrivals are
+           start_ns + issue_offsets_ns[k]; the last one (ties shared) takes the blame. late(r, c) = the share
+           of c's collectives r was last in during F, minus the same during H. A rank late into every
+           collective it joins computes slowly: cause `compute`, score = its mean late(r, c); a rank late only
+           into some (its group waited for someone upstream) keeps half of it, cause `waiting`.
+  network  a communicator whose transfer time (min over members of busy_ns: the member that waited least
+           spent only the transfer) is >= comm_slow_ratio x its H median, by at least comm_slow_min_fraction
+           of the baseline step, is slow. Every device on its member paths (ring order of the sorted members;
+           NICs, switches and links from the topology's equal-cost paths, 1/#paths each) is scored
+           precision x recall: the share of the communicators using it that are slow, times the share of the
+           slow ones it is on, times 1/(1 + 0.01 x downstream NICs) for a switch (a mild tie-break, not
+           Holmes' H(d): see "Ranking" below); cause `network`. Without a stored topology the devices are the
+           members' nodes. A switch all of whose (>= 2) switch links are suspected alike, above it, takes
+           their score: one bad switch explains them all (a congested leaf slows both its uplinks equally).
+  order    compute suspects, then network devices, then `waiting` ranks (an effect, not a cause), each by score.
+  persistent straggler (slowdown below the gate): over the last straggler_steps steps, a rank last in >=
+           straggler_share of the collectives of every collective communicator it joins, by a margin over
+           the members' median summed over a step >= straggler_min_fraction of the step time, in every one
+           of them z >= straggler_z against chance (1/members): kind `slowdown`, cause `compute`.
+Reference for the skew: the healthy steps before the finding's first flagged step; for a degradation, before
+its ramp (ramp_onset: the unflagged steps just before it whose ratio is already >= 1 + ramp_fraction x
+(delta - 1) carry the slow rank's lateness, and taking them as healthy hid a one-rank degradation's rank).
+Ranks are global ranks ("13"); NICs, links and switches are the topology file's ids.
+Ranking: suspects are ranked within one finding (one episode), not by Holmes' cross-iteration MAP (§3.7,
+Σ R·H(d) + α·p(d)); the erratum-fixed decay H(d) = ln(1 + C)/(C ln 2) is not applied: on the evaluation's fit
+set (bench/eval, seed 1000) the precision x recall score already ranks visible switch faults first, and H(d)
+on switches alone would push a congested leaf under its own uplinks.
+Assumptions: rings follow sorted member order (NCCL's real ring order is not in the store); with ECMP every
+equal-cost path is weighted alike, so a single bad spine is not told apart from its peers.
+Cost: O(ranks x steps x collectives) in plain Python (no numpy in this package): ~0.3 s for 512 ranks x 100
+steps here; the offsets used per communicator and step are capped at max_collectives_per_step.
+"""
+
+from __future__ import annotations
+
+import cmath
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.findings import Finding, Suspect
+from steplens.collector.analysis.steptime import EVIDENCE_RANK
+
+P2P_OPS = ("send", "recv", "mixed", "sendrecv")
+
+
+@dataclass
+class IrregularityConfig(DetectorConfig):
+    delta: float = 1.1                     # a step >= delta x baseline is flagged (Holmes default)
+    baseline_steps: int = 100              # W: trailing non-flagged steps in the baseline
+    min_baseline_steps: int = 10           # no verdict before this many baseline steps
+    pivot_rank: int = -1                   # >= 0: the job step time is this rank's; -1: max over ranks
+    complete_fraction: float = 0.9         # a step counts once this share of the ranks has reported it
+    spike_ratio: float = 1.25              # an isolated flag this far above baseline is a spike
+    spike_max_run: int = 3                 # flagged steps in a row still called isolated
+    degradation_steps: int = 10            # a sustained run this long is a level shift
+    fluctuation_steps: int = 100           # window of the flagged-fraction test
+    fluctuation_fraction: float = 0.05     # share of flagged steps in it
+    periodic_power: float = 8.0            # DFT peak over mean power: periodic
+    comm_slow_ratio: float = 1.2           # a communicator's transfer time this much above healthy: slow
+    comm_slow_min_fraction: float = 0.02   # ... and by at least this share of the baseline step
+    straggler_steps: int = 50              # steps of the persistent-straggler test
+    straggler_share: float = 0.8           # last in at least this share of its collectives
+    straggler_min_fraction: float = 0.01   # mean arrival margin at least this share of the step time
+    straggler_z: float = 5.0               # binomial z-score against chance, per communicator
+    max_collectives_per_step: int = 16     # issue offsets used per communicator and step (evenly spread)
+    max_suspects: int = 5
+    ramp_fraction: float = 0.25            # a step before a degradation with ratio >= 1 + this x (delta - 1) is
+                                           # part of its ramp: left out of the pre-onset reference
+
+    def validate(self) -> None:
+        super().validate()
+        if not 1.0 < self.delta <= 10.0:
+            raise ConfigError(f"delta must be within (1, 10], got {self.delta}")
+        if not 2 <= self.min_baseline_steps <= self.baseline_steps <= 100_000:
+            raise ConfigError("need 2 <= min_baseline_steps <= baseline_steps <= 100000")
+        if not 0.0 < self.complete_fraction <= 1.0 or not 0.0 < self.fluctuation_fraction < 1.0:
+            raise ConfigError("complete_fraction and fluctuation_fraction must be within (0, 1]")
+        if not 0.0 < self.straggler_share <= 1.0:
+            raise ConfigError(f"straggler_share must be within (0, 1], got {self.straggler_share}")
+        if self.spike_ratio < self.delta:
+            raise ConfigError("spike_ratio must be >= delta")
+        for name in ("spike_max_run", "degradation_steps", "fluctuation_steps", "straggler_steps",
+                     "max_collectives_per_step", "max_suspects"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if self.degradation_steps <= self.spike_max_run:
+            raise ConfigError("degradation_steps must be > spike_max_run")
+        for name in ("periodic_power", "comm_slow_ratio", "straggler_z"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0")
+
+
+# -- data ----------------------------------------------------------------------------------------------
+
+@dataclass
+class JobSteps:
+    numbers: list[int]                        # steps used, oldest first
+    x_ns: list[int]                           # job step time per step
+    end_ns: list[int]                         # latest end per step (cluster time)
+    start_ns: list[int]                       # earliest start per step
+    rows: dict[int, dict[int, dict]]          # rank -> step -> row (with comms)
+    node_of: dict[int, str]
+
+
+def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
+    rows = reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
+    series: dict[int, dict[tuple, list[dict]]] = {}
+    for r in rows:
+        if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0 or r["step"] < 0:
+            continue
+        series.setdefault(r["rank"], {}).setdefault((r["evidence"], r.get("source", "")), []).append(r)
+    per_rank: dict[int, dict[int, dict]] = {}
+    node_of: dict[int, str] = {}
+    for rank, per in series.items():  # one series per rank, as steptime.from_steps picks it
+        best = min(per, key=lambda k: (EVIDENCE_RANK.get(k[0], 9), -len(per[k])))
+        per_rank[rank] = {r["step"]: r for r in per[best]}
+        node_of[rank] = per[best][-1]["node_id"]
+    count: dict[int, int] = {}
+    for steps in per_rank.values():
+        for s in steps:
+            count[s] = count.get(s, 0) + 1
+    need = max(1, math.ceil(cfg.complete_fraction * len(per_rank)))
+    numbers = sorted(s for s, n in count.items() if n >= need)
+    x, ends, starts = [], [], []
+    for s in numbers:
+        have = [per_rank[r][s] for r in per_rank if s in per_rank[r]]
+        if cfg.pivot_rank >= 0 and s in per_rank.get(cfg.pivot_rank, {}):
+            p = per_rank[cfg.pivot_rank][s]
+            x.append(p["end_ns"] - p["start_ns"])
+        else:
+            x.append(max(h["end_ns"] - h["start_ns"] for h in have))
+        ends.append(max(h["end_ns"] for h in have))
+        starts.append(min(h["start_ns"] for h in have))
+    return JobSteps(numbers, x, ends, starts, per_rank, node_of)
+
+
+# -- the gate and the kinds -------------------------------------------------------------------------------
+
+@dataclass
+class Gate:
+    ratio: list[float]       # x / baseline (1.0 before a baseline exists)
+    flag: list[bool]
+    base_ns: list[float]     # baseline in force at each step (0: none yet)
+    degradations: list[tuple[int, int, float, bool]]  # (first index, last index, level before it, still on)
+
+
+def gate(x: list[int], cfg: IrregularityConfig) -> Gate:
+    hist: deque = deque(maxlen=cfg.baseline_steps)
+    ratio, flag, base = [], [], []
+    degr: list[tuple[int, int, float, bool]] = []
+    state = None  # (first index, level before)
+    L = cfg.degradation_steps
+    for i, v in enumerate(x):
+        b = median(hist) if len(hist) >= cfg.min_baseline_steps else 0.0
+        r = v / b if b else 1.0
+        f = bool(b) and r >= cfg.delta
+        ratio.append(r)
+        flag.append(f)
+        base.append(b)
+        if state is not None:
+            first, before = state
+            recent = x[max(first, i - L + 1):i + 1]
+            if median(recent) < cfg.delta * before:  # back at (or near) the old level: recovered
+                last = i - 1
+                while last > first and x[last] < cfg.delta * before:
+                    last -= 1
+                degr.append((first, last, before, False))
+                state = None
+        if not f:
+            hist.append(v)
+        elif state is None and b:
+            # a flagged run with one-step gaps of >= L steps whose median is >= delta x baseline: level shift
+            j, run = i, []
+            while j >= 0 and (flag[j] or (j > 0 and flag[j - 1])) and len(run) < L:
+                run.append(j)
+                j -= 1
+            if len(run) >= L and sum(flag[k] for k in run) >= 0.8 * L and \
+                    median(x[k] for k in run) >= cfg.delta * base[run[-1]]:
+                first = run[-1]
+                while not flag[first]:
+                    first += 1
+                state = (first, base[first])
+                hist.clear()
+                hist.extend(x[first:i + 1])  # re-baseline on the new level
+    if state is not None:
+        degr.append((state[0], len(x) - 1, state[1], True))
+    return Gate(ratio, flag, base, degr)
+
+
+def _runs(idx: list[int], gap: int = 1) -> list[list[int]]:
+    """Consecutive indices grouped into runs (a hole of up to `gap` - 1 steps allowed)."""
+    out: list[list[int]] = []
+    for i in idx:
+        if out and i - out[-1][-1] <= gap:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+def periodic(series: list[float], power: float) -> tuple[bool, float]:
+    """A DFT peak with period 2..50 steps and power >= `power` x the mean power; (found, period)."""
+    n = len(series)
+    if n < 8:
+        return False, 0.0
+    m = sum(series) / n
+    y = [v - m for v in series]
+    spec = []
+    for k in range(1, n // 2 + 1):
+        z = sum(v * cmath.exp(-2j * math.pi * k * t / n) for t, v in enumerate(y))
+        spec.append((abs(z) ** 2, n / k))
+    mean = sum(p for p, _ in spec) / len(spec)
+    best = max((sp for sp in spec if 2 <= sp[1] <= 50), default=(0.0, 0.0))
+    return (mean > 0 and best[0] >= power * mean), best[1]
+
+
+@dataclass
+class Episode:
+    kind: str
+    idx: list[int]           # flagged step indices it covers
+    last: int                # last index it is confirmed at
+    severity: float
+    detail: dict
+
+
+def classify(js: JobSteps, g: Gate, cfg: IrregularityConfig) -> list[Episode]:
+    n = len(js.x_ns)
+    taken = [False] * n
+    out: list[Episode] = []
+    L = cfg.degradation_steps
+    for first, last, before, on in g.degradations:
+        idx = [i for i in range(first, last + 1)]
+        for i in idx:
+            taken[i] = True
+        level = median(js.x_ns[max(first, last - L + 1):last + 1]) / before
+        out.append(Episode("degradation", idx, n - 1 if on else last, level,
+                           {"baseline_ns": int(before), "level_ns": int(level * before), "ongoing": on}))
+    flagged = [i for i in range(n) if g.flag[i] and not taken[i]]
+    # fluctuation: the flagged share over the last fluctuation_steps steps of each flag
+    W = cfg.fluctuation_steps
+    done_upto = -1
+    for i in flagged:
+        if i <= done_upto or taken[i]:
+            continue
+        lo, hi = i, min(n, i + W)
+        win = [k for k in flagged if lo <= k < hi and not taken[k]]
+        runs = _runs(win)
+        if len(win) < max(2, cfg.fluctuation_fraction * min(W, max(n - lo, 1))) or len(runs) < 3:
+            continue
+        seg = g.ratio[max(0, lo - 5):hi]
+        per, period = periodic(seg, cfg.periodic_power)
+        excess = sum(g.ratio[k] for k in win) / len(win)
+        if not per and excess >= cfg.spike_ratio:
+            continue
+        for k in win:
+            taken[k] = True
+        done_upto = win[-1]
+        out.append(Episode("fluctuation", win, win[-1], max(g.ratio[k] for k in win),
+                           {"flagged": len(win), "of_steps": hi - lo, "period_steps": round(period, 2) if per else None,
+                            "mean_ratio": round(excess, 3)}))
+    for run in _runs([i for i in flagged if not taken[i]], gap=2):
+        peak = max(g.ratio[k] for k in run)
+        if len(run) <= cfg.spike_max_run and run[-1] - run[0] < cfg.spike_max_run:
+            if peak >= cfg.spike_ratio:
+                out.append(Episode("spike", run, run[-1], peak, {"steps": len(run)}))
+        elif len(run) > cfg.spike_max_run:  # sustained, but shorter than a level shift
+            out.append(Episode("slowdown", run, run[-1], median(g.ratio[k] for k in run),
+                               {"steps": len(run), "ongoing": run[-1] == n - 1}))
+    return out
+
+
+# -- localization --------------------------------------------------------------------------------------------
+
+def _pick(offs: list[int], cap: int) -> list[int]:
+    if len(offs) <= cap:
+        return list(range(len(offs)))
+    return [round(i * (len(offs) - 1) / (cap - 1)) for i in range(cap)] if cap > 1 else [0]
+
+
+@dataclass
+class Skew:
+    last: dict[tuple[int, str], float]      # (rank, comm) -> collectives it was last in
+    total: dict[tuple[int, str], int]       # (rank, comm) -> collectives it took part in
+    margin: dict[tuple[int, str], float]    # (rank, comm) -> sum of (arrival - median of the others), ns
+    members: dict[str, set[int]]
+    transfer: dict[str, dict[int, int]]     # comm -> step index -> min busy_ns over members
+    all_members: dict[str, set[int]]
+
+
+def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 1000) -> Skew:
+    last: dict = {}
+    total: dict = {}
+    margin: dict = {}
+    members: dict[str, set[int]] = {}
+    allm: dict[str, set[int]] = {}
+    transfer: dict[str, dict[int, int]] = {}
+    for i in idx:
+        s = js.numbers[i]
+        comms: dict[str, list[tuple[int, int, dict]]] = {}
+        for rank, steps in js.rows.items():
+            row = steps.get(s)
+            if row is None:
+                continue
+            for c in row["comms"]:
+                comms.setdefault(c["comm_id"], []).append((rank, row["start_ns"], c))
+        for cid, mem in comms.items():
+            if len(mem) < 2:
+                continue
+            allm.setdefault(cid, set()).update(m[0] for m in mem)
+            busy = [m[2]["busy_ns"] for m in mem if m[2]["busy_ns"] > 0]
+            if busy:
+                transfer.setdefault(cid, {})[i] = min(busy)
+            if mem[0][2]["op"] in P2P_OPS:
+                continue
+            members.setdefault(cid, set()).update(m[0] for m in mem)
+            k_n = min(len(m[2]["issue_offsets_ns"]) for m in mem)
+            for k in _pick(list(range(k_n)), cfg.max_collectives_per_step):
+                arr = [(start + c["issue_offsets_ns"][k], rank) for rank, start, c in mem]
+                top = max(a for a, _ in arr)
+                lasts = [rank for a, rank in arr if top - a <= tie_ns]
+                srt = sorted(a for a, _ in arr)
+                mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
+                for a, rank in arr:
+                    key = (rank, cid)
+                    total[key] = total.get(key, 0) + 1
+                    margin[key] = margin.get(key, 0.0) + (a - mid)
+                for rank in lasts:
+                    key = (rank, cid)
+                    last[key] = last.get(key, 0.0) + 1.0 / len(lasts)
+    return Skew(last, total, margin, members, transfer, allm)
+
+
+def _share(sk: Skew, key) -> float:
+    t = sk.total.get(key, 0)
+    return sk.last.get(key, 0.0) / t if t else 0.0
+
+
+def compute_suspects(js: JobSteps, bad: Skew, good: Skew | None, bad_steps: list[int]) -> list[Suspect]:
+    comms_of: dict[int, list[str]] = {}
+    for cid, mem in bad.members.items():
+        for r in mem:
+            comms_of.setdefault(r, []).append(cid)
+    out = []
+    for rank, cids in comms_of.items():
+        late = {}
+        for cid in cids:
+            base = _share(good, (rank, cid)) if good else 1.0 / len(bad.members[cid])
+            late[cid] = max(0.0, _share(bad, (rank, cid)) - base)
+        mean = sum(late.values()) / len(late)
+        if mean <= 0.05:
+            continue
+        # "late into every collective it joins", judged per step (a rank's jitter holds for a whole step, so
+        # its collectives within one step are not independent): z of its share against chance, each comm
+        n = max(1, len(bad_steps))
+        zs = [(_share(bad, (rank, c)) - 1.0 / len(bad.members[c])) * math.sqrt(n) /
+              math.sqrt((1.0 / len(bad.members[c])) * (1 - 1.0 / len(bad.members[c]))) for c in cids]
+        every = min(late.values()) >= 0.25 and min(zs) >= 2.5
+        score = mean if every else mean / 2
+        out.append(Suspect("rank", str(rank), round(score, 4), "compute" if every else "waiting",
+                           {"node": js.node_of.get(rank, ""),
+                            "last_share": {c: round(_share(bad, (rank, c)), 3) for c in sorted(cids)},
+                            "healthy_last_share": {c: round(_share(good, (rank, c)), 3) for c in sorted(cids)}
+                            if good else None}))
+    return out
+
+
+def _devices(topo, nic_of: dict[int, str], node_of: dict[int, str], mem: set[int]) -> dict[tuple[str, str], float]:
+    """Devices a communicator's traffic uses, with weights: the member NICs, the switches and switch links of
+    the ring's paths (1/#equal-cost paths each); without a topology, the members' nodes."""
+    ranks = sorted(mem)
+    pairs = list(zip(ranks, ranks[1:] + ranks[:1])) if len(ranks) > 2 else [(ranks[0], ranks[1])]
+    out: dict[tuple[str, str], float] = {}
+
+    def add(key, w):
+        out[key] = max(out.get(key, 0.0), w)
+    for a, b in pairs:
+        if node_of.get(a) == node_of.get(b):
+            continue
+        if topo is None or a not in nic_of or b not in nic_of:
+            add(("node", node_of.get(a, "")), 1.0)
+            add(("node", node_of.get(b, "")), 1.0)
+            continue
+        add(("link", nic_of[a]), 1.0)
+        add(("link", nic_of[b]), 1.0)
+        paths = topo.paths(nic_of[a], nic_of[b])
+        for p in paths:
+            for j, dev in enumerate(p[1:-1]):
+                add(("switch" if j % 2 == 0 else "link", dev), 1.0 / len(paths))
+    return out
+
+
+def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: IrregularityConfig,
+                     topo, nic_of: dict[int, str], computing: set[int] = frozenset()) -> tuple[list[Suspect], dict]:
+    slow: dict[str, float] = {}
+    for cid, per in bad.transfer.items():
+        if cid not in bad.members and computing & bad.all_members[cid]:
+            continue  # a point-to-point comm's busy time includes waiting for a peer that computes slowly
+        h = list(good.transfer.get(cid, {}).values())
+        f = list(per.values())
+        if len(h) < 3 or not f:
+            continue
+        mh, mf = median(h), median(f)
+        if mh > 0 and mf >= cfg.comm_slow_ratio * mh and mf - mh >= cfg.comm_slow_min_fraction * base_ns:
+            slow[cid] = mf / mh
+    if not any(c in bad.members for c in slow):
+        return [], {}  # point-to-point busy time includes waiting: alone it is no evidence of the network
+    use: dict[tuple[str, str], float] = {}
+    hit: dict[tuple[str, str], float] = {}
+    for cid, mem in bad.all_members.items():
+        for dev, w in _devices(topo, nic_of, js.node_of, mem).items():
+            use[dev] = use.get(dev, 0.0) + w
+            if cid in slow:
+                hit[dev] = hit.get(dev, 0.0) + w
+    out = []
+    for dev, h in hit.items():
+        precision, recall = h / use[dev], h / len(slow)
+        spread = 1.0 / (1.0 + 0.01 * (topo.downstream_nics(dev[1]) if topo is not None and dev[0] == "switch"
+                                      and dev[1] in topo.switches else 1))
+        out.append(Suspect(dev[0], dev[1], round(precision * recall * spread, 4), "network",
+                           {"slow_comms": sum(1 for c in slow if dev in _devices(topo, nic_of, js.node_of,
+                                                                                  bad.all_members[c])),
+                            "precision": round(precision, 3), "recall": round(recall, 3)}))
+    if topo is not None:
+        _prefer_switches(out, topo)
+    return out, {c: round(v, 3) for c, v in sorted(slow.items(), key=lambda kv: -kv[1])[:10]}
+
+
+def _prefer_switches(out: list[Suspect], topo, tie: float = 0.1) -> None:
+    """All (>= 2) switch links of one switch suspected alike (within `tie`) above the switch itself: one bad
+    switch explains them all (they are the only ways out of it), where each link alone would be a separate
+    fault; the switch takes their score (in place). A single bad link still wins: its peers stay clear."""
+    score = {(x.kind, x.id): x for x in out}
+    for i, x in enumerate(out):
+        if x.kind != "switch":
+            continue
+        links = [lid for _, lid in topo.neighbours(x.id)]
+        inc = [score[("link", lid)].score for lid in links if ("link", lid) in score]
+        if 2 <= len(inc) == len(links) and max(inc) > x.score and min(inc) >= (1 - tie) * max(inc):
+            out[i] = Suspect(x.kind, x.id, round(max(inc) * 1.001, 4), x.cause,
+                             {**x.evidence, "explains_links": len(inc)})
+
+
+def _nic_map(reader, job_key: str, js: JobSteps):
+    topo = reader.topology() if hasattr(reader, "topology") else None
+    if topo is None:
+        return None, {}
+    nic_of = {}
+    jobs = reader.jobs(job_key) if hasattr(reader, "jobs") else []
+    for j in jobs:
+        for r in j["ranks"]:
+            if r["rank"] >= 0 and r.get("local_rank", -1) >= 0:
+                g = topo.gpu_at(r["node_id"], r["local_rank"])
+                if g is not None:
+                    nic_of[r["rank"]] = g.nic
+    return topo, nic_of
+
+
+def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy: list[int],
+             cfg: IrregularityConfig, net_ctx) -> tuple[list[Suspect], dict]:
+    bad = skew(js, ep.idx, cfg)
+    good = skew(js, healthy, cfg) if healthy else None
+    sus = compute_suspects(js, bad, good, ep.idx)
+    base = median(g.base_ns[i] for i in ep.idx if g.base_ns[i]) if any(g.base_ns[i] for i in ep.idx) else 0.0
+    if ep.kind == "degradation" and ep.detail.get("baseline_ns"):
+        base = ep.detail["baseline_ns"]
+    slow = {}
+    if good is not None:
+        if net_ctx[0] is False:
+            net_ctx[:] = list(_nic_map(reader, window.job_key, js))
+        computing = {int(x.id) for x in sus if x.cause == "compute"}
+        net, slow = network_suspects(js, bad, good, base, cfg, net_ctx[0], net_ctx[1], computing)
+        sus += net
+    # a rank that only waited (late into some of its groups, not all) is an effect: a network device the slow
+    # communicators point at explains it better, so `waiting` ranks go after compute and network suspects
+    sus.sort(key=lambda s: (s.cause == "waiting", -s.score, s.kind, s.id))
+    return sus[:cfg.max_suspects], {"slow_comms": slow}
+
+
+def ramp_onset(g: Gate, first: int, flagged: set[int], cfg: IrregularityConfig) -> int:
+    """Where a level shift began: a degradation that ramps up is flagged only once it passes delta, and the
+    unflagged steps of its ramp already carry the slow rank's lateness; walk back over up to degradation_steps
+    steps whose ratio is still >= ramp_ratio x the baseline, so the reference is taken before them."""
+    lo = max(0, first - cfg.degradation_steps)
+    while first > lo and first - 1 not in flagged and g.base_ns[first - 1] and \
+            g.ratio[first - 1] >= 1.0 + (cfg.delta - 1.0) * cfg.ramp_fraction:
+        first -= 1
+    return first
+
+
+def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
+    n = len(js.numbers)
+    idx = list(range(max(0, n - cfg.straggler_steps), n))
+    if len(idx) < cfg.min_baseline_steps:
+        return []
+    sk = skew(js, idx, cfg)
+    comms_of: dict[int, list[str]] = {}
+    for cid, mem in sk.members.items():
+        for r in mem:
+            comms_of.setdefault(r, []).append(cid)
+    step = median(js.x_ns[i] for i in idx)
+    out = []
+    for rank, cids in comms_of.items():
+        ok, ev = True, {}
+        for cid in cids:
+            key = (rank, cid)
+            t = sk.total.get(key, 0)
+            m = len(sk.members[cid])
+            share = _share(sk, key)
+            p0 = 1.0 / m
+            z = (share - p0) * t / math.sqrt(t * p0 * (1 - p0)) if t else 0.0
+            marg = sk.margin.get(key, 0.0) / len(idx) / step  # time it keeps the group waiting, per step
+            if share < cfg.straggler_share or z < cfg.straggler_z or marg < cfg.straggler_min_fraction:
+                ok = False
+                break
+            ev[cid] = {"last_share": round(share, 3), "z": round(z, 1), "margin_fraction": round(marg, 4)}
+        if ok and ev:
+            out.append((rank, ev))
+    return out
+
+
+# -- the detector -----------------------------------------------------------------------------------------
+
+def _summary(kind: str, sev: float, n: int, sus: list[Suspect]) -> str:
+    who = ""
+    if sus:
+        s = sus[0]
+        who = f"; top suspect {s.kind} {s.id} ({s.cause})"
+    what = {"spike": f"a spike of {n} step(s) at {sev:.2f}x the baseline step time",
+            "fluctuation": f"fluctuating step time: {n} irregular steps, up to {sev:.2f}x the baseline",
+            "degradation": f"step time degraded to {sev:.2f}x the baseline",
+            "slowdown": f"step time slowed to {sev:.2f}x the baseline over {n} steps"}[kind]
+    return what[0].upper() + what[1:] + who + "."
+
+
+def detect(reader, window: Window, cfg: IrregularityConfig) -> list[Finding]:
+    js = load(reader, window, cfg)
+    if len(js.numbers) < cfg.min_baseline_steps + 1:
+        return []
+    g = gate(js.x_ns, cfg)
+    episodes = classify(js, g, cfg)
+    flagged = set(i for i, f in enumerate(g.flag) if f)
+    for first, last, _, _ in g.degradations:
+        flagged.update(range(first, last + 1))
+    healthy_all = [i for i in range(len(js.numbers)) if i not in flagged and g.base_ns[i]]
+    net_ctx: list = [False, {}]
+    out: list[Finding] = []
+    clean = [i for i in range(len(js.numbers)) if i not in flagged]
+    for ep in episodes:
+        first = ep.idx[0]
+        if ep.kind == "degradation":
+            first = ramp_onset(g, first, flagged, cfg)
+            before = [i for i in clean if i < first][-cfg.baseline_steps:]
+        else:
+            before = [i for i in healthy_all if i < first][-cfg.baseline_steps:]
+        before = before or healthy_all[-cfg.baseline_steps:]
+        sus, ev = localize(reader, window, js, g, ep, before, cfg, net_ctx)
+        n = len(ep.idx)
+        ratios = {str(js.numbers[i]): round(g.ratio[i], 3) for i in ep.idx[-50:]}
+        base = ep.detail.get("baseline_ns") or int(median(g.base_ns[i] for i in ep.idx if g.base_ns[i]))
+        out.append(Finding(kind=ep.kind, onset_ns=js.start_ns[ep.idx[0]], last_ns=js.end_ns[ep.last],
+                           severity=round(ep.severity, 4), summary=_summary(ep.kind, ep.severity, n, sus),
+                           suspects=tuple(sus),
+                           evidence={"first_step": js.numbers[ep.idx[0]], "steps": n,
+                                     "flagged_steps": [js.numbers[i] for i in ep.idx[-50:]], "ratios": ratios,
+                                     "baseline_step_ns": int(base), "delta": cfg.delta, **ep.detail, **ev}))
+    if not any(e.kind in ("slowdown", "degradation") and e.last == len(js.numbers) - 1 for e in episodes):
+        lo = max(0, len(js.numbers) - cfg.straggler_steps)
+        base = [g.base_ns[i] for i in range(lo, len(js.numbers)) if g.base_ns[i]]
+        now = median(js.x_ns[lo:])
+        for rank, ev in stragglers(js, cfg):
+            sev = now / median(base) if base else 1.0
+            sus = (Suspect("rank", str(rank), 1.0, "compute", {"node": js.node_of.get(rank, ""), "comms": ev}),)
+            out.append(Finding(kind="slowdown", onset_ns=js.start_ns[lo], last_ns=js.end_ns[-1],
+                               severity=round(max(sev, 1.0), 4),
+                               summary=f"Rank {rank} arrives last at every collective it joins over the last "
+                                       f"{len(js.numbers) - lo} steps, keeping its groups waiting (step time "
+                                       f"{max(sev, 1.0):.2f}x the baseline).",
+                               suspects=sus, evidence={"straggler_steps": len(js.numbers) - lo,
+                                                       "step_ns": int(now), "comms": ev}))
+    return out
+
+
+SPEC = DetectorSpec(
+    name="irregularity",
+    description="δ-irregular steps per job (spike, fluctuation, degradation, slowdown) and a persistent "
+                "straggler, localized by cross-rank arrival skew and slow communicators",
+    kinds=("spike", "fluctuation", "degradation", "slowdown"),
+    config_class=IrregularityConfig,
+    detect=detect,
+)

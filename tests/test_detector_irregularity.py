@@ -1,0 +1,183 @@
+"""The irregularity detector (collector/analysis/irregularity.py) on synthetic Step records written through the
+real store writer (agent encoding -> StoreWriter -> SQLite -> Reader): a healthy job gives no finding, one
+slow rank a degradation naming it (compute), a lone slow step a spike, a periodic pattern a fluctuation, a 5%
+straggler a slowdown, and the lifecycle resolves the finding once the job is back at its baseline."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import pytest
+
+from steplens.agent import records as r
+from steplens.agent.transport.codec import encode_records
+from steplens.collector.analysis.base import ConfigError, Window
+from steplens.collector.analysis.findings import Policy, merge
+from steplens.collector.analysis.irregularity import IrregularityConfig, detect
+from steplens.collector.ingest.clock import ClockEstimate
+from steplens.collector.store.queries import Reader
+from steplens.collector.store.writer import BatchJob, StoreWriter
+
+MS = 10**6
+T0 = 10**12
+JOB = "torchelastic:irr"
+TP, DP = 2, 4   # ranks 0..7: TP groups (0,1) (2,3) (4,5) (6,7); DP comms over the same TP index
+
+
+def job_steps(n_steps: int, slow=None, seed: int = 1, step_ms: float = 100.0) -> list:
+    """Step records of a DP4 x TP2 job: per step each rank computes 8 chunks, each ending in a TP all-reduce
+    (arrival = when its compute is done; the group resumes at its last arrival), then a DP all-reduce over the
+    ranks of the same TP index. slow(step, rank) -> compute multiplier."""
+    rng = random.Random(seed)
+    out, t = [], T0
+    for s in range(n_steps):
+        fac = {k: (1 + rng.gauss(0, 0.02)) * (slow(s, k) if slow else 1.0) for k in range(TP * DP)}
+        chunk = step_ms * 0.8 / 8 * MS
+        tp_off = {k: [] for k in fac}
+        cur = {g: t for g in range(DP)}
+        for _ in range(8):
+            for g in range(DP):
+                arr = {k: cur[g] + chunk * fac[k] for k in (2 * g, 2 * g + 1)}
+                for k, a in arr.items():
+                    tp_off[k].append(int(a - t))
+                cur[g] = max(arr.values()) + 0.3 * MS
+        dp_done = {ti: max(cur[g] for g in range(DP)) + 10 * MS for ti in range(TP)}
+        end = int(max(dp_done.values()) + 5 * MS)
+        for k in fac:
+            g, ti = divmod(k, TP)
+            comms = [r.StepComm(f"tp{g}", "all_reduce", 8, 8 << 20, int(8 * 0.3 * MS), -1, s * 8, tp_off[k]),
+                     r.StepComm(f"dp{ti}", "all_reduce", 1, 256 << 20, int(dp_done[ti] - cur[g]), -1, s,
+                                [int(cur[g] - t)])]
+            out.append((k // 4, r.Step(end, 100 + k % 4, 7, JOB, k, s, t, end, "comm_pattern", 9, 9, comms)))
+        t = end
+    return out
+
+
+def store(tmp_path, steps) -> Reader:
+    clock = ClockEstimate(offset_ns=5 * 10**12, drift_ppm=0.0, ref_mono_ns=0, uncertainty_ns=1, best_rtt_ns=1,
+                          samples=5)
+    path = str(tmp_path / "irr.db")
+    w = StoreWriter(path)
+    w.start()
+    done = []
+    try:
+        for node in (0, 1):
+            recs = [("flightrec", st) for n, st in steps if n == node]
+            for i in range(0, len(recs), 500):
+                part = recs[i:i + 500]
+                w.submit(BatchJob(f"n{node}", "ab" * 8, 1 + i // 500, len(part), encode_records(part),
+                                  max(x.mono_ns for _, x in part) + 1, clock, time.time_ns(),
+                                  lambda *a: done.append(a)))
+        deadline = time.monotonic() + 20
+        while len(done) < sum(math.ceil(sum(1 for n, _ in steps if n == nd) / 500) for nd in (0, 1)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        w.stop()
+    assert done and all(d[0] == "stored" for d in done), done
+    return Reader(path)
+
+
+def run(reader, until_ns: int = 2**62) -> list:
+    return detect(reader, Window(JOB, 0, until_ns), IrregularityConfig())
+
+
+def test_healthy_job_has_no_finding(tmp_path):
+    assert run(store(tmp_path, job_steps(150))) == []
+
+
+def test_one_slow_rank_is_a_degradation_naming_it(tmp_path):
+    out = run(store(tmp_path, job_steps(120, slow=lambda s, k: 1.5 if k == 5 and s >= 60 else 1.0)))
+    (f,) = [f for f in out if f.kind == "degradation"]
+    top = f.suspects[0]
+    assert (top.kind, top.id, top.cause) == ("rank", "5", "compute")
+    assert 1.3 < f.severity < 1.6 and f.evidence["ongoing"] and f.summary.endswith(".")
+    assert f.evidence["first_step"] == 60 and f.evidence["baseline_step_ns"] > 90 * MS
+    assert f.onset_ns >= 5 * 10**12 + T0  # cluster time
+
+
+def test_a_ramping_degradation_names_the_rank_from_before_its_ramp(tmp_path):
+    # rank 5 slows linearly from step 60 (1.0x) to step 80 (1.6x) and stays: the gate flags the job only part
+    # way up the ramp; the reference for arrival skew must be taken before the ramp, not from its first steps
+    slow = lambda s, k: 1.0 + 0.6 * min(1.0, max(0, s - 59) / 20) if k == 5 else 1.0
+    reader = store(tmp_path, job_steps(120, slow=slow))
+    (f,) = [f for f in run(reader) if f.kind == "degradation"]
+    assert f.evidence["first_step"] > 60
+    assert (f.suspects[0].id, f.suspects[0].cause) == ("5", "compute"), f.suspects
+    (g,) = [g for g in detect(reader, Window(JOB, 0, 2**62), IrregularityConfig(ramp_fraction=100.0))
+            if g.kind == "degradation"]
+    assert g.suspects[0].score < f.suspects[0].score  # without the walk back the ramp dilutes the evidence
+
+
+def test_a_lone_slow_step_is_a_spike(tmp_path):
+    out = run(store(tmp_path, job_steps(80, slow=lambda s, k: 2.5 if k == 2 and s == 50 else 1.0)))
+    (f,) = out
+    assert f.kind == "spike" and f.evidence["flagged_steps"] == [50] and f.severity > 1.25
+    assert f.suspects[0].id == "2"
+
+
+def test_periodic_slow_steps_are_a_fluctuation(tmp_path):
+    slow = lambda s, k: 1.0 + 0.3 * (1 - math.cos(2 * math.pi * s / 6)) / 2 if k == 6 and s >= 30 else 1.0
+    out = run(store(tmp_path, job_steps(130, slow=slow)))
+    kinds = {f.kind for f in out}
+    assert "fluctuation" in kinds, [(f.kind, f.evidence) for f in out]
+    f = next(f for f in out if f.kind == "fluctuation")
+    assert f.evidence["period_steps"] and abs(f.evidence["period_steps"] - 6) < 0.5
+    assert f.suspects[0].id == "6"
+
+
+def test_five_percent_straggler_is_a_slowdown(tmp_path):
+    out = run(store(tmp_path, job_steps(100, slow=lambda s, k: 1.05 if k == 3 else 1.0)))
+    (f,) = out
+    assert f.kind == "slowdown" and f.suspects[0].id == "3" and f.suspects[0].cause == "compute"
+
+
+def test_the_finding_resolves_when_the_job_is_back_at_baseline(tmp_path):
+    reader = store(tmp_path, job_steps(200, slow=lambda s, k: 2.0 if k == 1 and 60 <= s < 100 else 1.0))
+    rows = {x["step"]: x["end_ns"] for x in reader.steps(JOB, ranks=[0])}
+    policy = IrregularityConfig(resolve_after_seconds=2.0).policy()
+    live = []
+    opened = resolved = None
+    for s in range(70, 200, 5):  # the loop: a window ending at each new step
+        out = [f.__class__(**{**f.__dict__, "job_key": JOB, "detector": "irregularity"})
+               for f in run(reader, rows[s] + 1)]
+        for ch in merge(live, out, rows[s], policy):
+            live = [f for f in live if f.id != ch.finding.id]
+            if ch.action in ("opened", "updated", "pending"):
+                live.append(ch.finding)
+            if ch.action == "opened" and opened is None:
+                opened = (s, ch.finding)
+            if ch.action == "resolved":
+                resolved = (s, ch.finding)
+    assert opened and opened[1].suspects[0].id == "1"
+    assert resolved and resolved[1].status == "resolved" and resolved[0] >= 100 and not live
+
+
+def test_a_switch_explains_all_of_its_links_suspected_alike():
+    from steplens.collector.analysis.findings import Suspect
+    from steplens.collector.analysis.irregularity import _prefer_switches
+    from steplens.collector.topology import from_dict
+    from steplens.sim.topology import Topology
+
+    topo = from_dict(Topology(64, nodes_per_leaf=2, spines=2).topology_file())  # leaf0..3, spine0..1
+    sus = [Suspect("link", "leaf3-spine0", 0.5, "network", {}), Suspect("link", "leaf3-spine1", 0.49, "network", {}),
+           Suspect("switch", "leaf3", 0.45, "network", {}), Suspect("switch", "spine0", 0.3, "network", {}),
+           Suspect("link", "leaf1-spine0", 0.3, "network", {})]
+    _prefer_switches(sus, topo)
+    best = max(sus, key=lambda x: x.score)
+    assert (best.kind, best.id) == ("switch", "leaf3") and best.evidence["explains_links"] == 2
+    assert next(x for x in sus if x.id == "spine0").score == 0.3  # two of its four links: not all of them
+    one = [Suspect("link", "leaf3-spine0", 0.5, "network", {}), Suspect("switch", "leaf3", 0.3, "network", {})]
+    _prefer_switches(one, topo)
+    assert one[1].score == 0.3  # a single bad link stays the top suspect
+
+
+def test_bad_config_fails():
+    with pytest.raises(ConfigError):
+        IrregularityConfig(delta=1.0).validate()
+    with pytest.raises(ConfigError):
+        IrregularityConfig(degradation_steps=2).validate()
+    IrregularityConfig().validate()
+    assert isinstance(IrregularityConfig().policy(), Policy)
