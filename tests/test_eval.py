@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from conftest import REPO
+from steplens.collector.analysis import DETECTORS
 
 
 def test_eval_reports_scenarios_with_truth():
@@ -18,7 +19,8 @@ def test_eval_reports_scenarios_with_truth():
     res = {r["scenario"]: r for r in last["results"]}
     assert res["healthy"]["worst_ratio"] == 1.0
     assert res["slow_gpu"]["worst_ratio"] > 1.5 and res["hang"]["worst_ratio"] > 5
-    assert "slow_gpu 13 it 10-20" in out.stdout and "detectors (irregularity) through a real store" in out.stdout
+    assert "slow_gpu 13 it 10-20" in out.stdout
+    assert f"detectors ({', '.join(sorted(DETECTORS))}) through a real store" in out.stdout
     det = last["detection"]
     assert det["healthy_runs"] == 1 and det["healthy_findings"] == 0
     assert det["per_kind"]["slow_gpu"]["top1"] == 1.0 and det["recall"] > 0

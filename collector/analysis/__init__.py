@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 
 DETECTORS: dict[str, str] = {
+    "commtime": "steplens.collector.analysis.commtime:SPEC",
     "irregularity": "steplens.collector.analysis.irregularity:SPEC",
 }
 

@@ -433,10 +433,19 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
             slow[cid] = mf / mh
     if not any(c in bad.members for c in slow):
         return [], {}  # point-to-point busy time includes waiting: alone it is no evidence of the network
+    out = score_devices(slow, bad.all_members, js.node_of, topo, nic_of)
+    return out, {c: round(v, 3) for c, v in sorted(slow.items(), key=lambda kv: -kv[1])[:10]}
+
+
+def score_devices(slow: dict[str, float], members: dict[str, set[int]], node_of: dict[int, str], topo,
+                  nic_of: dict[int, str]) -> list[Suspect]:
+    """Network devices scored from slow communicators (comm id -> ratio) among all of them (comm id -> member
+    ranks): precision x recall over the ring paths (see the module docstring), a switch explaining all of its
+    links alike above them; shared with the commtime detector."""
     use: dict[tuple[str, str], float] = {}
     hit: dict[tuple[str, str], float] = {}
-    for cid, mem in bad.all_members.items():
-        for dev, w in _devices(topo, nic_of, js.node_of, mem).items():
+    for cid, mem in members.items():
+        for dev, w in _devices(topo, nic_of, node_of, mem).items():
             use[dev] = use.get(dev, 0.0) + w
             if cid in slow:
                 hit[dev] = hit.get(dev, 0.0) + w
@@ -446,12 +455,12 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
         spread = 1.0 / (1.0 + 0.01 * (topo.downstream_nics(dev[1]) if topo is not None and dev[0] == "switch"
                                       and dev[1] in topo.switches else 1))
         out.append(Suspect(dev[0], dev[1], round(precision * recall * spread, 4), "network",
-                           {"slow_comms": sum(1 for c in slow if dev in _devices(topo, nic_of, js.node_of,
-                                                                                  bad.all_members[c])),
+                           {"slow_comms": sum(1 for c in slow if dev in _devices(topo, nic_of, node_of,
+                                                                                  members[c])),
                             "precision": round(precision, 3), "recall": round(recall, 3)}))
     if topo is not None:
         _prefer_switches(out, topo)
-    return out, {c: round(v, 3) for c, v in sorted(slow.items(), key=lambda kv: -kv[1])[:10]}
+    return out
 
 
 def _prefer_switches(out: list[Suspect], topo, tie: float = 0.1) -> None:
@@ -469,7 +478,7 @@ def _prefer_switches(out: list[Suspect], topo, tie: float = 0.1) -> None:
                              {**x.evidence, "explains_links": len(inc)})
 
 
-def _nic_map(reader, job_key: str, js: JobSteps):
+def nic_map(reader, job_key: str, js: JobSteps):
     topo = reader.topology() if hasattr(reader, "topology") else None
     if topo is None:
         return None, {}
@@ -495,7 +504,7 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
     slow = {}
     if good is not None:
         if net_ctx[0] is False:
-            net_ctx[:] = list(_nic_map(reader, window.job_key, js))
+            net_ctx[:] = list(nic_map(reader, window.job_key, js))
         computing = {int(x.id) for x in sus if x.cause == "compute"}
         net, slow = network_suspects(js, bad, good, base, cfg, net_ctx[0], net_ctx[1], computing)
         sus += net

@@ -1,0 +1,134 @@
+"""The commtime detector (collector/analysis/commtime.py) on stores filled through the real writer: simulated
+jobs (bench/sim agent records -> agent encoding -> StoreWriter, with the simulator's topology, as bench/eval
+feeds them) and synthetic Step records without a topology. A healthy job gives no finding; a congested
+switch or a slow link that barely moves the step time gives a `network` finding naming it; a fault the
+irregularity gate sees is left to that detector; without a topology the suspects are nodes."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+
+import pytest
+from conftest import REPO
+from steplens.agent import records as r
+from steplens.agent.transport.codec import encode_records
+from steplens.collector.analysis.base import ConfigError, Window
+from steplens.collector.analysis.commtime import CommtimeConfig, detect
+from steplens.collector.ingest.clock import ClockEstimate
+from steplens.collector.store.queries import Reader
+from steplens.collector.store.writer import BatchJob, StoreWriter
+from steplens.sim.faults import parse_fault
+from steplens.sim.model import ModelConfig
+
+sys.path.insert(0, os.path.join(REPO, "bench", "eval"))  # scoring.py: the eval feed through StoreWriter
+import scoring
+
+MS = 10**6
+
+
+def sim_store(tmp_path, spec: str | None) -> Reader:
+    """A 64-GPU DP8 x PP4 x TP2 job of 40 iterations (4 leaves, 2 spines) with one fault, in a real store."""
+    cfg = ModelConfig(dp=8, pp=4, tp=2, micro_batches=8, iterations=40, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=3)
+    faults = [parse_fault(spec, cfg.topology())] if spec else []
+    return scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
+
+
+def run(reader, **kw) -> list:
+    return detect(reader, Window(scoring.JOB, 0, 2**62), CommtimeConfig(**kw))
+
+
+def test_healthy_simulated_job_has_no_finding(tmp_path):
+    assert run(sim_store(tmp_path, None)) == []
+
+
+def test_a_congested_switch_hidden_in_the_step_time_is_named(tmp_path):
+    # leaf1 at 1.3x moves the job's step time by ~2 %: under the irregularity gate, not under this detector
+    (f,) = run(sim_store(tmp_path, "congested_switch:leaf1:20:40:1.3"))
+    top = f.suspects[0]
+    assert f.kind == "network" and (top.kind, top.id, top.cause) == ("switch", "leaf1", "network")
+    assert 1.2 <= f.severity < 1.4 and "transfer-time ratio" in f.summary and f.summary.endswith(".")
+    assert 19 <= f.evidence["first_step"] <= 21 and f.evidence["slow_count"] >= 1
+    assert all(v["ratio"] >= 1.2 for v in f.evidence["slow_comms"].values())
+
+
+def test_a_slow_link_is_among_the_suspects(tmp_path):
+    # one DP ring crosses n2.nic1: a ring runs at its slowest link's pace, so its links are suspected alike
+    (f,) = run(sim_store(tmp_path, "slow_link:n2.nic1:20:40:1.5"))
+    top = [s for s in f.suspects if s.score == f.suspects[0].score]
+    assert ("link", "n2.nic1") in {(s.kind, s.id) for s in top}
+
+
+def test_a_fault_the_gate_sees_is_left_to_irregularity(tmp_path):
+    reader = sim_store(tmp_path, "congested_switch:leaf1:20:40:8")  # step time x1.5
+    assert run(reader) == []
+    (f,) = run(reader, gate_ratio=0)
+    assert f.suspects[0].id == "leaf1"
+
+
+def synthetic(tmp_path, slow_from: int | None, n_steps: int = 60) -> Reader:
+    """Six ranks on three nodes (n0: 0-1, n1: 2-3, n2: 4-5), three 2-member all-reduce communicators, one per
+    pair of nodes; 100 ms steps, 10 ms transfers, one member of each waiting a little. From step slow_from
+    n0's transfers take 1.5x (both of its communicators), the step time does not move. No topology stored."""
+    rng = random.Random(7)
+    comms = {"c01": (0, 2), "c02": (1, 4), "c12": (3, 5)}
+    out = []
+    t = 10**12
+    for s in range(n_steps):
+        end = t + int(100 * MS * (1 + rng.gauss(0, 0.01)))
+        per = {k: [] for k in range(6)}
+        for cid, mem in comms.items():
+            xfer = 10 * MS * (1 + rng.gauss(0, 0.02)) * (1.5 if slow_from is not None and s >= slow_from
+                                                          and cid != "c12" else 1.0)
+            wait = rng.uniform(0.5, 3.0) * MS
+            for j, k in enumerate(mem):
+                per[k].append(r.StepComm(cid, "all_reduce", 4, 64 << 20, int(xfer + (wait if j else 0)), -1, s,
+                                         [int(50 * MS)]))
+        for k in range(6):
+            out.append((k // 2, r.Step(end, 100 + k, 7, "torchelastic:ct", k, s, t, end, "comm_pattern", 9, 9,
+                                       per[k])))
+        t = end
+    clock = ClockEstimate(offset_ns=0, drift_ppm=0.0, ref_mono_ns=0, uncertainty_ns=1, best_rtt_ns=1, samples=5)
+    w = StoreWriter(str(tmp_path / "syn.db"))
+    w.start()
+    done = []
+    try:
+        for node in range(3):
+            part = [("flightrec", st) for n, st in out if n == node]
+            w.submit(BatchJob(f"n{node}", "ab" * 8, 1, len(part), encode_records(part),
+                              max(x.mono_ns for _, x in part) + 1, clock, time.time_ns(), lambda *a: done.append(a)))
+        deadline = time.monotonic() + 20
+        while len(done) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        w.stop()
+    assert len(done) == 3 and all(d[0] == "stored" for d in done), done
+    return Reader(str(tmp_path / "syn.db"))
+
+
+def test_without_topology_the_suspects_are_nodes(tmp_path):
+    reader = synthetic(tmp_path, slow_from=45)
+    (f,) = detect(reader, Window("torchelastic:ct", 0, 2**62), CommtimeConfig())
+    assert (f.suspects[0].kind, f.suspects[0].id) == ("node", "n0")
+    assert set(f.evidence["slow_comms"]) == {"c01", "c02"} and f.evidence["first_step"] == 45
+
+
+def test_healthy_synthetic_job_has_no_finding(tmp_path):
+    assert detect(synthetic(tmp_path, None), Window("torchelastic:ct", 0, 2**62), CommtimeConfig()) == []
+
+
+def test_a_rise_too_small_against_the_step_is_ignored(tmp_path):
+    # 5 ms more per 100 ms step is 5 % of the step: below a required 10 %
+    reader = synthetic(tmp_path, slow_from=45)
+    assert detect(reader, Window("torchelastic:ct", 0, 2**62), CommtimeConfig(min_step_fraction=0.1)) == []
+
+
+def test_bad_config_fails():
+    for bad in ({"ratio": 1.0}, {"recent_steps": 0}, {"min_baseline_steps": 1}, {"gate_ratio": 0.5},
+                {"min_step_fraction": 1.0}):
+        with pytest.raises(ConfigError):
+            CommtimeConfig(**bad).validate()
+    CommtimeConfig().validate()
