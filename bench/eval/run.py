@@ -16,10 +16,10 @@ torch); see bench/testbed/README.md.
 
 Figures (2-core VM, 2026-11-24; bench/README.md "eval" has the rest). Parameters were chosen on the fit seeds
 (--random-seed 1000) only; the report seeds (2000) were run once, after the last change:
-    run.py --no-detect --random 100 --random-seed 2000     (100 scenarios, 64-512 GPUs, 100 iterations, 390 s)
-    precision 1.0  recall 0.513  F1 0.678  top-1 0.393  top-3 0.41 of 117 faults; 0 findings on 15 healthy runs;
-    visible faults (60 of 117): recall 0.75  top-1 0.70  top-3 0.733; median 8 iterations to finding;
-    max analysis 2.3 s per window.
+    run.py --no-detect --random 100 --random-seed 2000     (100 scenarios, 64-512 GPUs, 100 iterations, 578 s)
+    irregularity + commtime: precision 1.0  recall 0.709  F1 0.83  top-1 0.521  top-3 0.59 of 117 faults;
+    0 findings on 15 healthy runs; visible faults (60 of 117): recall 0.85  top-1 0.767; max analysis 3.6 s
+    per window. (irregularity alone: recall 0.513  F1 0.678  top-1 0.393; visible top-1 0.70.)
     run.py (named, 64 GPUs, 40 iterations): precision 1.0  recall 0.857  F1 0.923  top-1 0.857 (hang not scored).
 """
 
