@@ -37,16 +37,29 @@ so the step is found in the ops themselves:
   row, or cut-to-cut times that lost their rhythm) is learnt afresh from its recent ops. A slower step is not
   a lost one: without sequence numbers only explicit losses (a dropped stretch, ops dropped from the buffer)
   break the chain of consecutive steps.
+- **Anchors** (`add_anchors`: the ends of the process's optimizer steps, which the bootstrap's hook records and
+  the flightrec source hands over, see steplens_bootstrap) move a step's end from its last op to where the
+  iteration ends: the last anchor between the step's last op (its end, or its issue) and the issue of the next
+  step's cut op; the step's evidence is then `anchor`. A process that has sent anchors closes a step only once
+  the next step's cut op is seen (one poll later than without: that op bounds the window, and the source asks
+  for anchors after the ops, so none in the window is still to come); a step with no anchor in its window
+  keeps its last op's end (evidence `comm_pattern`), as does an optimizer step that runs before the last
+  collective (a loss all-reduce after it). Why: gloo's Flight Recorder has issue times only and nothing marks
+  the optimizer step, so without anchors the testbed's DP2 x PP2 steps end an all-reduce plus an optimizer
+  step early (25-29 % of the step time, above); with them the boundary is the optimizer step's end, which
+  precedes the job's own step end by its zero_grad only (figures: bench/testbed_steps.py).
 - **ProfilerStep windows win**: ops inside a window are that step's (evidence `profiler`), and comm-pattern
   steps of the same process overlapping a window are not emitted.
-Evidence values: `profiler`, `comm_pattern` (`anchor`, from the sampler's Python anchor functions, is reserved
-in the record and not produced yet).
+Evidence values: `profiler`, `comm_pattern`, `anchor` (a comm-pattern step whose end is an optimizer step's).
 
 Each Step carries per-communicator summaries (calls, bytes, busy and wait ns, the issue offset of each
 collective from the step start, capped at `max_collectives` per step with the rest counted): what goes
-upstream while the ops stay on the node. Cost: O(ops) per add() plus, while a process has no pattern, a
+upstream while the ops stay on the node. A point-to-point communicator's sends and receives are summarized
+apart (two StepComms, op `send` and `recv`): a send's busy time is mostly its transfer, a receive's mostly
+waiting for the peer, and the collector reads pair transfer times from the sends (commtime). Cost: O(ops) per add() plus, while a process has no pattern, a
 period search over its last (confirm_cycles + 1) x max_period_ops ops (about 1,000: a few ms); memory is
-bounded by `max_buffer_ops` per process (oldest dropped, counted) and `max_processes`. Pure: no clock, no I/O.
+bounded by `max_buffer_ops` per process (oldest dropped, counted), `max_anchors` per process and
+`max_processes`. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -57,6 +70,7 @@ from statistics import median
 from steplens.agent.records import CommOp, Step, StepComm
 
 EVIDENCE = ("profiler", "comm_pattern", "anchor")
+P2P_SPLIT = ("send", "recv")  # summarized apart per communicator
 UNIFORM_CYCLES = 12  # cycles needed when every op has the same signature
 MAX_MULTIPLE = 16    # identical signatures in a row told apart by their gaps: up to 16 per step (bounds learn())
 
@@ -71,6 +85,7 @@ class StepConfig:
     max_processes: int = 1024       # processes followed; the one updated longest ago is forgotten first
     consistency: float = 0.8        # share of cycles whose cut gap is within 2x of the median cut gap (and of
                                     # consecutive cut gaps within 2x of each other) for a pattern to be learnt
+    max_anchors: int = 1024         # anchors (optimizer-step ends) held per process not yet past (oldest dropped)
 
     def validate(self) -> None:
         if not (1 <= self.max_period_ops <= 4096) or not (2 <= self.confirm_cycles <= 16):
@@ -79,6 +94,8 @@ class StepConfig:
             raise ValueError("consistency must be within 0.5..1, relearn_after and max_processes >= 1")
         if self.max_buffer_ops < self.max_period_ops * (self.confirm_cycles + 1) or self.max_collectives < 0:
             raise ValueError("max_buffer_ops must hold (confirm_cycles + 1) periods; max_collectives >= 0")
+        if self.max_anchors < 1:
+            raise ValueError("max_anchors must be >= 1")
 
 
 def _issue(op: CommOp) -> int:
@@ -173,6 +190,8 @@ class _Proc:
     lost: bool = False                          # the cycles lost their rhythm: learn again
     synced: bool = False                        # buf[0] is a cut op (the start of a cycle)
     profiled: list = field(default_factory=list)  # (start, end) ProfilerStep windows seen, newest last
+    anchors: list = field(default_factory=list)   # optimizer-step ends (mono ns) not yet past, sorted
+    anchored: bool = False                      # the process sends anchors: close a step at the next cut op
 
 
 class StepSegmenter:
@@ -186,6 +205,24 @@ class StepSegmenter:
         self.ops_dropped = 0          # buffer overflow, or before the first cut of a learnt pattern
         self.segments_dropped = 0     # stretches that spanned lost steps
         self.relearned = 0
+        self.anchors_dropped = 0      # anchors over max_anchors (oldest first)
+        self.anchored_steps = 0       # steps whose end is an anchor
+
+    def add_anchors(self, pid: int, start_ticks: int, ends_mono_ns: list[int]) -> None:
+        """The ends of a process's optimizer steps (this host's monotonic ns, any order): where its steps end
+        from now on (see the module docstring). Call before add() with the ops of the same poll."""
+        st = self.procs.get((pid, start_ticks))
+        if st is None:
+            st = self.procs[(pid, start_ticks)] = _Proc()
+            while len(self.procs) > self.config.max_processes:
+                del self.procs[next(iter(self.procs))]
+        st.anchored = True
+        merged = sorted(set(st.anchors).union(ends_mono_ns))
+        over = len(merged) - self.config.max_anchors
+        if over > 0:
+            self.anchors_dropped += over
+            del merged[:over]
+        st.anchors = merged
 
     def add(self, ops: list[CommOp], profiler_steps: list[tuple[int, int, int]] = ()) -> list[Step]:
         """ops: any processes, any order; profiler_steps: (step, start_mono_ns, end_mono_ns) of the processes
@@ -314,6 +351,8 @@ class StepSegmenter:
             if tuple(sg[a:b]) == sigs[:n - a]:
                 if b > n:
                     break  # the cycle is not complete yet
+                if b == n and st.anchored:
+                    break  # its anchor window closes at the next cut op: wait for it
                 if b == n or (sg[b] == s0 and gap_ok(b, loose)):
                     cuts.append(b)  # the last cycle is complete: close it now, not at the next one
                     whole.append(True)
@@ -330,7 +369,7 @@ class StepSegmenter:
         done = cuts[-1]
         for a, b, w in zip(cuts, cuts[1:], whole):
             st.mismatches = 0 if w else st.mismatches + 1
-            self._emit(st, buf[a:b], out)
+            self._emit(st, buf[a:b], out, t[b] if b < n else 0)
             if st.lost:
                 done = b
                 break
@@ -338,7 +377,8 @@ class StepSegmenter:
         del buf[:done]
         return st.mismatches < cfg.relearn_after and not st.lost
 
-    def _emit(self, st: _Proc, seg: list[CommOp], out: list[Step]) -> None:
+    def _emit(self, st: _Proc, seg: list[CommOp], out: list[Step], next_issue: int = 0) -> None:
+        """next_issue: issue time of the next step's cut op (0: not seen), which closes the anchor window."""
         pat = st.pattern
         number, spans = st.last_step + 1, False
         if pat.seq_comm:
@@ -347,6 +387,12 @@ class StepSegmenter:
             number = (seqs[0] - pat.seq_residue) // pat.seq_per_cycle if seqs else -1
             spans = bool(seqs) and (seqs[-1] - pat.seq_residue) // pat.seq_per_cycle != number
         end = max(_end(o) for o in seg)
+        evidence = "comm_pattern"
+        if st.anchors and next_issue:
+            inside = [x for x in st.anchors if end <= x < next_issue]
+            if inside:  # the last optimizer step between this step's last op and the next step's first
+                end, evidence = inside[-1], "anchor"
+            st.anchors = [x for x in st.anchors if x >= next_issue]
         cut = _issue(seg[0])
         cycle = cut - st.last_cut if st.last_cut else 0
         st.last_cut = cut
@@ -366,17 +412,20 @@ class StepSegmenter:
         st.last_step, st.last_end = number, end
         if any(a <= end and start <= b for a, b in st.profiled):
             return  # a ProfilerStep window covers it: that step is the profiler's
-        out.append(self._step(seg[0], number, start, end, "comm_pattern", pat.ops, seg))
+        if evidence == "anchor":
+            self.anchored_steps += 1
+        out.append(self._step(seg[0], number, start, end, evidence, pat.ops, seg))
 
     def _step(self, proc_op: CommOp, number: int, start: int, end: int, evidence: str, period: int,
               ops: list[CommOp]) -> Step:
-        comms: dict[str, StepComm] = {}
+        comms: dict = {}
         budget = self.config.max_collectives
-        waits: dict[str, bool] = {}
+        waits: dict = {}
         for o in ops:
-            c = comms.get(o.comm_id)
+            key = (o.comm_id, o.op) if o.op in P2P_SPLIT else o.comm_id  # sends apart from receives
+            c = comms.get(key)
             if c is None:
-                c = comms[o.comm_id] = StepComm(o.comm_id, o.op, 0, 0, 0, 0, o.seq, [], 0)
+                c = comms[key] = StepComm(o.comm_id, o.op, 0, 0, 0, 0, o.seq, [], 0)
             elif c.op != o.op:
                 c.op = "mixed"
             c.calls += 1
@@ -385,7 +434,7 @@ class StepSegmenter:
                 c.busy_ns += max(0, o.end_mono_ns - o.start_mono_ns)
             if o.timing == "gpu_kernel" and o.issue_mono_ns and o.start_mono_ns:
                 c.wait_ns += max(0, o.start_mono_ns - o.issue_mono_ns)
-                waits[o.comm_id] = True
+                waits[key] = True
             if o.seq >= 0 and (c.seq_first < 0 or o.seq < c.seq_first):
                 c.seq_first = o.seq
             if budget > 0:

@@ -130,7 +130,18 @@ class Topology:
     def paths(self, src_nic: str, dst_nic: str, limit: int = 64) -> list[tuple[str, ...]]:
         """Every shortest device path between two NICs (equal-cost paths, ECMP), each as
         (src_nic, switch, link, switch, ..., dst_nic); at most `limit` of them. The NIC ids stand for their
-        links to their switches. Same switch: (src_nic, switch, dst_nic). No route: []."""
+        links to their switches. Same switch: (src_nic, switch, dst_nic). No route: []. Cached per pair (the
+        topology does not change once parsed)."""
+        cache = self.__dict__.setdefault("_paths", {})
+        key = (src_nic, dst_nic, limit)
+        got = cache.get(key)
+        if got is None:
+            if len(cache) > 1_000_000:
+                cache.clear()
+            got = cache[key] = self._paths_uncached(src_nic, dst_nic, limit)
+        return list(got)
+
+    def _paths_uncached(self, src_nic: str, dst_nic: str, limit: int) -> list[tuple[str, ...]]:
         a, b = self.nics[src_nic].switch, self.nics[dst_nic].switch
         if src_nic == dst_nic:
             return [(src_nic,)]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from conftest import AGENT, REPO
+from conftest import AGENT, REPO, free_port, wait_for
 from steplens.agent import bootstrap
 from steplens.agent.commlog import RealtimeClock
 
@@ -201,6 +201,94 @@ def test_read_cupti_joins_launches_and_keeps_partial_lines(tmp_path):
     assert k.name == "gemm" and k.correlation_id == 42 and k.launch_api == "runtime:211" and k.rank == 3
     assert abs(k.start_mono_ns - k.launch_start_mono_ns - 1_000) <= 1 and k.grid == [4, 1, 1]
     assert bootstrap.read_cupti(str(path), pos, clock)[0] == []
+
+
+def _anchors_module():
+    sys.path.insert(0, SITE)
+    try:
+        import steplens_anchors
+    finally:
+        sys.path.remove(SITE)
+    return steplens_anchors
+
+
+def test_anchor_ring_round_trip_wrap_torn_slot_and_pid_reuse(tmp_path):
+    """The bootstrap's ring (steplens_anchors, written in the job) as the flightrec source reads it (its own
+    copy of the layout): numbers and times, the wrap, a slot being rewritten, another process's file."""
+    from steplens.agent.sources.flightrec import FlightrecError, header_anchors, read_anchor_ring
+    a = _anchors_module()
+    path = str(tmp_path / "77.anchors")
+    ring = a.Ring(path, start_ticks=555, slots=8)
+    assert read_anchor_ring(path, 555, -1) == [] and os.path.getsize(path) == a.HEADER_BYTES + 8 * a.SLOT_BYTES
+    for k in range(5):
+        ring.add(1_000 + k)
+    assert read_anchor_ring(path, 555, -1) == [(k, 1_000 + k) for k in range(5)] == a.read(path, 555)[0]
+    assert read_anchor_ring(path, 555, 3) == [(4, 1_004)]
+    for k in range(5, 15):
+        ring.add(1_000 + k)
+    # 15 written into 8 slots: 7..14 are held, and 7 is left out (the writer could be rewriting its slot)
+    assert read_anchor_ring(path, 555, 4) == [(k, 1_000 + k) for k in range(8, 15)]
+    assert header_anchors({"version": 1, "clock": "realtime", "anchors": ring.snapshot()}) == \
+        [(k, 1_000 + k) for k in range(7, 15)]
+    import struct
+    struct.pack_into("<Q", ring.map, a.HEADER_BYTES + (13 % 8) * a.SLOT_BYTES, 0)  # slot 13 mid-rewrite
+    assert [n for n, _ in read_anchor_ring(path, 555, 10)] == [11, 12, 14]
+    with pytest.raises(FlightrecError, match="pid reused"):
+        read_anchor_ring(path, 556, -1)
+    with pytest.raises(FlightrecError):
+        header_anchors({"version": 1, "clock": "realtime", "anchors": [[1, -5]]})
+    ring.close()
+    assert not os.path.exists(path)
+    with pytest.raises(FileNotFoundError):
+        read_anchor_ring(path, 555, -1)
+
+
+def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
+    """A gloo process (world 1) under the bootstrap runs 30 SGD steps: one anchor per optimizer step, between
+    the loop's own clock reads, in the ring beside the socket; the exit, while the worker server is being
+    asked for its dump, writes the anchors into the exit dump's header and removes the ring."""
+    from steplens.agent.sources.flightrec import FlightrecError, http_post_unix, read_anchor_ring, read_exit_dump
+    code = ("import os, sys, time, json, torch, torch.distributed as dist\n"
+            "dist.init_process_group('gloo', rank=0, world_size=1)\n"
+            "m = torch.nn.Linear(64, 64); opt = torch.optim.SGD(m.parameters(), lr=0.1); marks = []\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
+            "for _ in range(30):\n"
+            "    m(torch.randn(8, 64)).sum().backward(); a = time.time_ns(); opt.step(); b = time.time_ns()\n"
+            "    opt.zero_grad(); marks.append((a, b)); time.sleep(0.01)\n"
+            "print(json.dumps(marks))\n"
+            "while not os.path.exists(sys.argv[2]): time.sleep(0.02)\n")
+    go, done = tmp_path / "go", tmp_path / "done"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPLENS_", "TORCH_"))}
+    env.update(PYTHONPATH=SITE, STEPLENS_BOOTSTRAP="1", STEPLENS_BOOTSTRAP_POLL_S="0.05",
+               STEPLENS_RUNTIME_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    p = subprocess.Popen([VENV_PY, "-c", code, str(go), str(done)], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        sock, ring = tmp_path / f"{p.pid}.sock", tmp_path / f"{p.pid}.anchors"
+        wait_for(lambda: sock.exists() or p.poll() is not None, 120, what="the worker-server socket")
+        assert ring.exists(), p.stderr.read() if p.poll() is not None else "no ring"
+        go.touch()
+        marks = json.loads(p.stdout.readline())
+        with open(f"/proc/{p.pid}/stat") as fh:
+            ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
+        got = read_anchor_ring(str(ring), ticks, -1)
+        assert [n for n, _ in got] == list(range(30))
+        assert all(a <= ns <= b for (a, b), (_, ns) in zip(marks, got))
+        done.touch()
+        while p.poll() is None:  # ask the server all through the exit (a Python handler deadlocked here)
+            try:
+                http_post_unix(str(sock), "fr_trace_json", timeout_s=1.0)
+            except FlightrecError:
+                pass
+        assert p.wait(timeout=30) == 0, p.stderr.read()[-2000:]
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert not ring.exists() and not sock.exists()
+    (dump,) = tmp_path.glob("*.fr-exit.json")
+    header, _ = read_exit_dump(str(dump))
+    assert [n for n, _ in header["anchors"]["anchors"]] == list(range(30))
 
 
 @pytest.mark.gpu

@@ -62,6 +62,27 @@ def test_a_slow_link_is_among_the_suspects(tmp_path):
     assert ("link", "n2.nic1") in {(s.kind, s.id) for s in top}
 
 
+def test_progressive_fetching_tells_the_slow_link_from_its_ring(tmp_path):
+    # the same fault with FetchDetail answered by the emulated agents (bench/eval scoring.sim_fetcher): the
+    # tied ring links' ranks are asked for their CommOps, their pipeline sends show which link is slow
+    from steplens.collector.analysis.engine import AnalysisReader
+    cfg = ModelConfig(dp=8, pp=4, tp=2, micro_batches=8, iterations=40, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=3)
+    faults = [parse_fault("slow_link:n2.nic1:20:40:1.5", cfg.topology())]
+    ar = AnalysisReader(scoring.feed(cfg, faults, str(tmp_path / "sim.db")), scoring.sim_fetcher(cfg, faults))
+    (f,) = run(ar)
+    assert (f.suspects[0].kind, f.suspects[0].id) == ("link", "n2.nic1")
+    assert f.suspects[0].score > f.suspects[1].score  # no tie left
+    probe = f.evidence["probe"]
+    assert 0 < probe["ranks_fetched"] == len(ar.ranks_fetched) < cfg.gpus // 4 and probe["slow_pairs"]
+    assert all(p.startswith("p2p:pp.") for p in probe["slow_pairs"])
+
+
+def test_without_fetching_the_tie_stays_and_says_why(tmp_path):
+    (f,) = run(sim_store(tmp_path, "slow_link:n2.nic1:20:40:1.5"))
+    assert f.evidence["probe"]["ranks_fetched"] == 0 and "no progressive fetching" in f.evidence["probe"]["note"]
+
+
 def test_a_fault_the_gate_sees_is_left_to_irregularity(tmp_path):
     reader = sim_store(tmp_path, "congested_switch:leaf1:20:40:8")  # step time x1.5
     assert run(reader) == []

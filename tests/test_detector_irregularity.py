@@ -181,3 +181,48 @@ def test_bad_config_fails():
         IrregularityConfig(degradation_steps=2).validate()
     IrregularityConfig().validate()
     assert isinstance(IrregularityConfig().policy(), Policy)
+
+
+def _sim_store(tmp_path, spec, dp=8, pp=4, tp=2, iterations=80, seed=3, extra=()):
+    """A simulated job (bench/sim agent records) fed through the real writer, as bench/eval feeds them."""
+    import os
+    import sys
+    from conftest import REPO
+    sys.path.insert(0, os.path.join(REPO, "bench", "eval"))
+    import scoring
+    from steplens.sim.faults import parse_fault
+    from steplens.sim.model import ModelConfig
+    cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=iterations, gpus_per_node=8,
+                      nodes_per_leaf=2, spines=2, seed=seed)
+    faults = [parse_fault(x, cfg.topology()) for x in ([spec] if spec else []) + list(extra)]
+    return scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
+
+
+@pytest.mark.parametrize("spec,seed,its", [("slow_gpu:13:20:80:1.05", 3, 80), ("slow_gpu:5:20:100:1.03", 3, 100),
+                                          ("slow_gpu:6:27:46:1.07", 7, 47), (None, 4, 80), (None, 12, 100)])
+def test_a_few_percent_slower_gpu_in_a_simulated_job_is_found(tmp_path, spec, seed, its):
+    # 2 % per-step compute jitter on every rank (the simulator's default): the slow GPU moves the job's step time
+    # by < 1 %, far under the gate; it is late into its TP and its DP group, step after step. The third starts
+    # late in the straggler window (its onset is found by the change point, not diluted by the steps before)
+    out = detect(_sim_store(tmp_path, spec, seed=seed, iterations=its), Window("simjob", 0, 2**62),
+                 IrregularityConfig())
+    if spec is None:
+        assert out == []
+        return
+    (f,) = out
+    rank, start = spec.split(":")[1:3]
+    assert f.kind == "slowdown" and (f.suspects[0].id, f.suspects[0].cause) == (rank, "compute")
+    assert f.severity < 1.02 and len(f.evidence["comms"]) == 2  # its TP and its DP group
+    # onset: where its lateness began, or the straggler window's first step when it began before the window
+    assert abs(f.evidence["first_step"] - max(int(start), its - IrregularityConfig().straggler_steps)) <= 5
+
+
+def test_two_concurrent_slow_gpus_are_two_findings(tmp_path):
+    # two GPUs slow at once (different stages and groups): one finding per root cause, each leading with its
+    # rank, the second saying which one it runs concurrently with
+    out = detect(_sim_store(tmp_path, None, iterations=60, seed=5, extra=["slow_gpu:13:20:60:2",
+                                                                          "slow_gpu:40:20:60:1.8"]),
+                 Window("simjob", 0, 2**62), IrregularityConfig())
+    tops = {f.suspects[0].id: f for f in out if f.suspects and f.suspects[0].cause == "compute"}
+    assert {"13", "40"} <= set(tops), [(f.kind, [s.id for s in f.suspects]) for f in out]
+    assert sum("concurrent_with" in f.evidence for f in tops.values()) == 1

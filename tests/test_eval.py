@@ -27,3 +27,29 @@ def test_eval_reports_scenarios_with_truth():
     # a hang is the hang detector's: not scored here, and its run is not a healthy one
     assert det["excluded_faults"] == 1 and "hang" not in det["per_kind"] and "not scored: 1 fault(s)" in out.stdout
     assert det["visible"]["faults"] >= 1 and "faults visible in the job step time" in out.stdout
+
+
+def _last_json(args: list[str], timeout: float) -> tuple[dict, str]:
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                         cwd=os.path.join(REPO, "bench", "eval"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stdout
+
+
+def test_scale_eval_runs_and_reports_its_figures():
+    # scale.py's machinery (in-memory store reads, fetching from the emulated agents, scoring) on a small job;
+    # `make eval` runs it at 8,192 GPUs
+    head, text = _last_json(["scale.py", "--scenarios", "2", "--shape", "8,4,2", "--iterations", "40"], 300)
+    assert head["scenarios"] == 2 and head["gpus"] == 64
+    for key in ("top1_fraction", "recall", "precision", "max_analysis_s", "max_fetch_s", "ranks_fetched_max",
+                "median_end_to_end_s"):
+        assert key in head
+    assert text.count(" end to end ") == 2
+
+
+def test_wholepath_eval_streams_diagnoses_and_scores(tmp_path):
+    # one scenario through emulated agents -> a real collector -> `steplens diagnose`
+    head, text = _last_json(["wholepath.py", "--scenarios", "1", "--max-gpus", "64", "--iterations", "40",
+                             "--linger", "6", "--seed", "4001"], 300)
+    assert head["scenarios"] == 1 and head["median_diagnose_s"] > 0
+    assert "diagnose" in text and head["precision"] is not None

@@ -120,9 +120,10 @@ def test_pp_stage_with_p2p_and_dp_all_reduce():
         truth.append((s, start, t))
     steps = feed(StepSegmenter(), ops, chunk=37)
     assert len(steps) >= 26 and all(s.period_ops == 17 for s in steps)
-    by_comm = {c.comm_id: c for c in steps[-1].comms}
-    assert set(by_comm) == {"pg:prev", "pg:next", "pg:dp"} and by_comm["pg:dp"].calls == 1
-    assert by_comm["pg:prev"].op == "mixed" and by_comm["pg:prev"].calls == 8
+    by_comm = {(c.comm_id, c.op): c for c in steps[-1].comms}
+    assert {c for c, _ in by_comm} == {"pg:prev", "pg:next", "pg:dp"} and by_comm["pg:dp", "all_reduce"].calls == 1
+    # a point-to-point communicator's sends and receives are summarized apart (send busy ~ transfer)
+    assert by_comm["pg:prev", "send"].calls == 4 and by_comm["pg:prev", "recv"].calls == 4
     dp_ends = [o.end_mono_ns for o in ops if o.comm_id == "pg:dp"]
     for st in steps:
         assert st.end_mono_ns == dp_ends[st.step]
@@ -330,3 +331,64 @@ def test_a_slowdown_keeps_the_steps_coming():
         assert all(min(abs(e - s.end_mono_ns) for e in ends) <= TAIL for s in steps)
         slow = [s.end_mono_ns - s.start_mono_ns for s in steps[-30:]]
         assert all(125 * MS < d < 140 * MS for d in slow), slow
+
+
+def polled(seg, ops, anchors, poll_ns=300 * MS, pid=100, ticks=7):
+    """Feed as the flightrec source does: every poll_ns, the anchors up to now (asked after the dump), then the
+    ops issued up to now; returns the steps."""
+    out, t = [], min(o.issue_mono_ns for o in ops)
+    end = max(o.issue_mono_ns for o in ops) + poll_ns
+    i = j = 0
+    ops = sorted(ops, key=lambda o: o.issue_mono_ns)
+    while t <= end:
+        k = j
+        while k < len(anchors) and anchors[k] <= t:
+            k += 1
+        if k > j:
+            seg.add_anchors(pid, ticks, anchors[j:k])
+            j = k
+        n = i
+        while n < len(ops) and ops[n].issue_mono_ns <= t:
+            n += 1
+        out += seg.add(ops[i:n])
+        i = n
+        t += poll_ns
+    return out
+
+
+def test_anchors_end_the_steps_where_the_optimizer_ends():
+    """Issue times only (gloo) plus the optimizer-step ends: each step ends at its optimizer step, not at its
+    last all-reduce's issue; a step closes only once the next one's first op is seen."""
+    rng = random.Random(11)
+    ops, truth = dp_job(40, rng)
+    gloo = [op(o.issue_mono_ns, 0, o.comm_id, o.op, o.bytes, o.seq, end=False) for o in ops]
+    anchors = [e for _, _, e in truth]  # dp_job's step ends right after its optimizer step
+    seg = StepSegmenter()
+    steps = polled(seg, gloo, anchors)
+    ends = {s: e for s, _, e in truth}
+    assert len(steps) >= 35 and all(s.evidence == "anchor" for s in steps)
+    for st in steps:
+        assert st.end_mono_ns == ends[st.step - 1]
+    assert all(b.start_mono_ns == a.end_mono_ns for a, b in zip(steps, steps[1:]))
+    assert steps[-1].step - 1 < truth[-1][0]  # the last step waits for a next cut op that never comes
+    assert seg.anchored_steps == len(steps) and seg.procs[(100, 7)].anchors == [anchors[-1]]
+    # without anchors, the same ops end each step at its last all-reduce's issue
+    plain = polled(StepSegmenter(), gloo, [])
+    last_issue = {s: max(o.issue_mono_ns for o in gloo[3 * s:3 * s + 3]) for s in range(40)}
+    assert all(s.evidence == "comm_pattern" and s.end_mono_ns == last_issue[s.step - 1] for s in plain)
+
+
+def test_an_anchor_before_the_last_collective_leaves_the_end_alone():
+    """The optimizer runs before a loss all-reduce: no anchor lies between the step's last op and the next
+    step's first, so the step ends at its last op (evidence comm_pattern), and anchors stay bounded."""
+    rng = random.Random(12)
+    ops, truth = dp_job(30, rng, buckets=(4 << 20, 4 << 20, 8))  # the 8-byte one: the loss, after the optimizer
+    anchors = [o.issue_mono_ns - int(0.2 * MS) for o in ops if o.bytes == 8]
+    seg = StepSegmenter(StepConfig(max_anchors=4))
+    steps = polled(seg, ops, anchors)
+    assert len(steps) >= 25 and all(s.evidence == "comm_pattern" for s in steps)
+    ends = {s: e for s, _, e in truth}
+    assert all(0 <= ends[s.step - 1] - s.end_mono_ns <= TAIL for s in steps)
+    assert len(seg.procs[(100, 7)].anchors) <= 4
+    seg.add_anchors(100, 7, list(range(1, 10)))
+    assert seg.anchors_dropped >= 5 and len(seg.procs[(100, 7)].anchors) == 4

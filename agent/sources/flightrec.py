@@ -17,6 +17,14 @@ emitted once, when retired or completed; entries are deduplicated per process by
 When the ring wrapped between two polls (the oldest record_id in a dump is past the last one seen + 1),
 the lost entries are counted (`lost_entries`) and reported as an Event.
 
+Anchors: the bootstrap writes the end of each optimizer step of the process into a ring file beside its
+socket, <pid>.anchors (layout in steplens_anchors; a file because a Python worker-server handler deadlocks the
+job's exit). Each poll reads it after the Flight Recorder dump (so every optimizer step that ended before the
+newest op in the dump is in it), takes the numbers not seen before, converts the times to this boot's
+monotonic clock and hands them to the CommLog's segmenter (`add_anchors`), which ends a step at the optimizer
+step after its last collective. No file (an older bootstrap, STEPLENS_ANCHORS=0): not looked for again, steps
+end at the ops; a file of another process (pid reused) or of another layout is reported once and left alone.
+The exit dump's header carries the anchors the ring still held at exit.
 A job's last ops (those after the last poll) come from the exit dump the bootstrap writes at interpreter exit,
 <pid>-<start ticks>.fr-exit.json in the same directories (see steplens_bootstrap): each step reads the ones
 present, emits what the periodic polls of that process did not (same record_id cursor; entries not yet
@@ -47,6 +55,7 @@ import glob
 import json
 import os
 import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -55,6 +64,9 @@ from steplens.agent.records import CommOp, Event, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
+ANCHORS = "anchors"           # <pid>.anchors: the bootstrap's ring of optimizer-step ends (steplens_anchors)
+_ANCHOR_HEAD = struct.Struct("<8sIIQI")   # magic, version, slots, start ticks, clock (steplens_anchors' layout)
+_ANCHOR_MAGIC, _ANCHOR_HEADER_BYTES, _ANCHOR_COUNT_AT = b"SLANCHR1", 64, 32
 EXIT_SUFFIX = ".fr-exit.json"   # <pid>-<start ticks>.fr-exit.json, written by the bootstrap at exit
 EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this long, for its exit dump
 
@@ -202,6 +214,45 @@ def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
     return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes)
 
 
+def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int, int]]:
+    """[(number, realtime ns)] newer than `after` from a bootstrap anchor ring (steplens_anchors' layout and
+    reading rule: a slot counts when it holds the number expected, and not when the writer may have reached it
+    again while the file was read). FileNotFoundError when there is none; FlightrecError("bad_anchors")
+    for another layout or another process's ring."""
+    with open(path, "rb") as fh:
+        data = fh.read(1 << 24)
+        again = os.pread(fh.fileno(), 8, _ANCHOR_COUNT_AT)
+    if len(data) < _ANCHOR_HEADER_BYTES or len(again) < 8:
+        raise FlightrecError("bad_anchors", f"{path}: short file")
+    magic, version, slots, ticks, clock = _ANCHOR_HEAD.unpack_from(data, 0)
+    if magic != _ANCHOR_MAGIC or version != 1 or clock != 1 or len(data) < _ANCHOR_HEADER_BYTES + slots * 16:
+        raise FlightrecError("bad_anchors", f"{path}: not an anchor ring of version 1")
+    if ticks != start_ticks:
+        raise FlightrecError("bad_anchors", f"{path}: written by another process (start ticks {ticks}, not "
+                             f"{start_ticks}: pid reused)")
+    count = struct.unpack_from("<Q", data, _ANCHOR_COUNT_AT)[0]
+    out = []
+    for n in range(max(after + 1, struct.unpack("<Q", again)[0] - slots + 1, 0), count):
+        num, ns = struct.unpack_from("<QQ", data, _ANCHOR_HEADER_BYTES + (n % slots) * 16)
+        if num == n + 1:
+            out.append((n, ns))
+    return out
+
+
+def header_anchors(doc) -> list[tuple[int, int]]:
+    """The anchors of an exit dump's header ({"version": 1, "clock": "realtime", "anchors": [[n, ns], ...]});
+    FlightrecError("bad_anchors") for anything else."""
+    if not isinstance(doc, dict) or doc.get("version") != 1 or doc.get("clock") != "realtime" or \
+            not isinstance(doc.get("anchors"), list):
+        raise FlightrecError("bad_anchors", "exit dump anchors: not a version 1 realtime list")
+    out = []
+    for a in doc["anchors"]:
+        if not (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a)):
+            raise FlightrecError("bad_anchors", f"exit dump anchors: bad entry {str(a)[:80]}")
+        out.append((a[0], a[1]))
+    return sorted(out)
+
+
 def entry_done(e: dict) -> bool:
     return bool(e.get("retired")) or e.get("state") == "completed"
 
@@ -314,7 +365,7 @@ class _Target:
 
     def __init__(self, key, path, info) -> None:
         self.key, self.path, self.info = key, path, info
-        self.cursors = {ep: _Cursor() for ep in ENDPOINTS}
+        self.cursors = {ep: _Cursor() for ep in ENDPOINTS + (ANCHORS,)}  # anchors: .high = last number read
         self.missing: set[str] = set()  # endpoints this process does not serve
 
 
@@ -341,6 +392,7 @@ class FlightrecSource(Source):
         self.finished: dict[tuple[int, int], float] = {}  # exit dump read: never polled again
         self.unremovable: set[str] = set()  # exit dumps read but not deletable here: never read again
         self.exit_dumps = 0
+        self.anchors_total = 0
 
     def _sockets(self) -> dict[int, str]:
         found: dict[int, str] = {}
@@ -446,6 +498,12 @@ class FlightrecSource(Source):
                 return int(env[name]) if env.get(name, "").lstrip("-").isdigit() else -1
             info = ProcessInfo(0, key[0], key[1], rank=num("RANK"), world_size=num("WORLD_SIZE"),
                                job_key=job_key_from_env(env))
+        if "anchors" in header:
+            try:
+                self._anchors(key, header_anchors(header["anchors"]),
+                              tgt.cursors[ANCHORS] if tgt is not None else _Cursor())
+            except FlightrecError as exc:
+                self._report(out, key, exc.kind, f"{path}: {exc}")
         entries, lost = new_entries(dump, tgt.cursors[ENDPOINTS[0]] if tgt is not None else _Cursor(), final=True)
         if lost:
             self.lost_entries += lost
@@ -502,7 +560,27 @@ class FlightrecSource(Source):
                 self._report(out, tgt.key, "entries_malformed", f"{tgt.path} {ep}: {malformed} entries skipped "
                              f"(first: {first})", once=False)
                 out[-1].value = float(malformed)
+        if ANCHORS not in tgt.missing:  # after the dump: it covers every op the dump holds
+            path = os.path.join(os.path.dirname(tgt.path), f"{tgt.key[0]}.{ANCHORS}")
+            try:
+                self._anchors(tgt.key, read_anchor_ring(path, tgt.key[1], tgt.cursors[ANCHORS].high),
+                              tgt.cursors[ANCHORS])
+            except FileNotFoundError:
+                tgt.missing.add(ANCHORS)  # a bootstrap without anchors: steps end at the ops
+            except (OSError, FlightrecError) as exc:
+                tgt.missing.add(ANCHORS)
+                self._report(out, tgt.key, "bad_anchors", f"{exc}; steps end at the last op")
         return ops
+
+    def _anchors(self, key: tuple[int, int], anchors: list[tuple[int, int]], cur: _Cursor) -> None:
+        """New optimizer-step ends (by sequence number) to the segmenter, on this boot's monotonic clock."""
+        fresh = [t for seq, t in anchors if seq > cur.high]
+        if anchors:
+            cur.high = max(cur.high, anchors[-1][0])
+        mono = [m for m in (self.clock.to_mono(t) for t in fresh) if m > 0]  # not of this boot: left out
+        if mono:
+            self.anchors_total += len(mono)
+            self.log.segmenter.add_anchors(key[0], key[1], mono)
 
     def stop(self) -> None:
         log = getattr(self, "log", None)

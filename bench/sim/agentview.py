@@ -67,7 +67,7 @@ from steplens.agent.records import (
 
 from .faults import Fault
 from .model import Iteration, ModelConfig, simulate
-from .output import Rows
+from .output import Rows, pair_xfer
 
 PID_BASE = 4000                  # local rank l runs as pid PID_BASE + l on its node
 START_TICKS = 1_000_000
@@ -192,13 +192,14 @@ def _constructed_step(p: _Proc, job_key: str, number: int, start: int, ops: list
     """StepSegmenter._step over one step's ops (issue order), without building CommOp records. ops are
     (comm_id, op, seq, bytes, issue_mono, end_mono); every op has start == issue and an end, timing cuda_event
     (so wait_ns is -1: not measured)."""
-    comms: dict[str, StepComm] = {}
+    comms: dict = {}
     budget = MAX_COLLECTIVES
     end = 0
     for cid, op, seq, nb, a, b in ops:
-        c = comms.get(cid)
+        key = (cid, op) if op in ("send", "recv") else cid  # as StepSegmenter._step: sends apart from receives
+        c = comms.get(key)
         if c is None:
-            c = comms[cid] = StepComm(cid, op, 0, 0, 0, -1, -1, [], 0)
+            c = comms[key] = StepComm(cid, op, 0, 0, 0, -1, -1, [], 0)
         elif c.op != op:
             c.op = "mixed"
         c.calls += 1
@@ -243,7 +244,7 @@ def _summaries(p: _Proc, job_key: str, ops: list[tuple]) -> list[CommSummary]:
     return sorted(groups.values(), key=lambda s: (s.mono_ns, s.pid, s.comm_id, s.op))
 
 
-def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int) -> tuple[list, list[list[str]]]:
+def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int, net) -> tuple[list, list[list[str]]]:
     """Rows.commops() of stage s (dense model) column-wise: [(slot, op, seq, bytes, issue[col], end[col])] in
     every rank's issue order, col = d * T + t, and the comm id of each slot per column. The same values as
     Rows.commops(), computed per op over all ranks of the stage at once."""
@@ -274,10 +275,13 @@ def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int) -> tuple[li
             rows.append(("tp", "all_reduce", i2m + k, act,
                          [base + int(round(a + comp * f)) for a, f in zip(st, fac)], ns(end)))
         if kind == "F" and s < P - 1:
-            rows.append(("next", "send", i2m + m, act, ns(end), ns([a + x for a, x in zip(end, it.xfer_ns[s])])))
+            px = pair_xfer(net, cfg, it, s)
+            rows.append(("next", "send", i2m + m, act, ns(end),
+                         [base + int(round(end[c // T] + px[c])) for c in range(D * T)]))
         elif kind == "B" and s > 0:
+            px = pair_xfer(net, cfg, it, s - 1)
             rows.append(("prev", "send", i2m + M + m, act, ns(end),
-                         ns([a + x for a, x in zip(end, it.xfer_ns[s - 1])])))
+                         [base + int(round(end[c // T] + px[c])) for c in range(D * T)]))
     if D > 1:
         last = it.ops[s][-1][4]
         ar = it.ar_ns[s]
@@ -287,17 +291,17 @@ def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int) -> tuple[li
 
 
 def _dense_records(cfg: ModelConfig, it: Iteration, base: int, procs: list, job_key: str, last_end: dict,
-                   want_step: bool, want_sum: bool, mine) -> Iterator[tuple[int, object]]:
+                   want_step: bool, want_sum: bool, mine, net) -> Iterator[tuple[int, object]]:
     """(rank, Step | CommSummary) of one iteration of a dense job: what _constructed_step() and _summaries()
     make of each rank's Rows.commops(), ~4x faster (per op work is list arithmetic over a stage's ranks)."""
     D, T = cfg.dp, cfg.tp
     for s in range(cfg.pp):
-        rows, names = _dense_stage(cfg, it, s, base)
+        rows, names = _dense_stage(cfg, it, s, base, net)
         n = len(rows)
-        slots: dict[str, list[int]] = {}
+        slots: dict = {}
         pairs: dict[tuple[str, str], list[int]] = {}
         for i, row in enumerate(rows):
-            slots.setdefault(row[0], []).append(i)
+            slots.setdefault((row[0], row[1]) if row[1] in ("send", "recv") else row[0], []).append(i)
             pairs.setdefault((row[0], row[1]), []).append(i)
         durs = [[b - a if b > a else 0 for a, b in zip(row[4], row[5])] for row in rows]
         ends = [max(col) for col in zip(*(row[5] for row in rows))]
@@ -330,8 +334,9 @@ def _dense_records(cfg: ModelConfig, it: Iteration, base: int, procs: list, job_
                 tup = issues[c]
                 start = last_end.get(r) or tup[0]
                 end = ends[c]
-                comms = [StepComm(names[slot][c], op, calls, nb, busy[c], -1, seq, [tup[i] - start for i in off],
-                                  dropped) for slot, op, calls, nb, seq, off, dropped, busy in slot_info]
+                comms = [StepComm(names[slot if type(slot) is str else slot[0]][c], op, calls, nb, busy[c], -1, seq,
+                                  [tup[i] - start for i in off], dropped)
+                         for slot, op, calls, nb, seq, off, dropped, busy in slot_info]
                 last_end[r] = end
                 yield r, Step(end, p.pid, START_TICKS, job_key, r, it.it, min(start, end), end, "comm_pattern", n, n,
                               comms)
@@ -410,7 +415,7 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
     for it in _iterations(cfg, faults):
         if dense and (want_step or want_sum):
             for r, rec in _dense_records(cfg, it, mono_base, procs, job_key, last_end, want_step, want_sum,
-                                         mine_rank):
+                                         mine_rank, rows.net):
                 yield out(r // gpn, "flightrec", rec)
             per_rank = {}
         else:
@@ -468,6 +473,8 @@ def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: i
     for it in _iterations(cfg, faults):
         if hi is not None and it.start and mono_base + min(it.start) > hi:
             break
+        if it.end and mono_base + max(it.end) + 10**9 < since_ns:
+            continue  # ends (with a second to spare for ops past the step end) before the window
         for r, ops in _by_rank(rows, it, want).items():
             p = procs[r]
             for cid, op, seq, nb, a, b in ops:

@@ -29,6 +29,20 @@ SM_CLOCK_MHZ = 1980.0
 IDLE_W, MAX_W = 90.0, 700.0
 
 
+def pair_xfer(net: Network, cfg: ModelConfig, it: Iteration, s: int) -> list[float]:
+    """Rows.pair_xfer (a function, for the column-wise agent view): cached per network state and stage."""
+    key = (tuple(sorted(it.net.items())) if it.net else (), s)
+    cache = net.__dict__.setdefault("_pair_xfer", {})
+    got = cache.get(key)
+    if got is None:
+        if len(cache) > 256:
+            cache.clear()
+        bits = cfg.activation_bytes * 8e9
+        got = cache[key] = [net.p2p_lat + bits / net.pair_bps(cfg.rank(s, d, t), cfg.rank(s + 1, d, t), it.net)
+                            for d in range(cfg.dp) for t in range(cfg.tp)]
+    return got
+
+
 class Rows:
     """Row generators for one job: cluster-time conversion, rank -> node/device, comm ids."""
 
@@ -52,6 +66,12 @@ class Rows:
 
     def ns(self, t: float) -> int:
         return self.base + int(round(t))
+
+    def pair_xfer(self, it: Iteration, s: int) -> list[float]:
+        """Stage s <-> s+1 transfer time of each pipeline pair, per column d * T + t (rank(s, d, t) with
+        rank(s+1, d, t)), ns. The stage waits for the slowest (model: it.xfer_ns[s][d]); each send ends
+        after its own pair's transfer, so a slow NIC shows on its own rank's sends only."""
+        return pair_xfer(self.net, self.cfg, it, s)
 
     # -- step summaries -----------------------------------------------------------------------
     def steps(self, it: Iteration) -> Iterator[tuple[int, int, int, int, int, int, int]]:
@@ -79,10 +99,10 @@ class Rows:
         P, M, act, ns = self.cfg.pp, self.cfg.micro_batches, self.cfg.activation_bytes, self.ns
         if kind == "F" and s < P - 1:
             yield (r, f"pp.s{s}-{s + 1}.d{d}.t{t}", "send", it.it * 2 * M + m, act,
-                   ns(end[d]), ns(end[d] + it.xfer_ns[s][d]))
+                   ns(end[d]), ns(end[d] + self.pair_xfer(it, s)[d * self.cfg.tp + t]))
         elif kind == "B" and s > 0:
             yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
-                   ns(end[d]), ns(end[d] + it.xfer_ns[s - 1][d]))
+                   ns(end[d]), ns(end[d] + self.pair_xfer(it, s - 1)[d * self.cfg.tp + t]))
 
     def commops(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
         """(rank, comm_id, op, seq, bytes, start_ns, end_ns) per rank, schedule order within a stage."""

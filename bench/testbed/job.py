@@ -126,6 +126,8 @@ def tensor_parallel_mlp(width: int, tp: int, tp_index: int, tp_group, clock: dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--host", default="", help="the testbed host it runs on (h<i>): read by that host's agent "
+                                               "from the command line, unused here")
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage replica (one host)")

@@ -6,6 +6,13 @@ Layout (root namespace untouched): namespace `sltb-br` holds bridge `br0`; each 
 the collector refuses plaintext off loopback. Every process started here is recorded (PID and start time)
 in `<state>/pids.jsonl`, so `down` kills exactly those, also after a crash of the caller; namespaces are
 found by the `sltb-` prefix and removed with everything inside them (veths, tc qdiscs).
+Each agent watches its own host's ranks only: all namespaces share the root PID namespace and file system, so
+the agent of `h<i>` gets a config (`agents/h<i>.toml`) whose procs source classifies workloads by the
+`--host h<i>` the job carries on its command line (not by libtorch in their maps, which every rank has), and
+whose flightrec source reads the sockets in `<state>/fr/h<i>`, where that host's ranks run the steplens
+bootstrap (`start_job` with agents up: PYTHONPATH + STEPLENS_BOOTSTRAP=1, Flight Recorder worker server and
+the optimizer-step anchors). The collector reads `<state>/collector.toml` (COLLECTOR_TOML: the analysis
+loop and detector windows for a ~0.1 s step, and the irregularity gate set to this bed's jitter).
 Needs root and `ip` (iproute2). Costs: the collector and four agents take a few % of a core together.
 """
 
@@ -44,9 +51,6 @@ reconnect_max_seconds = 2.0
 [sources.host]
 interval_seconds = 1.0
 
-[sources.procs]
-interval_seconds = 1.0
-
 [sources.sched]
 enabled = false
 
@@ -55,6 +59,45 @@ enabled = false
 
 [sources.netflows]
 enabled = false
+"""
+
+# per host, appended to AGENT_TOML: only this host's ranks (see the module docstring); Flight Recorder and
+# anchors every second, so a step reaches the collector ~1-2 s after it ended
+AGENT_HOST_TOML = """
+[sources.procs]
+interval_seconds = 1.0
+detect_by_maps = false
+patterns = ['job\\.py .*--host {node}( |$)']
+
+[sources.flightrec]
+interval_seconds = 1.0
+socket_dirs = ['{fr_dir}']
+"""
+
+# the collector's analysis for the testbed's job (~0.07-0.1 s steps quiet, ~0.3-0.5 s under the slower faults): a
+# pass every second over the last 40 s of steps (~400 steps: the 100-step baseline plus a fault), and a finding
+# resolves 6 s of data time after its last confirmation, so faults ~20 s apart are told apart.
+# The irregularity gate is set to this bed's own jitter: 4 CPU-bound ranks, 4 agents and the collector share 2
+# cores, so the quiet job step (max over ranks) is 1.25x its trailing median in 25 % of the steps, 1.55x at the
+# 90th percentile, 2.3x at the 99th (measured 2026-11-24, 3,100 quiet steps). With the defaults (delta 1.1,
+# spike 1.25x, fluctuation at 5 % flagged) that quiet job gave 163 findings in 4.3 min (replayed through
+# irregularity.detect on the stored steps); with delta 1.8, spikes from 3x and fluctuations from 30 % flagged,
+# none. The faults that matter here are 2.8-25x; `noisy` (1.7-1.85x) sits inside the quiet jitter.
+# Every other detector setting keeps its default (systemd/collector.toml.example).
+COLLECTOR_TOML = """
+[analysis]
+interval_seconds = 1.0
+
+[detectors.irregularity]
+window_seconds = 40.0
+resolve_after_seconds = 6.0
+delta = 1.8
+spike_ratio = 3.0
+fluctuation_fraction = 0.3
+
+[detectors.commtime]
+window_seconds = 40.0
+resolve_after_seconds = 6.0
 """
 
 
@@ -97,6 +140,16 @@ def topology_file(layout: Layout) -> dict:
             "nodes": [{"id": node_id(i), "hostname": host_ns(i),
                        "nics": [{"id": f"{node_id(i)}.eth0", "switch": "br0", "ip": host_ip(i)}], "gpus": []}
                       for i in range(layout.hosts)]}
+
+
+def fr_dir(layout: Layout, i: int) -> str:
+    """Where host i's ranks put their bootstrap sockets (<pid>.sock), read by host i's agent only. A Unix socket
+    path holds 107 bytes: a state dir too deep for that gets a short directory under /tmp instead."""
+    d = layout.path("fr", node_id(i))
+    if len(d) + len("/4194304.sock") > 107:
+        import hashlib
+        d = os.path.join("/tmp", "sltb-fr-" + hashlib.sha1(layout.state_dir.encode()).hexdigest()[:10], node_id(i))
+    return d
 
 
 def bin_path(name: str) -> str:
@@ -304,19 +357,23 @@ def up(layout: Layout, agents: bool = True) -> dict:
         nodes = [node_id(i) for i in range(layout.hosts)]
         pki = make_pki(layout, nodes)
         ca = pki["ca"][0]
-        c = spawn(layout, "collector", [bin_path("steplens-collector"), "serve", "--db", layout.path("collector.db"),
+        with open(layout.path("collector.toml"), "w") as fh:
+            fh.write(COLLECTOR_TOML)
+        c = spawn(layout, "collector", [bin_path("steplens-collector"), "serve", "--config",
+                                        layout.path("collector.toml"), "--db", layout.path("collector.db"),
                                         "--listen", layout.collector_address, "--tls-ca", ca,
                                         "--tls-cert", pki["collector"][0], "--tls-key", pki["collector"][1]],
                   ns=COLLECTOR_NS)
         _wait_log(layout.path("logs", "collector.log"), "listening", 30, c)
         if agents:
-            with open(layout.path("agents", "agent.toml"), "w") as fh:
-                fh.write(AGENT_TOML)
             for i, n in enumerate(nodes):
                 sd = layout.path("agents", n)
                 os.makedirs(sd, exist_ok=True)
+                os.makedirs(fr_dir(layout, i), exist_ok=True)
+                with open(layout.path("agents", f"{n}.toml"), "w") as fh:
+                    fh.write(AGENT_TOML + AGENT_HOST_TOML.format(node=n, fr_dir=fr_dir(layout, i)))
                 spawn(layout, f"agent-{n}", [bin_path("steplens-agent"), "run", "--config",
-                                             layout.path("agents", "agent.toml"), "--collector",
+                                             layout.path("agents", f"{n}.toml"), "--collector",
                                              layout.collector_address, "--node-id", n, "--state-dir", sd,
                                              "--metrics-listen", "", "--tls-ca", ca, "--tls-cert", pki[n][0],
                                              "--tls-key", pki[n][1]], ns=host_ns(i))
@@ -436,6 +493,10 @@ def start_job(layout: Layout, dp: int = 2, pp: int = 2, steps: int = 100, schedu
     if os.path.exists(layout.path("faults", "all.json")):
         os.remove(layout.path("faults", "all.json"))
     job = os.path.join(os.path.dirname(os.path.abspath(__file__)), "job.py")
+    boot = {}
+    if state.get("agents"):  # the agents read Flight Recorder and the anchors through the bootstrap
+        from steplens.agent.bootstrap import site_dir
+        boot = dict(PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1")
     ranks = []
     for pl in placement(dp, pp, tp):
         r, h = pl["rank"], pl["host_index"]
@@ -445,7 +506,11 @@ def start_job(layout: Layout, dp: int = 2, pp: int = 2, steps: int = 100, schedu
         env = dict(os.environ, MASTER_ADDR=host_ip(0), MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="eth0",
                    OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", WORLD_SIZE=str(world),
                    RANK=str(r), **(env_faults or {}).get(r, {}))
-        p = spawn(layout, f"rank{r}", [sys.executable, job, "--rank", str(r), "--dp", str(dp), "--pp", str(pp),
+        if boot:
+            os.makedirs(fr_dir(layout, h), exist_ok=True)
+            env.update(boot, STEPLENS_RUNTIME_DIR=fr_dir(layout, h))
+        p = spawn(layout, f"rank{r}", [sys.executable, job, "--rank", str(r), "--host", node_id(h),
+                                       "--dp", str(dp), "--pp", str(pp),
                                        "--tp", str(tp), "--steps", str(steps), "--schedule", schedule,
                                        "--timeout-seconds", str(timeout_seconds), "--state-dir", layout.state_dir,
                                        *(extra_args or [])],

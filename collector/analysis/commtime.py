@@ -8,9 +8,12 @@ clock, no state across windows.
 Why: many network faults (a slow link, a congested switch) barely move the job's step time, since
 communication overlaps compute, so the irregularity gate never fires; the communicators crossing the bad
 device still take longer to transfer.
-Transfer time of a collective communicator (point-to-point ones are left out: their busy time includes waiting
-for the peer) in step s: the min over its members of busy_ns (the member that waited least spent only the
-transfer; a slow GPU arrives last and waits least, so a compute straggler does not raise it).
+Transfer time of a collective communicator in step s: the min over its members of busy_ns (the member that
+waited least spent only the transfer; a slow GPU arrives last and waits least, so a compute straggler does not
+raise it). Point-to-point communicators count by their sends (`<comm id>#send`: the agent summarizes sends
+apart from receives; a send starts when its data is ready, its receiver mostly waits already, so its busy time
+is mostly transfer; a receive's is mostly waiting and is left out). A pipeline pair's sends that did not slow
+are no alibi for the devices on their path (a small transfer is latency-bound), so they count only when slow.
 Per communicator, over the steps before the last recent_steps: a trailing baseline (median of the last
 baseline_steps steps not flagged, a step being flagged at >= ratio x the baseline then in force, as the
 irregularity gate does for the job). The communicator is slow when the median of its last recent_steps
@@ -24,9 +27,11 @@ without a stored topology.
 No duplicate of the irregularity detector: when the job's step time over the recent steps is itself
 >= gate_ratio x its baseline (the gate's delta), the gate fires and irregularity localizes slow communicators
 with the same scoring, so this detector stays silent (gate_ratio = 0: report anyway).
-Limit: one slow ring implicates all of its links alike (a ring runs at its slowest link's pace), so a slow
-link crossed by one communicator only is named among its ring's links, not first (point-to-point busy time,
-which would tell them apart, is mostly waiting: +7 % for a 1.36x link on the fit set, too little to use).
+Ties: one slow ring implicates all of its links alike (a ring runs at its slowest link's pace). When the best
+suspects tie, irregularity.refine asks the agents of the ranks on them for their CommOps (progressive
+fetching, probe.py) and scores their pipeline pairs' measured transfer times beside the rings: the slow link
+comes first; the evidence says how many ranks were fetched. Without fetching (no agents connected) the tie
+stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its peer's link.
 Cost: one pass over ranks x steps x communicators in plain Python: 2.2-2.4 s per window for 512 ranks x 100
 steps on this 2-core VM (with an eval running beside it), ~70 % of it reading the Step records (load).
 """
@@ -40,7 +45,8 @@ from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import P2P_OPS, IrregularityConfig, load, nic_map, score_devices
+from steplens.collector.analysis.irregularity import (P2P_OPS, IrregularityConfig, comm_key, load, nic_map,
+                                                      refine, score_devices)
 
 
 @dataclass
@@ -73,24 +79,35 @@ class CommtimeConfig(DetectorConfig):
 
 
 def transfer_times(js, numbers_idx: range) -> tuple[dict[str, dict[int, int]], dict[str, set[int]]]:
-    """Per collective communicator: step index -> min busy_ns over its members, and its members."""
+    """Per collective communicator, and per point-to-point one's sends (`<id>#send`): step index -> min busy_ns
+    over its members, and its members."""
     t: dict[str, dict[int, int]] = {}
     members: dict[str, set[int]] = {}
+    numbers = js.numbers
     for rank, steps in js.rows.items():
+        mine: set[str] = set()
         for i in numbers_idx:
-            row = steps.get(js.numbers[i])
+            row = steps.get(numbers[i])
             if row is None:
                 continue
             for c in row["comms"]:
-                if c["op"] in P2P_OPS:
-                    continue
-                cid = c["comm_id"]
-                members.setdefault(cid, set()).add(rank)
+                op = c["op"]
+                if op in P2P_OPS:
+                    if op != "send":
+                        continue  # a receive's busy time is mostly waiting for its sender
+                    cid = comm_key(c)
+                else:
+                    cid = c["comm_id"]
+                mine.add(cid)
                 b = c["busy_ns"]
                 if b > 0:
-                    per = t.setdefault(cid, {})
-                    if i not in per or b < per[i]:
+                    per = t.get(cid)
+                    if per is None:
+                        per = t[cid] = {}
+                    if b < per.get(i, 1 << 62):
                         per[i] = b
+        for cid in mine:
+            members.setdefault(cid, set()).add(rank)
     return t, {c: m for c, m in members.items() if len(m) >= 2}
 
 
@@ -163,9 +180,11 @@ def detect(reader, window: Window, cfg: CommtimeConfig) -> list[Finding]:
         return []
     topo, nic_of = nic_map(reader, window.job_key, js)
     sus = score_devices(slow, members, js.node_of, topo, nic_of)
+    first = min(onset_idx.values())
+    ref = [i for i in range(first) if i < lo][-cfg.baseline_steps:]
+    sus, pev = refine(reader, window.job_key, js, sus, slow, members, topo, nic_of, ref, list(range(lo, n)))
     sus.sort(key=lambda s: (-s.score, s.kind, s.id))
     sus = sus[:cfg.max_suspects]
-    first = min(onset_idx.values())
     sev = max(slow.values())
     top = f"; top suspect {sus[0].kind} {sus[0].id}" if sus else ""
     worst = sorted(slow, key=lambda c: -slow[c])
@@ -175,7 +194,8 @@ def detect(reader, window: Window, cfg: CommtimeConfig) -> list[Finding]:
                     summary=summary, suspects=tuple(sus),
                     evidence={"first_step": js.numbers[first], "recent_steps": N, "ratio": cfg.ratio,
                               "step_ns": int(step_now), "slow_comms": {c: ev[c] for c in worst[:10]},
-                              "slow_count": len(slow), "comms": len(members)})]
+                              "slow_count": len(slow), "comms": len(members),
+                              **({"probe": pev} if pev else {})})]
 
 
 SPEC = DetectorSpec(

@@ -38,23 +38,35 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            Holmes' H(d): see "Ranking" below); cause `network`. Without a stored topology the devices are the
            members' nodes. A switch all of whose (>= 2) switch links are suspected alike, above it, takes
            their score: one bad switch explains them all (a congested leaf slows both its uplinks equally).
+           Tied best devices (a ring's links) are re-scored with measured pipeline-pair transfers fetched
+           from the ranks on them only (refine(), probe.py: progressive fetching; evidence `probe` says how
+           many ranks were fetched).
   order    compute suspects, then network devices, then `waiting` ranks (an effect, not a cause), each by score.
-  persistent straggler (slowdown below the gate): over the last straggler_steps steps, a rank last in >=
-           straggler_share of the collectives of every collective communicator it joins, by a margin over
-           the members' median summed over a step >= straggler_min_fraction of the step time, in every one
-           of them z >= straggler_z against chance (1/members): kind `slowdown`, cause `compute`.
+  causes   concurrent root causes get one finding each (causes()): a second rank late into every collective it
+           joins with >= half the best compute score, and the best network device when the top is a GPU; the
+           extra findings lead with their own suspect and name the first in `concurrent_with`.
+  persistent straggler (slowdown below the gate): over the last straggler_steps steps, a rank late into
+           every collective communicator it joins: per comm, its per-step mean margin over the members'
+           median arrival has z >= straggler_z_every (>= straggler_z in one; steps as samples), and it
+           keeps its groups waiting >=
+           straggler_min_fraction of the step time per step in all (stragglers()): kind `slowdown`, cause
+           `compute`.
 Reference for the skew: the healthy steps before the finding's first flagged step; for a degradation, before
 its ramp (ramp_onset: the unflagged steps just before it whose ratio is already >= 1 + ramp_fraction x
 (delta - 1) carry the slow rank's lateness, and taking them as healthy hid a one-rank degradation's rank).
 Ranks are global ranks ("13"); NICs, links and switches are the topology file's ids.
-Ranking: suspects are ranked within one finding (one episode), not by Holmes' cross-iteration MAP (§3.7,
-Σ R·H(d) + α·p(d)); the erratum-fixed decay H(d) = ln(1 + C)/(C ln 2) is not applied: on the evaluation's fit
-set (bench/eval, seed 1000) the precision x recall score already ranks visible switch faults first, and H(d)
-on switches alone would push a congested leaf under its own uplinks.
+Ranking: suspects are ranked within one finding (one episode) by the scores above. Holmes' cross-iteration
+MAP ranking (§3.7, Σ R·H(d) + α·p(d) with the erratum-fixed decay H(d) = ln(1 + C)/(C ln 2): devrank.py) is
+computed beside it for every episode (map_ranking(), evidence `map`) and scored by bench/eval
+(`map_top1_of_faults`): it ranks a slow GPU first as well, but ties a ring's links and puts a congested leaf
+under its own NIC links (H(d) divides the leaf's sum by the NICs below it), so it does not order the suspects.
 Assumptions: rings follow sorted member order (NCCL's real ring order is not in the store); with ECMP every
 equal-cost path is weighted alike, so a single bad spine is not told apart from its peers.
 Cost: O(ranks x steps x collectives) in plain Python (no numpy in this package): ~0.3 s for 512 ranks x 100
-steps here; the offsets used per communicator and step are capped at max_collectives_per_step.
+steps here; the offsets used per communicator and step are capped at max_collectives_per_step, and lowered so
+ranks x steps x offsets stays under max_arrivals (collective_picks: 3 per step at 8,192 ranks x 20 steps).
+load() keeps its last result on the reader, so the detectors of one pass parse the Step rows once. Measured
+for all detectors on one window of an 8,192-GPU job x 60 steps: 2-6 s (bench/eval/scale.py).
 """
 
 from __future__ import annotations
@@ -65,11 +77,18 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
+from steplens.collector.analysis import devrank, probe
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.steptime import EVIDENCE_RANK
 
-P2P_OPS = ("send", "recv", "mixed", "sendrecv")
+P2P_OPS = ("send", "recv", "sendrecv")
+SEND = "#send"   # key suffix of a point-to-point communicator's sends (agent/steps.py summarizes them apart)
+
+
+def comm_key(c: dict) -> str:
+    """A StepComm's key: the comm id of a collective; `<comm id>#send` / `#recv` for point-to-point ops."""
+    return c["comm_id"] if c["op"] not in P2P_OPS else f"{c['comm_id']}#{c['op']}"
 
 
 @dataclass
@@ -86,12 +105,13 @@ class IrregularityConfig(DetectorConfig):
     fluctuation_fraction: float = 0.05     # share of flagged steps in it
     periodic_power: float = 8.0            # DFT peak over mean power: periodic
     comm_slow_ratio: float = 1.2           # a communicator's transfer time this much above healthy: slow
-    comm_slow_min_fraction: float = 0.02   # ... and by at least this share of the baseline step
+    comm_slow_min_fraction: float = 0.01   # ... and by at least this share of the baseline step
     straggler_steps: int = 50              # steps of the persistent-straggler test
-    straggler_share: float = 0.8           # last in at least this share of its collectives
-    straggler_min_fraction: float = 0.01   # mean arrival margin at least this share of the step time
-    straggler_z: float = 5.0               # binomial z-score against chance, per communicator
+    straggler_min_fraction: float = 0.01   # waiting it causes per step, all its groups: this share of the step
+    straggler_z: float = 6.0               # z of its per-step mean arrival margin, in one of its groups at least
+    straggler_z_every: float = 3.0         # ... and at least this in every collective group it joins
     max_collectives_per_step: int = 16     # issue offsets used per communicator and step (evenly spread)
+    max_arrivals: int = 500_000            # ranks x steps x offsets per analysis at most (fewer offsets if more)
     max_suspects: int = 5
     ramp_fraction: float = 0.25            # a step before a degradation with ratio >= 1 + this x (delta - 1) is
                                            # part of its ramp: left out of the pre-onset reference
@@ -104,17 +124,15 @@ class IrregularityConfig(DetectorConfig):
             raise ConfigError("need 2 <= min_baseline_steps <= baseline_steps <= 100000")
         if not 0.0 < self.complete_fraction <= 1.0 or not 0.0 < self.fluctuation_fraction < 1.0:
             raise ConfigError("complete_fraction and fluctuation_fraction must be within (0, 1]")
-        if not 0.0 < self.straggler_share <= 1.0:
-            raise ConfigError(f"straggler_share must be within (0, 1], got {self.straggler_share}")
         if self.spike_ratio < self.delta:
             raise ConfigError("spike_ratio must be >= delta")
         for name in ("spike_max_run", "degradation_steps", "fluctuation_steps", "straggler_steps",
-                     "max_collectives_per_step", "max_suspects"):
+                     "max_collectives_per_step", "max_suspects", "max_arrivals"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1")
         if self.degradation_steps <= self.spike_max_run:
             raise ConfigError("degradation_steps must be > spike_max_run")
-        for name in ("periodic_power", "comm_slow_ratio", "straggler_z"):
+        for name in ("periodic_power", "comm_slow_ratio", "straggler_z", "straggler_z_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
 
@@ -132,6 +150,21 @@ class JobSteps:
 
 
 def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
+    """The window's steps, one series per rank; the last result is kept on the reader (an AnalysisReader lives
+    for one pass over a job), so the detectors of one pass read and parse the Step rows once."""
+    key = (window, cfg.complete_fraction, cfg.pivot_rank)
+    memo = getattr(reader, "_steps_memo", None)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    js = _load(reader, window, cfg)
+    try:
+        reader._steps_memo = (key, js)
+    except AttributeError:
+        pass
+    return js
+
+
+def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
     rows = reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
     series: dict[int, dict[tuple, list[dict]]] = {}
     for r in rows:
@@ -316,7 +349,14 @@ class Skew:
     all_members: dict[str, set[int]]
 
 
+def collective_picks(js: JobSteps, steps: int, cfg: IrregularityConfig) -> int:
+    """Issue offsets used per communicator and step: max_collectives_per_step, fewer on large jobs so that
+    ranks x steps x picks stays within max_arrivals (bounded CPU per window: 8,192 ranks x 20 steps -> 3)."""
+    return max(1, min(cfg.max_collectives_per_step, cfg.max_arrivals // max(1, len(js.rows) * max(1, steps))))
+
+
 def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 1000) -> Skew:
+    picks = collective_picks(js, len(idx), cfg)
     last: dict = {}
     total: dict = {}
     margin: dict = {}
@@ -331,7 +371,7 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
             if row is None:
                 continue
             for c in row["comms"]:
-                comms.setdefault(c["comm_id"], []).append((rank, row["start_ns"], c))
+                comms.setdefault(comm_key(c), []).append((rank, row["start_ns"], c))
         for cid, mem in comms.items():
             if len(mem) < 2:
                 continue
@@ -343,7 +383,7 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
                 continue
             members.setdefault(cid, set()).update(m[0] for m in mem)
             k_n = min(len(m[2]["issue_offsets_ns"]) for m in mem)
-            for k in _pick(list(range(k_n)), cfg.max_collectives_per_step):
+            for k in _pick(list(range(k_n)), picks):
                 arr = [(start + c["issue_offsets_ns"][k], rank) for rank, start, c in mem]
                 top = max(a for a, _ in arr)
                 lasts = [rank for a, rank in arr if top - a <= tie_ns]
@@ -419,11 +459,12 @@ def _devices(topo, nic_of: dict[int, str], node_of: dict[int, str], mem: set[int
 
 
 def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: IrregularityConfig,
-                     topo, nic_of: dict[int, str], computing: set[int] = frozenset()) -> tuple[list[Suspect], dict]:
+                     topo, nic_of: dict[int, str], computing: set[int] = frozenset(),
+                     probe_ctx: tuple | None = None) -> tuple[list[Suspect], dict]:
     slow: dict[str, float] = {}
     for cid, per in bad.transfer.items():
-        if cid not in bad.members and computing & bad.all_members[cid]:
-            continue  # a point-to-point comm's busy time includes waiting for a peer that computes slowly
+        if cid not in bad.members and (not cid.endswith(SEND) or computing & bad.all_members[cid]):
+            continue  # a receive's busy time is mostly waiting; a send to/from a slow GPU may wait too
         h = list(good.transfer.get(cid, {}).values())
         f = list(per.values())
         if len(h) < 3 or not f:
@@ -431,10 +472,39 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
         mh, mf = median(h), median(f)
         if mh > 0 and mf >= cfg.comm_slow_ratio * mh and mf - mh >= cfg.comm_slow_min_fraction * base_ns:
             slow[cid] = mf / mh
-    if not any(c in bad.members for c in slow):
-        return [], {}  # point-to-point busy time includes waiting: alone it is no evidence of the network
+    if not slow:
+        return [], {"slow_comms": {}}
     out = score_devices(slow, bad.all_members, js.node_of, topo, nic_of)
-    return out, {c: round(v, 3) for c, v in sorted(slow.items(), key=lambda kv: -kv[1])[:10]}
+    ev = {"slow_comms": {c: round(v, 3) for c, v in sorted(slow.items(), key=lambda kv: -kv[1])[:10]}}
+    if probe_ctx is not None:
+        out, pev = refine(probe_ctx[0], probe_ctx[1], js, out, slow, bad.all_members, topo, nic_of,
+                          probe_ctx[2], probe_ctx[3])
+        if pev:
+            ev["probe"] = pev
+    return out, ev
+
+
+def refine(reader, job_key: str, js: JobSteps, sus: list[Suspect], slow: dict[str, float],
+           members: dict[str, set[int]], topo, nic_of: dict[int, str], ref_idx: list[int],
+           bad_idx: list[int], probe_steps: int = 5) -> tuple[list[Suspect], dict | None]:
+    """Network suspects that tie (a slow ring implicates all of its links alike) re-scored with the pipeline
+    pairs of the ranks on them (probe.py: their CommOps fetched from their agents only): slow pairs count as
+    slow two-member communicators, healthy ones as healthy; (suspects, probe evidence or None)."""
+    cands = probe.tied(sus)
+    if not cands or not ref_idx or not bad_idx:
+        return sus, None
+    among = set().union(*(members[c] for c in slow if c in members))
+    ranks = probe.ranks_on(cands, topo, nic_of, js.node_of, among)
+    if not ranks:
+        return sus, None
+    spans = [(js.start_ns[i], js.end_ns[i]) for i in ref_idx[-probe_steps:]], \
+        [(js.start_ns[i], js.end_ns[i]) for i in bad_idx[-probe_steps:]]
+    res = probe.probe(reader, job_key, ranks, *spans)
+    ev = {"tied": [f"{c.kind} {c.id}" for c in cands[:8]], **res.evidence()}
+    if not res.members:
+        return sus, ev
+    new = score_devices({**slow, **res.slow}, {**members, **res.members}, js.node_of, topo, nic_of)
+    return new, ev
 
 
 def score_devices(slow: dict[str, float], members: dict[str, set[int]], node_of: dict[int, str], topo,
@@ -444,19 +514,22 @@ def score_devices(slow: dict[str, float], members: dict[str, set[int]], node_of:
     links alike above them; shared with the commtime detector."""
     use: dict[tuple[str, str], float] = {}
     hit: dict[tuple[str, str], float] = {}
+    slow_n: dict[tuple[str, str], int] = {}
     for cid, mem in members.items():
+        if cid.endswith(SEND) and cid not in slow:
+            continue  # a small transfer is latency-bound: it may not slow where bandwidth is short (no alibi)
         for dev, w in _devices(topo, nic_of, node_of, mem).items():
             use[dev] = use.get(dev, 0.0) + w
             if cid in slow:
                 hit[dev] = hit.get(dev, 0.0) + w
+                slow_n[dev] = slow_n.get(dev, 0) + 1
     out = []
     for dev, h in hit.items():
         precision, recall = h / use[dev], h / len(slow)
         spread = 1.0 / (1.0 + 0.01 * (topo.downstream_nics(dev[1]) if topo is not None and dev[0] == "switch"
                                       and dev[1] in topo.switches else 1))
         out.append(Suspect(dev[0], dev[1], round(precision * recall * spread, 4), "network",
-                           {"slow_comms": sum(1 for c in slow if dev in _devices(topo, nic_of, node_of,
-                                                                                  members[c])),
+                           {"slow_comms": slow_n[dev],
                             "precision": round(precision, 3), "recall": round(recall, 3)}))
     if topo is not None:
         _prefer_switches(out, topo)
@@ -501,17 +574,78 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
     base = median(g.base_ns[i] for i in ep.idx if g.base_ns[i]) if any(g.base_ns[i] for i in ep.idx) else 0.0
     if ep.kind == "degradation" and ep.detail.get("baseline_ns"):
         base = ep.detail["baseline_ns"]
-    slow = {}
+    slow: dict = {"slow_comms": {}}
     if good is not None:
         if net_ctx[0] is False:
             net_ctx[:] = list(nic_map(reader, window.job_key, js))
         computing = {int(x.id) for x in sus if x.cause == "compute"}
-        net, slow = network_suspects(js, bad, good, base, cfg, net_ctx[0], net_ctx[1], computing)
+        net, slow = network_suspects(js, bad, good, base, cfg, net_ctx[0], net_ctx[1], computing,
+                                     (reader, window.job_key, healthy, ep.idx))
         sus += net
     # a rank that only waited (late into some of its groups, not all) is an effect: a network device the slow
     # communicators point at explains it better, so `waiting` ranks go after compute and network suspects
     sus.sort(key=lambda s: (s.cause == "waiting", -s.score, s.kind, s.id))
-    return sus[:cfg.max_suspects], {"slow_comms": slow}
+    if good is not None:
+        slow["map"] = map_ranking(js, ep.idx, healthy, bad, good, cfg, net_ctx[0], net_ctx[1])
+    return sus[:cfg.max_suspects], slow
+
+
+def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew, good: Skew,
+                cfg: IrregularityConfig, topo, nic_of: dict[int, str], top: int = 5) -> list:
+    """Holmes' cross-iteration device ranking (devrank.py) over the episode: per flagged step, the compute
+    cause is the rank latest into every collective it joins (the largest min over its comms of its margin,
+    if > 0) and the network causes are the collective communicators whose transfer time that step is >=
+    comm_slow_ratio x their reference median; each cause weighted by R, the correlation of its series with the
+    job step time over reference + flagged steps. Evidence beside the episode's own ranking; [(kind, id, I)]."""
+    idx = sorted(set(ref_idx[-cfg.baseline_steps:]) | set(bad_idx))
+    marg, members = margins(js, idx, cfg)
+    pos = {i: k for k, i in enumerate(idx)}
+    x = [js.x_ns[i] for i in idx]
+    late: dict[int, list[float]] = {}
+    for (rank, cid), xs in marg.items():
+        if len(xs) != len(idx):
+            continue
+        cur = late.get(rank)
+        vals = [v for v, _ in xs]
+        late[rank] = vals if cur is None else [min(a, b) for a, b in zip(cur, vals)]
+    r_rank = {r: devrank.pearson(v, x) for r, v in late.items()}
+    causes = []
+    for i in bad_idx:
+        k = pos[i]
+        best = max(late.items(), key=lambda kv: kv[1][k], default=None)
+        if best is not None and best[1][k] > 0:
+            causes.append((r_rank[best[0]], {("rank", str(best[0])): 1.0}))
+        for cid, per in bad.transfer.items():
+            if cid not in bad.members or i not in per:
+                continue
+            h = [v for j, v in good.transfer.get(cid, {}).items()]
+            if len(h) < 3 or per[i] < cfg.comm_slow_ratio * median(h):
+                continue
+            series = [good.transfer.get(cid, {}).get(j, bad.transfer[cid].get(j, 0)) for j in idx]
+            causes.append((devrank.pearson(series, x),
+                           _devices(topo, nic_of, js.node_of, bad.all_members[cid])))
+    counts = {"rank": len(js.rows), "link": max(1, len(set(nic_of.values()))),
+              "switch": len(topo.switches) if topo is not None else 1}
+    return [list(t) for t in devrank.rank(causes, topo, counts)[:top]]
+
+
+def causes(sus: list[Suspect], share: float = 0.5) -> list[Suspect]:
+    """The independent root causes among an episode's suspects, best first: the top one; every other rank
+    late into every collective it joins (cause compute) scoring >= share x the best compute score (a second
+    slow GPU: waiting ranks are an effect, not listed); and, when the top is a compute cause, the best network
+    device (slow communicators that a slow GPU does not explain: their transfer time, the min over members,
+    does not wait for a late member). [] when there are no suspects."""
+    if not sus:
+        return []
+    out = [sus[0]]
+    comp = [x for x in sus if x.cause == "compute"]
+    if comp:
+        out += [x for x in comp[1:] if x is not sus[0] and x.score >= share * comp[0].score]
+    if sus[0].cause == "compute":
+        net = [x for x in sus if x.cause == "network"]
+        if net:
+            out.append(net[0])
+    return out
 
 
 def ramp_onset(g: Gate, first: int, flagged: set[int], cfg: IrregularityConfig) -> int:
@@ -525,35 +659,113 @@ def ramp_onset(g: Gate, first: int, flagged: set[int], cfg: IrregularityConfig) 
     return first
 
 
+def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict, dict[str, set[int]]]:
+    """Per (rank, collective comm): one sample per step, the rank's mean arrival over the step's collectives
+    (the picked ones: collective_picks, evenly spread) minus the members' median of that mean, and the
+    collectives per step; and the comms' members."""
+    out: dict[tuple[int, str], list[tuple[float, int]]] = {}
+    members: dict[str, set[int]] = {}
+    picks = collective_picks(js, len(idx), cfg)
+    pick_memo: dict[int, list[int]] = {}
+    for i in idx:
+        s = js.numbers[i]
+        comms: dict[str, list] = {}
+        for rank, steps in js.rows.items():
+            row = steps.get(s)
+            if row is None:
+                continue
+            start = row["start_ns"]
+            for c in row["comms"]:
+                offs = c["issue_offsets_ns"]
+                if offs and c["op"] not in P2P_OPS:
+                    ks = pick_memo.get(len(offs))
+                    if ks is None:
+                        ks = pick_memo[len(offs)] = _pick(list(range(len(offs))), picks)
+                    a = offs[ks[0]] if len(ks) == 1 else sum([offs[k] for k in ks]) / len(ks)
+                    comms.setdefault(c["comm_id"], []).append((start + a, rank, c["calls"]))
+        for cid, mem in comms.items():
+            if len(mem) < 2:
+                continue
+            members.setdefault(cid, set()).update(m[1] for m in mem)
+            arr = sorted(a for a, _, _ in mem)
+            mid = (arr[(len(arr) - 1) // 2] + arr[len(arr) // 2]) / 2
+            calls = max(m[2] for m in mem)
+            for a, rank, _ in mem:
+                out.setdefault((rank, cid), []).append((a - mid, calls))
+    return out, members
+
+
 def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
+    """Ranks persistently late into every collective communicator they join: per comm, the per-step mean
+    margin (arrival - members' median) has z = mean / (sd / sqrt(steps)) >= straggler_z_every, >=
+    straggler_z in one of them at least (a wide group's arrivals are noisier), and the time it
+    keeps its groups waiting per step (mean margin x collectives per step, summed over them) >=
+    straggler_min_fraction of the step time. Steps are the samples (a rank's compute jitter holds for a whole
+    step), so a 5 % slower GPU under 2 % per-step jitter stands out at z ~ 2.5 x sqrt(steps), in a group of 2
+    as in one of 64, where "last in most collectives" holds only in small groups. A rank not late on average
+    into each group over the last min_baseline_steps steps is skipped (cheap); for the others the test runs on
+    the steps from the change point of its lateness on (change_point(): a slowdown that began inside the
+    window is not diluted by the healthy steps before it), at least min_baseline_steps of them."""
     n = len(js.numbers)
     idx = list(range(max(0, n - cfg.straggler_steps), n))
     if len(idx) < cfg.min_baseline_steps:
         return []
-    sk = skew(js, idx, cfg)
+    marg, members = margins(js, idx, cfg)
     comms_of: dict[int, list[str]] = {}
-    for cid, mem in sk.members.items():
+    for cid, mem in members.items():
         for r in mem:
             comms_of.setdefault(r, []).append(cid)
     step = median(js.x_ns[i] for i in idx)
     out = []
+    tail = cfg.min_baseline_steps
     for rank, cids in comms_of.items():
+        cols = [marg.get((rank, c), []) for c in cids]
+        if any(len(xs) < tail or sum(v for v, _ in xs[-tail:]) <= 0 for xs in cols):
+            continue  # not late, on average, into each of its groups over the last steps: no straggler
+        # where its lateness began (a slowdown that started inside the window): test the steps from there
+        full = [xs for xs in cols if len(xs) == len(idx)]
+        series = [sum(v * c for v, c in col) for col in zip(*full)] if full else []
+        k = change_point(series, min_z=3.0) if series else 0
+        if len(idx) - k < tail:
+            k = 0
         ok, ev = True, {}
-        for cid in cids:
-            key = (rank, cid)
-            t = sk.total.get(key, 0)
-            m = len(sk.members[cid])
-            share = _share(sk, key)
-            p0 = 1.0 / m
-            z = (share - p0) * t / math.sqrt(t * p0 * (1 - p0)) if t else 0.0
-            marg = sk.margin.get(key, 0.0) / len(idx) / step  # time it keeps the group waiting, per step
-            if share < cfg.straggler_share or z < cfg.straggler_z or marg < cfg.straggler_min_fraction:
+        for cid, xs in zip(cids, cols):
+            vals = [v for v, _ in (xs[k:] if len(xs) == len(idx) else xs)]
+            m = sum(vals) / len(vals)
+            sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+            z = m / (sd / math.sqrt(len(vals))) if sd > 0 else (math.inf if m > 0 else 0.0)
+            per_step = m * median(c for _, c in xs) / step if step else 0.0
+            if z < cfg.straggler_z_every:
                 ok = False
                 break
-            ev[cid] = {"last_share": round(share, 3), "z": round(z, 1), "margin_fraction": round(marg, 4)}
-        if ok and ev:
-            out.append((rank, ev))
+            ev[cid] = {"z": round(min(z, 1e6), 1), "mean_margin_ns": int(m), "margin_fraction": round(per_step, 4)}
+        if ok and ev and max(e["z"] for e in ev.values()) >= cfg.straggler_z and \
+                sum(e["margin_fraction"] for e in ev.values()) >= cfg.straggler_min_fraction:
+            out.append((rank, {**ev, "_onset": idx[k]}))
     return out
+
+
+def change_point(x: list[float], min_z: float = 4.0) -> int:
+    """Where a series' mean shifts up: the k maximizing (mean(x[k:]) - mean(x[:k])) x sqrt(k (n - k) / n), if
+    that shift is >= min_z times the within-segment spread; else 0 (the whole series is the shifted part)."""
+    n = len(x)
+    if n < 4:
+        return 0
+    pre = [0.0]
+    for v in x:
+        pre.append(pre[-1] + v)
+    best, k_best = 0.0, 0
+    for k in range(2, n - 1):
+        d = (pre[n] - pre[k]) / (n - k) - pre[k] / k
+        st = d * math.sqrt(k * (n - k) / n)
+        if st > best:
+            best, k_best = st, k
+    if not k_best:
+        return 0
+    a, b = x[:k_best], x[k_best:]
+    ma, mb = sum(a) / len(a), sum(b) / len(b)
+    sd = math.sqrt((sum((v - ma) ** 2 for v in a) + sum((v - mb) ** 2 for v in b)) / max(1, n - 2))
+    return k_best if sd > 0 and best >= min_z * sd else 0
 
 
 # -- the detector -----------------------------------------------------------------------------------------
@@ -595,26 +807,34 @@ def detect(reader, window: Window, cfg: IrregularityConfig) -> list[Finding]:
         n = len(ep.idx)
         ratios = {str(js.numbers[i]): round(g.ratio[i], 3) for i in ep.idx[-50:]}
         base = ep.detail.get("baseline_ns") or int(median(g.base_ns[i] for i in ep.idx if g.base_ns[i]))
-        out.append(Finding(kind=ep.kind, onset_ns=js.start_ns[ep.idx[0]], last_ns=js.end_ns[ep.last],
-                           severity=round(ep.severity, 4), summary=_summary(ep.kind, ep.severity, n, sus),
-                           suspects=tuple(sus),
-                           evidence={"first_step": js.numbers[ep.idx[0]], "steps": n,
-                                     "flagged_steps": [js.numbers[i] for i in ep.idx[-50:]], "ratios": ratios,
-                                     "baseline_step_ns": int(base), "delta": cfg.delta, **ep.detail, **ev}))
+        evidence = {"first_step": js.numbers[ep.idx[0]], "steps": n,
+                    "flagged_steps": [js.numbers[i] for i in ep.idx[-50:]], "ratios": ratios,
+                    "baseline_step_ns": int(base), "delta": cfg.delta, **ep.detail, **ev}
+        for k, lead in enumerate(causes(sus)):  # concurrent root causes: one finding each (its own identity)
+            order = [lead] + [x for x in sus if x is not lead]
+            summary = _summary(ep.kind, ep.severity, n, order)
+            if k:
+                summary = summary[:-1] + f", concurrent with {sus[0].kind} {sus[0].id} ({sus[0].cause})."
+            out.append(Finding(kind=ep.kind, onset_ns=js.start_ns[ep.idx[0]], last_ns=js.end_ns[ep.last],
+                               severity=round(ep.severity, 4), summary=summary, suspects=tuple(order),
+                               evidence={**evidence, "concurrent_with": f"{sus[0].kind} {sus[0].id}"} if k
+                               else evidence))
     if not any(e.kind in ("slowdown", "degradation") and e.last == len(js.numbers) - 1 for e in episodes):
         lo = max(0, len(js.numbers) - cfg.straggler_steps)
         base = [g.base_ns[i] for i in range(lo, len(js.numbers)) if g.base_ns[i]]
         now = median(js.x_ns[lo:])
         for rank, ev in stragglers(js, cfg):
+            onset = ev.pop("_onset")
             sev = now / median(base) if base else 1.0
             sus = (Suspect("rank", str(rank), 1.0, "compute", {"node": js.node_of.get(rank, ""), "comms": ev}),)
-            out.append(Finding(kind="slowdown", onset_ns=js.start_ns[lo], last_ns=js.end_ns[-1],
+            out.append(Finding(kind="slowdown", onset_ns=js.start_ns[onset], last_ns=js.end_ns[-1],
                                severity=round(max(sev, 1.0), 4),
-                               summary=f"Rank {rank} arrives last at every collective it joins over the last "
-                                       f"{len(js.numbers) - lo} steps, keeping its groups waiting (step time "
+                               summary=f"Rank {rank} arrives late at every collective it joins since step "
+                                       f"{js.numbers[onset]}, keeping its groups waiting (step time "
                                        f"{max(sev, 1.0):.2f}x the baseline).",
                                suspects=sus, evidence={"straggler_steps": len(js.numbers) - lo,
-                                                       "step_ns": int(now), "comms": ev}))
+                                                       "first_step": js.numbers[onset], "step_ns": int(now),
+                                                       "comms": ev}))
     return out
 
 

@@ -23,14 +23,22 @@ What it does when enabled:
 The socket is removed at exit (atexit); a killed process leaves it behind, and the agent reports the
 refused connection once.
 
+Anchors (STEPLENS_ANCHORS, default 1): before the server starts, steplens_anchors.install() registers a global
+optimizer-step post hook that writes each optimizer step's end into a shared-memory ring,
+<runtime dir>/<pid>.anchors, which the agent reads beside the socket to end each step where the iteration
+ends (gloo's Flight Recorder has enqueue times only; see steplens_anchors for the layout, the cost (~1 us per
+optimizer step) and why a file rather than a worker-server handler). The ring is removed at exit, after the
+exit dump's header has taken its anchors.
+
 Exit dump: the source reads the ring every few seconds, so the ops of a job's last seconds would be lost
 when it ends. At interpreter exit (atexit, before the socket goes) the bootstrap writes the whole ring,
 torch._C._distributed_c10d._dump_fr_trace_json(), to <runtime dir>/<pid>-<start ticks>.fr-exit.json: one
-JSON header line (pid, start ticks, the job's rank/world/job variables) then torch's dump as it is, written
-to a temporary name and renamed, so a file under its final name is complete. The flightrec source reads
-it, deduplicates it against its periodic reads by record id, and deletes it; dumps no agent read within an
-hour are removed by the next process's exit. Costs one dump at exit (a full 2000-entry ring of gloo all-reduces:
-0.94 MB in 26 ms, 2-core VM, torch 2.13); a killed process writes none. STEPLENS_FR_EXIT_DUMP=0 turns it off.
+JSON header line (pid, start ticks, the job's rank/world/job variables, the anchors the ring still holds) then
+torch's dump as it is, written to a temporary name and renamed, so a file under its final name is complete.
+The flightrec source reads it, deduplicates it against its periodic reads by record id, and deletes it; dumps
+no agent read within an hour are removed by the next process's exit. Costs one dump at exit (a full 2000-entry
+ring of gloo all-reduces: 0.94 MB in 26 ms, 2-core VM, torch 2.13); a killed process writes none.
+STEPLENS_FR_EXIT_DUMP=0 turns it off.
 """
 
 from __future__ import annotations
@@ -44,7 +52,8 @@ import time
 DEFAULT_RUNTIME_DIR = "/run/steplens/fr"
 DEFAULT_FR_BUFFER_SIZE = "2000"
 
-_state = {"installed": False, "server": None, "socket": "", "error": "", "cupti": None, "exit_dump": ""}
+_state = {"installed": False, "server": None, "socket": "", "error": "", "cupti": None, "exit_dump": "",
+          "anchors": ""}
 
 
 def runtime_dir() -> str:
@@ -131,10 +140,20 @@ def _start_server(directory: str) -> None:
         os.unlink(path)  # a stale socket of an earlier process with this pid
     except FileNotFoundError:
         pass
+    if os.environ.get("STEPLENS_ANCHORS", "1") != "0":
+        _start_anchors(directory)  # before the socket: the agent finds the ring when it finds the socket
     _state["server"] = _WorkerServer(path)
     _state["socket"] = path
     import atexit
     atexit.register(_shutdown)
+
+
+def _start_anchors(directory: str) -> None:
+    try:
+        import steplens_anchors
+        _state["anchors"] = steplens_anchors.install(directory, _start_ticks()).path
+    except Exception as exc:  # a torch without the global optimizer hooks: steps end at the comm ops
+        _state["error"] = f"anchors: {type(exc).__name__}: {exc}"
 
 
 def _start_cupti() -> None:
@@ -170,6 +189,12 @@ def _dump_at_exit() -> None:
         body = _dump_fr_trace_json()
         pid, ticks = os.getpid(), _start_ticks()
         head = {"pid": pid, "start_ticks": ticks, "env": {k: os.environ[k] for k in EXIT_ENV_KEYS if k in os.environ}}
+        if _state["anchors"]:
+            import steplens_anchors
+            ring = steplens_anchors._ring
+            if ring is not None:
+                head["anchors"] = {"version": steplens_anchors.VERSION, "clock": "realtime",
+                                   "anchors": ring.snapshot()}
         path = exit_dump_path(os.path.dirname(_state["socket"]), pid, ticks)
         tmp = path + ".tmp"
         with open(tmp, "wb") as fh:
@@ -186,20 +211,29 @@ STALE_EXIT_DUMP_S = 3600.0
 
 
 def _remove_stale_exit_dumps(directory: str) -> None:
-    """Exit dumps no agent read within an hour (no agent running, flightrec disabled): removed, so a host that
-    runs many jobs without an agent does not fill its runtime dir (a tmpfs) with them."""
+    """Exit dumps no agent read within an hour (no agent running, flightrec disabled), and the anchor rings of
+    processes that are gone (killed: no exit), removed, so a host that runs many jobs does not fill its
+    runtime dir (a tmpfs) with them."""
     cutoff = time.time() - STALE_EXIT_DUMP_S
     for name in os.listdir(directory):
-        if name.endswith((".fr-exit.json", ".fr-exit.json.tmp")):
-            try:
+        try:
+            if name.endswith((".fr-exit.json", ".fr-exit.json.tmp")):
                 if os.stat(os.path.join(directory, name)).st_mtime < cutoff:
                     os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+            elif name.endswith(".anchors") and name[:-8].isdigit() and not os.path.exists(f"/proc/{name[:-8]}"):
+                os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
 
 
 def _shutdown() -> None:
     _dump_at_exit()
+    if _state["anchors"]:
+        try:
+            import steplens_anchors
+            steplens_anchors.close()
+        except Exception:
+            pass
     server, path = _state["server"], _state["socket"]
     _state["server"] = None
     try:

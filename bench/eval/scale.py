@@ -1,0 +1,204 @@
+"""The 8,192-GPU evaluation (issue 13): random faults on 8,192-GPU jobs, simulate + detect end to end.
+
+Per scenario: the simulator's agent view (agentview.agent_records: ProcessInfo and Step records, what real agents
+send; no simulator-only field) is held in memory by MemReader, which answers the store reads the detectors make
+(steps, jobs, topology) as the SQLite store would, rows in the same form, clock-converted as ingest converts them;
+FetchDetail is answered by the emulated agents (scoring.sim_fetcher), so progressive fetching counts the ranks a
+search really asked. Writing 819k Step rows per scenario through SQLite would measure the store, not the
+detectors (the issue allows feeding the detector code from the simulator's records directly at this scale;
+bench/eval/run.py scores the smaller jobs through a real store, and bench/eval/wholepath.py through the whole
+stream -> collector path). Ground truth (output.truth) is read by the scorer only.
+
+Scored as scoring.py scores: detected when a finding's onset is at or after the fault start - 2 iterations;
+top-1 / top-3 when the target is the first / among the first three suspects of any finding about it; healthy
+runs count false positives. The detectors run on the windows ending at onset + 5 and + 10 iterations and at
+the end (what the analysis loop sees as data arrives). Reported per scenario: simulate + records (s), detect =
+localization (s, all detectors on one window, the slowest window; the emulated agents' fetch time apart), ranks
+fetched, the end-to-end wall time.
+
+    .venv/bin/python bench/eval/scale.py [--scenarios 20] [--seed 3000] [--iterations 60] [--gpus 8192]
+
+Ends with one JSON line: top1_fraction, top3_fraction, recall, precision, f1, max_analysis_s (localization: the
+detectors' own time on the slowest window), max_fetch_s (the emulated agents answering FetchDetail: they re-run
+the 8,192-GPU simulation per request on this machine, where real agents answer from their node-local stores, in
+parallel), median_end_to_end_s, ranks_fetched_max, ranks_fetched_fraction_max.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+from steplens.agent.records import ProcessInfo, Step
+from steplens.collector.analysis.engine import AnalysisReader
+from steplens.collector.topology import from_dict
+from steplens.sim import agentview
+from steplens.sim.faults import parse_fault
+from steplens.sim.model import ModelConfig, simulate
+from steplens.sim.output import truth
+
+import scoring
+
+SHAPES_8K = [(128, 8, 8), (256, 4, 8), (512, 8, 2), (256, 8, 4), (1024, 4, 2)]  # (dp, pp, tp) = 8,192 GPUs
+KINDS = ("slow_gpu", "degradation", "slow_link", "congested_switch", "fluctuation")
+
+
+class MemReader:
+    """The store's read side for one job, in memory: steps(), jobs(), topology() as collector/store returns
+    them (rows with node_id, cluster times, comms as dicts)."""
+
+    def __init__(self, cfg: ModelConfig, faults, job: str = scoring.JOB) -> None:
+        off = cfg.base_ns - scoring.MONO_BASE
+        self.job = job
+        self.rows: list[dict] = []
+        self.ranks: list[dict] = []
+        for aid, rec in agentview.agent_records(cfg, faults, job, scoring.MONO_BASE, kinds=frozenset({"process", "step"})):
+            if type(rec) is Step:
+                self.rows.append({"node_id": aid, "source": "flightrec", "pid": rec.pid, "job_key": rec.job_key,
+                                  "rank": rec.rank, "step": rec.step, "start_ns": rec.start_mono_ns + off,
+                                  "end_ns": rec.end_mono_ns + off, "evidence": rec.evidence,
+                                  "period_ops": rec.period_ops, "ops": rec.ops,
+                                  "comms": [{"comm_id": c.comm_id, "op": c.op, "calls": c.calls, "bytes": c.bytes,
+                                             "busy_ns": c.busy_ns, "wait_ns": c.wait_ns, "seq_first": c.seq_first,
+                                             "issue_offsets_ns": c.issue_offsets_ns,
+                                             "offsets_dropped": c.offsets_dropped} for c in rec.comms]})
+            elif type(rec) is ProcessInfo:
+                self.ranks.append({"rank": rec.rank, "node_id": aid, "pid": rec.pid, "local_rank": rec.local_rank})
+        self.rows.sort(key=lambda r: r["end_ns"])
+        self._topo = from_dict(cfg.topology().topology_file())
+
+    def steps(self, job_key: str, ranks=None, since_ns: int = 0, limit: int = 200_000_000, with_comms: bool = False):
+        want = set(ranks) if ranks else None
+        return [r for r in self.rows if r["job_key"] == job_key and r["end_ns"] >= since_ns
+                and (want is None or r["rank"] in want)][-limit:]
+
+    def jobs(self, job_key: str = "") -> list[dict]:
+        return [{"job_key": self.job, "world_size": len(self.ranks), "ranks": self.ranks}] \
+            if job_key in ("", self.job) else []
+
+    def topology(self):
+        return self._topo
+
+
+def scenario(rng: random.Random, iterations: int, shapes=SHAPES_8K) -> tuple[ModelConfig, list[str]]:
+    dp, pp, tp = rng.choice(shapes)
+    cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=iterations, gpus_per_node=8,
+                      nodes_per_leaf=rng.choice((4, 8)), spines=rng.choice((4, 8)), seed=rng.randrange(1 << 30))
+    topo = cfg.topology()
+    kind = rng.choice(KINDS)
+    mag = round(rng.choice((rng.uniform(1.05, 1.5), rng.uniform(1.5, 3.0))), 2)
+    start = rng.randrange(20, max(21, iterations // 2))
+    end = min(iterations, start + rng.randrange(10, 30))
+    if kind in ("slow_gpu", "degradation") or (kind == "fluctuation" and rng.random() < 0.5):
+        target = str(rng.randrange(cfg.gpus))
+    elif kind in ("fluctuation", "slow_link"):
+        target = topo.link_of(rng.randrange(cfg.gpus))
+    else:
+        target = f"leaf{rng.randrange(topo.leaves)}"
+    spec = f"{kind}:{target}:{start}:{end}:{mag}" + (f":{rng.randrange(4, 13)}" if kind == "fluctuation" else "")
+    return cfg, [spec]
+
+
+def evaluate(cfg: ModelConfig, specs: list[str]) -> dict:
+    t0 = time.perf_counter()
+    faults = [parse_fault(s, cfg.topology()) for s in specs]
+    reader = MemReader(cfg, faults)
+    t_records = time.perf_counter() - t0
+    ends = {r["step"]: r["end_ns"] for r in reader.rows if r["rank"] == 0}
+    last = max(ends)
+    checks = sorted({min(last, f.start + k) for f in faults for k in (5, 10)} | {last})
+    found, t_detect, t_analysis, t_fetch, fetched = [], 0.0, 0.0, 0.0, set()
+    sim_fetch = scoring.sim_fetcher(cfg, faults)
+    for c in checks:  # what the analysis loop would see as data arrives: onset + 5, + 10 steps, the end
+        spent = [0.0]
+
+        def fetch(*a, **kw):  # the emulated agents' time (re-simulating the job), apart from the analysis
+            t = time.perf_counter()
+            try:
+                return sim_fetch(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+        ar = AnalysisReader(reader, fetch)
+        got, sec = scoring.run_detectors(ar, ends[c] + 1)
+        found += got
+        if sec - spent[0] > t_analysis:
+            t_analysis, t_fetch, t_detect = sec - spent[0], spent[0], sec
+        fetched |= ar.ranks_fetched
+    wall = time.perf_counter() - t0
+
+    def step_of(ns: int) -> int:
+        return 1 + max((s for s, e in ends.items() if e <= ns), default=-1)
+    tr = truth(simulate(cfg, faults, keep_steps=False))["faults"]
+    out = []
+    for t in tr:
+        ids = scoring.target_ids(t)
+        hits = [f for _, f in found if step_of(f.onset_ns) >= t["start"] - 2]
+        tops = [[s.id for s in f.suspects] for f in hits]
+        out.append({"kind": t["kind"], "target": t["target"], "value": t["value"], "detected": bool(hits),
+                    "top1": any(x[:1] and x[0] in ids for x in tops), "top3": any(ids & set(x[:3]) for x in tops),
+                    "impact": scoring.fault_impact(cfg, faults[0]) if len(faults) == 1 else None})
+    spans = [(t["start"] - 2, (t["end"] if t["kind"] != "degradation" else 10**9) + 2) for t in tr]
+    uniq = {}
+    for d, f in found:  # the same finding seen in several windows counts once (as the engine merges them)
+        uniq[(d, f.kind, step_of(f.onset_ns), tuple(s.id for s in f.suspects[:1]))] = (d, f)
+    found = list(uniq.values())
+    true_f = sum(1 for _, f in found if any(a <= step_of(f.onset_ns) <= b for a, b in spans))
+    return {"gpus": cfg.gpus, "shape": f"DP{cfg.dp}xPP{cfg.pp}xTP{cfg.tp}", "specs": specs, "faults": out,
+            "findings": [{"detector": d, "kind": f.kind, "top": [s.id for s in f.suspects[:3]]} for d, f in found],
+            "true_findings": true_f, "false_findings": len(found) - true_f, "records_s": round(t_records, 2),
+            "detect_s": round(t_detect, 2), "analysis_s": round(t_analysis, 2), "fetch_s": round(t_fetch, 2),
+            "end_to_end_s": round(wall, 2), "ranks_fetched": len(fetched),
+            "windows": len(checks)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scenarios", type=int, default=20)
+    p.add_argument("--seed", type=int, default=3000)
+    p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--shape", help="DP,PP,TP instead of the 8,192-GPU shapes (a quick check on a small job)")
+    args = p.parse_args(argv)
+    shapes = [tuple(int(x) for x in args.shape.split(","))] if args.shape else SHAPES_8K
+    rng = random.Random(args.seed)
+    rows = []
+    for i in range(args.scenarios):
+        cfg, specs = scenario(rng, args.iterations, shapes)
+        r = evaluate(cfg, specs)
+        rows.append(r)
+        f = r["faults"][0]
+        print(f"{i:>3} {r['shape']:<16} {specs[0]:<36} impact {f['impact']:<6} found {'yes' if f['detected'] else 'no':<3} "
+              f"top1 {'yes' if f['top1'] else 'no':<3} top3 {'yes' if f['top3'] else 'no':<3} FP {r['false_findings']} "
+              f"fetched {r['ranks_fetched']:>4}  records {r['records_s']:>5.1f} s  analysis {r['analysis_s']:>5.2f} s "
+              f"(+ fetch {r['fetch_s']:>5.2f} s)  "
+              f"end to end {r['end_to_end_s']:>5.1f} s", flush=True)
+    faults = [f for r in rows for f in r["faults"]]
+    tp = sum(r["true_findings"] for r in rows)
+    fp = sum(r["false_findings"] for r in rows)
+    prec = tp / (tp + fp) if tp + fp else 1.0
+    rec = sum(f["detected"] for f in faults) / len(faults)
+    vis = [f for f in faults if f["impact"] and f["impact"] >= scoring.VISIBLE_IMPACT]
+    head = {"scenarios": len(rows), "gpus": rows[0]["gpus"], "iterations": args.iterations, "seed": args.seed,
+            "top1_fraction": round(sum(f["top1"] for f in faults) / len(faults), 3),
+            "top3_fraction": round(sum(f["top3"] for f in faults) / len(faults), 3),
+            "recall": round(rec, 3), "precision": round(prec, 3),
+            "f1": round(2 * prec * rec / (prec + rec), 3) if prec + rec else 0.0,
+            "visible_faults": len(vis),
+            "visible_top1_fraction": round(sum(f["top1"] for f in vis) / len(vis), 3) if vis else None,
+            "max_analysis_s": max(r["analysis_s"] for r in rows),
+            "median_analysis_s": statistics.median(r["analysis_s"] for r in rows),
+            "max_fetch_s": max(r["fetch_s"] for r in rows),
+            "max_detect_with_fetch_s": max(r["detect_s"] for r in rows),
+            "median_end_to_end_s": statistics.median(r["end_to_end_s"] for r in rows),
+            "max_end_to_end_s": max(r["end_to_end_s"] for r in rows),
+            "ranks_fetched_max": max(r["ranks_fetched"] for r in rows),
+            "ranks_fetched_fraction_max": round(max(r["ranks_fetched"] for r in rows) / rows[0]["gpus"], 4)}
+    print(json.dumps(head))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
