@@ -27,8 +27,7 @@ TARGET = textwrap.dedent('''
         inner_wait()
     def burn():
         x = 0
-        while True:
-            x += 1  # @burn
+        while True: x += 1  # @burn  (one line: a sample on the loop's back-edge is on this line too)
     threading.Thread(target=outer_wait, name="waiter", daemon=True).start()
     print("ready", flush=True)
     burn()

@@ -2,9 +2,10 @@
 (`site_dir()`, the PYTHONPATH entry), the launch environment `steplens-agent env` prints
 (`launch_env()`), and the reader of the cupti records it writes (`read_cupti()`).
 
-The bootstrap itself lives in ./site (steplens_bootstrap.py, steplens_cupti.py, sitecustomize.py,
-steplens_bootstrap.pth): standard-library modules loaded into the user's interpreter, so they never
-import steplens. Nothing here runs in the job.
+The bootstrap itself lives in ./site (steplens_bootstrap.py, steplens_cupti.py, steplens_anchors.py: the ends of
+the job's optimizer steps, the step segmenter's anchors, sitecustomize.py, steplens_bootstrap.pth):
+standard-library modules loaded into the user's interpreter, so they never import steplens. Nothing here runs
+in the job.
 """
 
 from __future__ import annotations
