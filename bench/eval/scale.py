@@ -176,16 +176,8 @@ def main(argv=None) -> int:
               f"(+ fetch {r['fetch_s']:>5.2f} s)  "
               f"end to end {r['end_to_end_s']:>5.1f} s", flush=True)
     faults = [f for r in rows for f in r["faults"]]
-    tp = sum(r["true_findings"] for r in rows)
-    fp = sum(r["false_findings"] for r in rows)
-    prec = tp / (tp + fp) if tp + fp else 1.0
-    rec = sum(f["detected"] for f in faults) / len(faults)
     vis = [f for f in faults if f["impact"] and f["impact"] >= scoring.VISIBLE_IMPACT]
-    head = {"scenarios": len(rows), "gpus": rows[0]["gpus"], "iterations": args.iterations, "seed": args.seed,
-            "top1_fraction": round(sum(f["top1"] for f in faults) / len(faults), 3),
-            "top3_fraction": round(sum(f["top3"] for f in faults) / len(faults), 3),
-            "recall": round(rec, 3), "precision": round(prec, 3),
-            "f1": round(2 * prec * rec / (prec + rec), 3) if prec + rec else 0.0,
+    head = {**scoring.headline(rows), "gpus": rows[0]["gpus"], "iterations": args.iterations, "seed": args.seed,
             "visible_faults": len(vis),
             "visible_top1_fraction": round(sum(f["top1"] for f in vis) / len(vis), 3) if vis else None,
             "max_analysis_s": max(r["analysis_s"] for r in rows),

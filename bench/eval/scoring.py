@@ -260,6 +260,20 @@ def random_scenario(rng: random.Random, iterations: int, healthy_share: float = 
     return cfg, specs
 
 
+def headline(rows: list[dict]) -> dict:
+    """Precision (true / all findings), recall, F1, top-1 and top-3 over scenario rows that carry `faults`
+    (each with detected/top1/top3), `true_findings` and `false_findings` (scale.py, wholepath.py)."""
+    faults = [f for r in rows for f in r["faults"]]
+    tp = sum(r["true_findings"] for r in rows)
+    fp = sum(r["false_findings"] for r in rows)
+    prec = tp / (tp + fp) if tp + fp else 1.0
+    rec = sum(f["detected"] for f in faults) / len(faults) if faults else 1.0
+    frac = (lambda k: round(sum(f[k] for f in faults) / len(faults), 3) if faults else None)
+    return {"scenarios": len(rows), "faults": len(faults), "precision": round(prec, 3), "recall": round(rec, 3),
+            "f1": round(2 * prec * rec / (prec + rec), 3) if prec + rec else 0.0,
+            "top1_fraction": frac("top1"), "top3_fraction": frac("top3")}
+
+
 def _rates(faults: list[dict]) -> dict:
     n = len(faults)
     return {"faults": n, "recall": round(sum(f["detected"] for f in faults) / n, 3) if n else None,

@@ -157,15 +157,7 @@ def main(argv=None) -> int:
               f"found {[f['detected'] for f in r['faults']]} top1 {[f['top1'] for f in r['faults']]} "
               f"FP {r['false_findings']} findings {[(f['kind'], f['top'][:2]) for f in r['findings']]} "
               f"diagnose {r['diagnose_s']} s stream {r['stream_s']} s", flush=True)
-    faults = [f for r in rows for f in r["faults"]]
-    tp = sum(r["true_findings"] for r in rows)
-    fp = sum(r["false_findings"] for r in rows)
-    prec = tp / (tp + fp) if tp + fp else 1.0
-    rec = sum(f["detected"] for f in faults) / len(faults) if faults else 1.0
-    print(json.dumps({"scenarios": len(rows), "faults": len(faults), "precision": round(prec, 3),
-                      "recall": round(rec, 3), "f1": round(2 * prec * rec / (prec + rec), 3) if prec + rec else 0.0,
-                      "top1_fraction": round(sum(f["top1"] for f in faults) / len(faults), 3) if faults else None,
-                      "top3_fraction": round(sum(f["top3"] for f in faults) / len(faults), 3) if faults else None,
+    print(json.dumps({**scoring.headline(rows),
                       "healthy_runs": sum(1 for r in rows if not r["faults"]),
                       "healthy_findings": sum(r["false_findings"] for r in rows if not r["faults"]),
                       "median_diagnose_s": statistics.median(r["diagnose_s"] for r in rows),
