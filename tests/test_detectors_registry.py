@@ -61,3 +61,34 @@ def test_bad_analysis_config_fails_at_start(tmp_path, toml, message):
     out = subprocess.run([COLLECTOR, "serve", "--config", str(cfg)], capture_output=True, text=True, timeout=30)
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert not os.path.exists(tmp_path / "c.db")
+
+
+def test_no_gc_pauses_the_collector_for_a_pass_and_restores_it():
+    """The engine pauses Python's cyclic GC while detectors run (base.no_gc); nested or concurrent passes
+    re-enable it only when the last one ends, and a process that had it off keeps it off."""
+    import gc
+    import threading
+    from steplens.collector.analysis.base import no_gc
+    assert gc.isenabled()
+    inner_started, release = threading.Event(), threading.Event()
+
+    def other_pass():
+        with no_gc():
+            inner_started.set()
+            release.wait(5)
+    t = threading.Thread(target=other_pass)
+    with no_gc():
+        assert not gc.isenabled()
+        t.start()
+        assert inner_started.wait(5)
+    assert not gc.isenabled()  # the other pass still runs
+    release.set()
+    t.join(5)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with no_gc():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

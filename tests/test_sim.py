@@ -99,6 +99,32 @@ def test_slow_link_inflates_its_dp_all_reduce_only():
     assert abs(ar_time(slow, 3, "dp.s0.t1") - ar_time(base, 3, "dp.s0.t1")) <= 2
 
 
+def test_network_jitter_varies_transfers_not_compute():
+    """net_jitter_cv: every DP ring and PP pair transfer of an iteration gets its own multiplier (spread about
+    the configured CV), the agents' send ops carry the same draw as the model's timing, and the compute jitter
+    is the same draw as without it (a separate random stream)."""
+    import statistics
+    cfg = ModelConfig(dp=4, pp=2, tp=2, micro_batches=4, iterations=60, gpus_per_node=2, jitter_cv=0.02, seed=4)
+    jit = ModelConfig(**{**cfg.__dict__, "net_jitter_cv": 0.05})
+    its: dict = {"base": [], "jit": []}
+    simulate(cfg, [], sink=its["base"].append)
+    simulate(jit, [], sink=its["jit"].append)
+    assert [i.factor for i in its["base"]] == [i.factor for i in its["jit"]]
+    assert all(i.net_jitter is None for i in its["base"])
+    ring = [i.ar_ns[0][1] for i in its["jit"]]
+    assert len(set(ring)) == len(ring) and 0.03 < statistics.pstdev(ring) / statistics.mean(ring) < 0.08
+    assert len({i.ar_ns[0][1] for i in its["base"]}) == 1
+    _, out = run_rows(jit, [], kinds=("commops",))
+    for it in (3, 40):
+        model = its["jit"][it]
+        sends = {(r, seq): b - a for r, c, op, seq, nb, a, b in out["commops"][it] if c.startswith("pp.s0-1")
+                 and op == "send" and seq == it * 2 * cfg.micro_batches}  # the first forward's sends
+        assert len(sends) == cfg.dp * cfg.tp
+        for (r, _), took in sends.items():
+            d = cfg.coords(r)[1]
+            assert abs(took - model.xfer_ns[0][d]) <= 2, (r, took, model.xfer_ns[0][d])
+
+
 def test_congested_switch_hits_exactly_its_flows():
     cfg = ModelConfig(dp=4, pp=4, tp=2, micro_batches=4, iterations=3, gpus_per_node=2, nodes_per_leaf=2,
                       spines=2, jitter_cv=0.0)

@@ -88,6 +88,7 @@ def scenario(rng: random.Random, iterations: int, shapes=SHAPES_8K) -> tuple[Mod
     dp, pp, tp = rng.choice(shapes)
     cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=iterations, gpus_per_node=8,
                       nodes_per_leaf=rng.choice((4, 8)), spines=rng.choice((4, 8)), seed=rng.randrange(1 << 30))
+    cfg.net_jitter_cv = round(random.Random(cfg.seed).uniform(0.01, 0.04), 4)  # as scoring.random_scenario
     topo = cfg.topology()
     kind = rng.choice(KINDS)
     mag = round(rng.choice((rng.uniform(1.05, 1.5), rng.uniform(1.5, 3.0))), 2)

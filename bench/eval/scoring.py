@@ -32,7 +32,7 @@ import time
 from steplens.agent.records import ProcessInfo, Step
 from steplens.agent.transport.codec import encode_records
 from steplens.collector.analysis import all_specs
-from steplens.collector.analysis.base import Window
+from steplens.collector.analysis.base import Window, no_gc
 from steplens.collector.analysis.engine import AnalysisReader
 from steplens.collector.ingest.clock import ClockEstimate
 from steplens.collector.store import diagnosis as dstore
@@ -51,49 +51,80 @@ JOB = "simjob"
 SOURCES = {Step: "flightrec", ProcessInfo: "procs"}
 
 
-def feed(cfg: ModelConfig, faults, path: str, batch: int = 2000) -> Reader:
-    """Write the job's agent records into a new store at path through StoreWriter; returns its Reader."""
-    clock = ClockEstimate(cfg.base_ns - MONO_BASE, 0.0, 0, 1, 1, 5)
-    w = StoreWriter(path)
-    w.start()
-    outcomes: list[list] = []
-    bufs: dict[str, list] = {}
-    seqs: dict[str, int] = {}
+class StoreFeed:
+    """Agent records into the store at path through StoreWriter, batched per agent as ingest hands batches over
+    (agent encoding, decode, clock conversion, insert); add() as records come, flush() + wait() to have every
+    record added so far stored (healthy.py analyses the store between them, as the analysis loop sees it)."""
 
-    def submit(job) -> None:
-        while not w.submit(job):
+    def __init__(self, cfg: ModelConfig, path: str, batch: int = 2000) -> None:
+        self.clock = ClockEstimate(cfg.base_ns - MONO_BASE, 0.0, 0, 1, 1, 5)
+        self.batch = batch
+        self.writer = StoreWriter(path)
+        self.writer.start()
+        self.outcomes: list[list] = []
+        self.bufs: dict[str, list] = {}
+        self.seqs: dict[str, int] = {}
+
+    def _submit(self, job) -> None:
+        while not self.writer.submit(job):
             time.sleep(0.005)
 
-    def flush(aid: str) -> None:
-        recs = bufs.pop(aid)
-        seqs[aid] = seqs.get(aid, 0) + 1
+    def _flush(self, aid: str) -> None:
+        recs = self.bufs.pop(aid)
+        self.seqs[aid] = self.seqs.get(aid, 0) + 1
         got: list = []
-        outcomes.append(got)
-        submit(BatchJob(aid, "5e" * 8, seqs[aid], len(recs), encode_records(recs),
-                        max(r.mono_ns for _, r in recs) + 1, clock, 0, lambda *a, got=got: got.append(a)))
-    try:
-        for aid, rec in agentview.agent_records(cfg, faults, JOB, MONO_BASE):
-            src = SOURCES.get(type(rec))
-            if src is None:
-                continue
-            lst = bufs.setdefault(aid, [])
-            lst.append((src, rec))
-            if len(lst) >= batch:
-                flush(aid)
-        for aid in list(bufs):
-            flush(aid)
+        self.outcomes.append(got)
+        self._submit(BatchJob(aid, "5e" * 8, self.seqs[aid], len(recs), encode_records(recs),
+                              max(r.mono_ns for _, r in recs) + 1, self.clock, 0,
+                              lambda *a, got=got: got.append(a)))
+
+    def add(self, aid: str, rec) -> None:
+        """One record of agent aid (only the kinds in SOURCES are kept)."""
+        src = SOURCES.get(type(rec))
+        if src is None:
+            return
+        lst = self.bufs.setdefault(aid, [])
+        lst.append((src, rec))
+        if len(lst) >= self.batch:
+            self._flush(aid)
+
+    def flush(self) -> None:
+        for aid in list(self.bufs):
+            self._flush(aid)
+
+    def topology(self, cfg: ModelConfig) -> None:
+        """The simulator's topology file, stored as `steplens import topology` stores it."""
         topo = from_dict(cfg.topology().topology_file())
         got: list = []
-        outcomes.append(got)
-        submit(StoreJob(lambda c: dstore.write_topology(c, topo, "sim", 0), lambda *a: got.append(a)))
-        deadline = time.monotonic() + 120
-        while not all(outcomes) and time.monotonic() < deadline:
+        self.outcomes.append(got)
+        self._submit(StoreJob(lambda c: dstore.write_topology(c, topo, "sim", 0), lambda *a: got.append(a)))
+
+    def wait(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.outcomes) and time.monotonic() < deadline:
             time.sleep(0.005)
+
+    def check(self) -> None:
+        bad = [o for o in self.outcomes if not o or o[0][0] != "stored"]
+        if bad:
+            raise RuntimeError(f"{len(bad)} batches not stored: {bad[:2]}")
+
+    def close(self) -> None:
+        self.writer.stop()
+
+
+def feed(cfg: ModelConfig, faults, path: str, batch: int = 2000) -> Reader:
+    """Write the job's agent records into a new store at path through StoreWriter; returns its Reader."""
+    sf = StoreFeed(cfg, path, batch)
+    try:
+        for aid, rec in agentview.agent_records(cfg, faults, JOB, MONO_BASE):
+            sf.add(aid, rec)
+        sf.flush()
+        sf.topology(cfg)
+        sf.wait()
     finally:
-        w.stop()
-    bad = [o for o in outcomes if not o or o[0][0] != "stored"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} batches not stored: {bad[:2]}")
+        sf.close()
+    sf.check()
     return Reader(path)
 
 
@@ -132,13 +163,18 @@ def sim_fetcher(cfg: ModelConfig, faults):
     return fetch
 
 
-def run_detectors(reader, until_ns: int, since_ns: int = 0) -> tuple[list, float]:
+def run_detectors(reader, until_ns: int, since_ns: int = 0, own_window: bool = False) -> tuple[list, float]:
+    """Every registered detector with its default config on the window [since_ns, until_ns]; own_window: each
+    from its config's window_seconds before until_ns instead, as the analysis loop hands it (engine.run_job).
+    Returns ([(detector name, finding)], seconds)."""
     t0 = time.perf_counter()
     out = []
-    for name, spec in all_specs().items():
-        cfg = spec.config_class()
-        for f in spec.detect(reader, Window(JOB, since_ns, until_ns), cfg) or []:
-            out.append((name, f))
+    with no_gc():  # as the engine runs them (engine.run_job)
+        for name, spec in all_specs().items():
+            cfg = spec.config_class()
+            since = max(0, until_ns - int(cfg.window_seconds * 1e9)) if own_window else since_ns
+            for f in spec.detect(reader, Window(JOB, since, until_ns), cfg) or []:
+                out.append((name, f))
     return out, time.perf_counter() - t0
 
 
@@ -231,6 +267,9 @@ def random_scenario(rng: random.Random, iterations: int, healthy_share: float = 
     dp, pp, tp = rng.choice(SHAPES)
     cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=iterations, gpus_per_node=8,
                       nodes_per_leaf=rng.choice((2, 4)), spines=rng.choice((2, 4)), seed=rng.randrange(1 << 30))
+    # transfers jitter like a real fabric's (1-4 % per transfer and iteration), drawn from the job's own seed so
+    # the scenario sequence of a --random-seed is what it was before the jitter existed
+    cfg.net_jitter_cv = round(random.Random(cfg.seed).uniform(0.01, 0.04), 4)
     topo = cfg.topology()
     if rng.random() < healthy_share:
         return cfg, []

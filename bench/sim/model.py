@@ -62,6 +62,8 @@ class ModelConfig:
     hop_latency_us: float = 10.0
     optimizer_ms: float = 5.0
     jitter_cv: float = 0.02          # per rank per iteration, multiplicative on compute
+    net_jitter_cv: float = 0.0       # per transfer per iteration, multiplicative on its time (a PP pair's TP
+                                     # group, a DP ring, an EP all-to-all, an expert ring); 0 = deterministic
     schedule: str = "1f1b"           # or "gpipe": all forwards, then all backwards (the CPU testbed's default)
     barrier_us: float = 0.0          # > 0: a world barrier after every forward micro-batch costing this much
                                      # after the last arrival (the testbed's `extra_sync` fault)
@@ -100,6 +102,9 @@ class ModelConfig:
         for name in ("fwd_ms", "bwd_ms", "nic_gbps", "switch_gbps", "nvlink_gbps"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        for name in ("jitter_cv", "net_jitter_cv"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"{name} must be in [0, 1)")
         if self.ep < 1:
             raise ValueError("ep must be >= 1")
         if self.dp % self.ep:
@@ -231,6 +236,9 @@ class Iteration:
     ar_ns: list[list[float]]
     xfer_ns: list[list[float]]
     net: dict[str, float] = field(default_factory=dict)  # link/switch -> bandwidth divisor in force
+    # net_jitter_cv > 0 only: the multipliers drawn for this iteration, already in ar_ns/xfer_ns/a2a_ns/ear_ns:
+    # pp[s][d] (stage s -> s+1 pairs of replica d, all TP pairs alike), dp[s][t], a2a[s][e * tp + t], ear[s][x]
+    net_jitter: dict | None = None
     sync_ns: list[list[float]] | None = None  # [s][d] time in per-micro-batch barriers (cfg.barrier_us > 0)
     send_wait_ns: list[list[float]] | None = None  # [s][d] waiting for sends after the last op (send_rendezvous)
     # ep > 1 only: a2a_calls[s][k] = the all-to-alls of ops[s][k], each (seg_start[d], done_at[e]): when the
@@ -440,6 +448,8 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
     fwd, bwd, tpc = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6, cfg.tp_collective_ms * 1e6
     opt = cfg.optimizer_ms * 1e6
     cv = cfg.jitter_cv
+    ncv = cfg.net_jitter_cv
+    ngauss = random.Random(cfg.seed * 7919 + 17).gauss if ncv > 0 else None
     timeout = cfg.collective_timeout_s * 1e9
     hang_default = None
     rank_faults = [f for f in faults if f.resource == "rank"]
@@ -484,6 +494,18 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
         xfer, ar = net.xfer, net.ar
         if ep_on:
             a2a, ear = net.a2a, net.ear
+        jit = None
+        if ngauss is not None:  # every transfer of this iteration a little faster or slower
+            def draw(rows):
+                return [[max(0.5, 1.0 + ngauss(0.0, ncv)) for _ in row] for row in rows]
+            jit = {"pp": draw(xfer), "dp": draw(ar)}
+            xfer = [[x * j for x, j in zip(row, jr)] for row, jr in zip(xfer, jit["pp"])]
+            ar = [[x * j for x, j in zip(row, jr)] for row, jr in zip(ar, jit["dp"])]
+            if ep_on:
+                jit["a2a"], jit["ear"] = draw(a2a), draw(ear)
+                a2a = [[x * j for x, j in zip(row, jr)] for row, jr in zip(a2a, jit["a2a"])]
+                ear = [[x * j for x, j in zip(row, jr)] for row, jr in zip(ear, jit["ear"])]
+        if ep_on:
             a2ag = [[max(row[b * T:(b + 1) * T]) for b in range(NB)] for row in a2a]
         # group (s, d) compute multiplier = its slowest TP member; group start = its latest member's end + stall
         if T == 1:
@@ -604,10 +626,10 @@ def simulate(cfg: ModelConfig, faults: list[Fault], sink: Callable[[Iteration], 
             res.step_ns.append([b - a for a, b in zip(start, end)])
         if sink is not None:
             if ep_on:
-                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait,
+                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, jit, sync, send_wait,
                                calls, a2a, a2ag, ear))
             else:
-                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, sync, send_wait))
+                sink(Iteration(it, start, end, factor, stall, ops, last_b, ar, xfer, netf, jit, sync, send_wait))
         res.iterations_done = it + 1
     res.end_ns = max(end) if end else 0.0
     return res

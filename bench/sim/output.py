@@ -40,6 +40,9 @@ def pair_xfer(net: Network, cfg: ModelConfig, it: Iteration, s: int) -> list[flo
         bits = cfg.activation_bytes * 8e9
         got = cache[key] = [net.p2p_lat + bits / net.pair_bps(cfg.rank(s, d, t), cfg.rank(s + 1, d, t), it.net)
                             for d in range(cfg.dp) for t in range(cfg.tp)]
+    if it.net_jitter:  # this iteration's draw for the replica's pairs (the model's xfer_ns carries the same)
+        j, T = it.net_jitter["pp"][s], cfg.tp
+        return [x * j[c // T] for c, x in enumerate(got)]
     return got
 
 

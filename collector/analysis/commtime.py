@@ -14,45 +14,57 @@ raise it). Point-to-point communicators count by their sends (`<comm id>#send`: 
 apart from receives; a send starts when its data is ready, its receiver mostly waits already, so its busy time
 is mostly transfer; a receive's is mostly waiting and is left out). A pipeline pair's sends that did not slow
 are no alibi for the devices on their path (a small transfer is latency-bound), so they count only when slow.
-Per communicator, over the steps before the last recent_steps: a trailing baseline (median of the last
-baseline_steps steps not flagged, a step being flagged at >= ratio x the baseline then in force, as the
-irregularity gate does for the job). The communicator is slow when the median of its last recent_steps
-transfer times is >= ratio x that baseline AND the excess is >= min_step_fraction of the job's step time
-(median over the same steps): a 20 % rise on a communicator that takes 0.1 % of the step is noise.
-Finding: one per window, kind `network`, onset at the first step of the slow run (flagged steps back from
-the recent ones, one-step gaps allowed), severity = the largest transfer-time ratio (not the step-time ratio
-the other kinds carry; the summary says so), suspects: NICs, links and switches scored by
+Flags, per communicator and step: a trailing baseline (median b of the last baseline_steps values not
+flagged) and its noise (sigma = 1.4826 x their MAD: a fabric's transfers jitter by a few % from one iteration
+to the next); a value is flagged when it exceeds b by >= max((ratio - 1) x b, noise_k x sigma). The threshold
+follows each communicator's own noise: a 1.2x slower link is seen under 2 % jitter, and 4 % jitter raises no
+flag on a healthy job (tests). Slow spans (slow_spans): >= recent_steps flagged steps in a run (`persistent`)
+or >= fluctuation_min within fluctuation_steps, or runs that come back (`fluctuating`), anywhere in the
+window, not only at its end: a fault that ended before the window did is still reported (evidence `ongoing`
+false, "(over)" in the summary). A span whose median excess is < min_step_fraction of the job's step time is
+left out: a 20 % rise on a communicator that takes 0.1 % of the step is noise.
+Findings: overlapping spans form an episode; its root causes are explained greedily (explain()): the best
+device over the episode's slow communicators, then the best over those it does not explain (a slow link
+beside a congested switch elsewhere), up to 3, one finding each (`concurrent_with` names the first). Kind
+`network`, onset at the cause's first flagged step, severity = the largest transfer-time ratio (not the
+step-time ratio the other kinds carry; the summary says so), suspects: NICs, links and switches scored by
 irregularity.score_devices over the slow vs all collective communicators' ring paths; the members' nodes
 without a stored topology.
-No duplicate of the irregularity detector: when the job's step time over the recent steps is itself
->= gate_ratio x its baseline (the gate's delta), the gate fires and irregularity localizes slow communicators
-with the same scoring, so this detector stays silent (gate_ratio = 0: report anyway).
+No duplicate of the irregularity detector: when the job's step time is itself >= gate_ratio x its baseline
+(the gate's delta) on most of an episode's steps and the slow communicators explain that excess (job excess
+<= 2x their largest excess transfer time), irregularity localizes the same devices with the same scoring and
+this detector leaves the episode to it; a job slowed far beyond them (a slow GPU beside a slow link) gets
+both findings (gate_ratio = 0: report always).
 Ties: one slow ring implicates all of its links alike (a ring runs at its slowest link's pace). When the best
 suspects tie, irregularity.refine asks the agents of the ranks on them for their CommOps (progressive
 fetching, probe.py) and scores their pipeline pairs' measured transfer times beside the rings: the slow link
 comes first; the evidence says how many ranks were fetched. Without fetching (no agents connected) the tie
 stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its peer's link.
-Cost: one pass over ranks x steps x communicators in plain Python: 2.2-2.4 s per window for 512 ranks x 100
-steps on this 2-core VM (with an eval running beside it), ~70 % of it reading the Step records (load).
+Cost: one pass over the window's steps grouped per communicator (irregularity.groups, shared with the
+irregularity detector in the same pass) and, per communicator, a trailing median/MAD every 8 steps.
 """
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import (P2P_OPS, IrregularityConfig, comm_key, load, nic_map,
+from steplens.collector.analysis.irregularity import (IrregularityConfig, comm_devices, groups, load, nic_map,
                                                       refine, score_devices)
+
+NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
 
 
 @dataclass
 class CommtimeConfig(DetectorConfig):
-    ratio: float = 1.2                   # recent transfer time >= ratio x the communicator's baseline: slow
-    recent_steps: int = 5                # N: the median of the last N steps is compared with the baseline
+    ratio: float = 1.05                  # a transfer >= this x its communicator's baseline can be slow ...
+    noise_k: float = 4.0                 # ... and only when above the baseline by >= noise_k x its own noise
+    recent_steps: int = 5                # N: a span of >= N flagged steps (one-step gaps allowed) is persistent
+    fluctuation_steps: int = 12          # W: >= fluctuation_min flagged steps within W steps fluctuate
+    fluctuation_min: int = 3
     baseline_steps: int = 100            # trailing unflagged steps in a communicator's baseline (median)
     min_baseline_steps: int = 10         # no verdict before this many baseline steps
     min_step_fraction: float = 0.01      # excess transfer time per step at least this share of the step time
@@ -64,8 +76,12 @@ class CommtimeConfig(DetectorConfig):
         super().validate()
         if not 1.0 < self.ratio <= 10.0:
             raise ConfigError(f"ratio must be within (1, 10], got {self.ratio}")
+        if not 0.0 <= self.noise_k <= 100.0:
+            raise ConfigError(f"noise_k must be within [0, 100], got {self.noise_k}")
         if not 1 <= self.recent_steps <= 1000:
             raise ConfigError(f"recent_steps must be within 1..1000, got {self.recent_steps}")
+        if not 2 <= self.fluctuation_min <= self.fluctuation_steps <= 1000:
+            raise ConfigError("need 2 <= fluctuation_min <= fluctuation_steps <= 1000")
         if not 2 <= self.min_baseline_steps <= self.baseline_steps <= 100_000:
             raise ConfigError("need 2 <= min_baseline_steps <= baseline_steps <= 100000")
         if not 0.0 <= self.min_step_fraction < 1.0:
@@ -80,122 +96,236 @@ class CommtimeConfig(DetectorConfig):
 
 def transfer_times(js, numbers_idx: range) -> tuple[dict[str, dict[int, int]], dict[str, set[int]]]:
     """Per collective communicator, and per point-to-point one's sends (`<id>#send`): step index -> min busy_ns
-    over its members, and its members."""
+    over its members, and its members (irregularity.groups: the steps grouped once per pass)."""
     t: dict[str, dict[int, int]] = {}
     members: dict[str, set[int]] = {}
-    numbers = js.numbers
-    for rank, steps in js.rows.items():
-        mine: set[str] = set()
-        for i in numbers_idx:
-            row = steps.get(numbers[i])
-            if row is None:
-                continue
-            for c in row["comms"]:
-                op = c["op"]
-                if op in P2P_OPS:
-                    if op != "send":
-                        continue  # a receive's busy time is mostly waiting for its sender
-                    cid = comm_key(c)
-                else:
-                    cid = c["comm_id"]
-                mine.add(cid)
-                b = c["busy_ns"]
-                if b > 0:
-                    per = t.get(cid)
-                    if per is None:
-                        per = t[cid] = {}
-                    if b < per.get(i, 1 << 62):
-                        per[i] = b
-        for cid in mine:
-            members.setdefault(cid, set()).add(rank)
+    for i in numbers_idx:
+        for cid, (ranks, _, cs) in groups(js, i).items():
+            if cid.endswith(NOT_TRANSFER):
+                continue  # a receive's busy time is mostly waiting for its sender
+            mem = members.get(cid)
+            if mem is None:
+                mem = members[cid] = set()
+            if len(mem) < len(ranks):
+                mem.update(ranks)
+            b = min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0)
+            if b > 0:
+                per = t.get(cid)
+                if per is None:
+                    per = t[cid] = {}
+                per[i] = b
     return t, {c: m for c, m in members.items() if len(m) >= 2}
 
 
-def baseline(series: list[tuple[int, int]], cfg: CommtimeConfig) -> tuple[float, list[bool]]:
-    """Trailing median of unflagged values at the end of series, and each value's flag against the baseline
-    in force when it came (0.0 and no flags before min_baseline_steps values)."""
+MAD_SIGMA = 1.4826   # a normal distribution's sigma per median absolute deviation
+
+
+def baseline(series: list[tuple[int, int]], cfg: CommtimeConfig, k: float | None = None,
+             min_excess: float = 0.0) -> tuple[float, list[bool], list[float]]:
+    """Each value's flag against the trailing baseline in force when it came: the median b and the noise
+    sigma = 1.4826 x MAD of the last baseline_steps unflagged values; flagged when v - b >= max((ratio - 1) x
+    b, k x sigma, min_excess) (k: cfg.noise_k). Returns (the last baseline, flags, each value's ratio to the
+    baseline then, 0.0 before min_baseline_steps values). The MAD is re-taken every 8 values (cost)."""
+    k = cfg.noise_k if k is None else k
     hist: deque = deque(maxlen=cfg.baseline_steps)
-    flags = []
+    flags, ratios = [], []
+    b, sig, stale = 0.0, 0.0, 0
     for _, v in series:
-        b = median(hist) if len(hist) >= cfg.min_baseline_steps else 0.0
-        f = bool(b) and v >= cfg.ratio * b
+        if len(hist) >= cfg.min_baseline_steps:
+            if stale <= 0:
+                b = median(hist)
+                sig = MAD_SIGMA * median(abs(x - b) for x in hist)
+                stale = 8
+            stale -= 1
+            f = v - b >= max((cfg.ratio - 1.0) * b, k * sig, min_excess)
+            ratios.append(v / b if b else 0.0)
+        else:
+            f = False
+            ratios.append(0.0)
         flags.append(f)
         if not f:
             hist.append(v)
-    return (median(hist) if len(hist) >= cfg.min_baseline_steps else 0.0), flags
+            if stale > 0 and len(hist) < cfg.min_baseline_steps + 8:
+                stale = 0  # a young baseline moves fast: re-take it
+    return (median(hist) if len(hist) >= cfg.min_baseline_steps else 0.0), flags, ratios
 
 
-def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], lo: int, step_now: float,
-               cfg: CommtimeConfig) -> tuple[dict[str, float], dict[str, int], dict[str, dict]]:
-    """Communicators whose median transfer time from step index lo on is >= ratio x their baseline before it,
-    by >= min_step_fraction of step_now: (comm -> ratio, comm -> onset index, comm -> evidence)."""
-    N = cfg.recent_steps
-    slow: dict[str, float] = {}
-    onset_idx: dict[str, int] = {}
-    ev: dict[str, dict] = {}
+def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, str]]:
+    """Where a communicator was slow, as (first, last, pattern) positions in its series: a run of >=
+    recent_steps flagged values (one-step gaps allowed) is `persistent` when >= 80 % of it is flagged,
+    `fluctuating` otherwise or when another run follows within fluctuation_steps (merged); so are >=
+    fluctuation_min flagged values within fluctuation_steps outside such runs (spans that touch are merged). A lone flagged value is noise or a spike, not a slow device."""
+    idx = [i for i, f in enumerate(flags) if f]
+    out: list[list] = []
+    run: list[int] = []
+    for i in idx + [None]:
+        if run and (i is None or i - run[-1] > 2):
+            if len(run) >= cfg.recent_steps:
+                dense = len(run) >= 0.8 * (run[-1] - run[0] + 1)
+                if out and run[0] - out[-1][1] <= cfg.fluctuation_steps:  # slow, better, slow again: one span
+                    out[-1][1], out[-1][2] = run[-1], "fluctuating"
+                else:
+                    out.append([run[0], run[-1], "persistent" if dense else "fluctuating", True])
+            run = []
+        if i is not None:
+            run.append(i)
+    lo = 0
+    for hi, i in enumerate(idx):
+        while i - idx[lo] >= cfg.fluctuation_steps:
+            lo += 1
+        if hi - lo + 1 >= cfg.fluctuation_min:
+            a, b = idx[lo], i
+            if not any(x[0] - 2 <= b and a <= x[1] + 2 for x in out if x[3]):
+                if out and not out[-1][3] and a <= out[-1][1] + cfg.fluctuation_steps:
+                    out[-1][1] = max(out[-1][1], b)
+                else:
+                    out.append([a, b, "fluctuating", False])
+    return sorted((a, b, p) for a, b, p, _ in out)
+
+
+def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], step_ns: float,
+               cfg: CommtimeConfig) -> list[dict]:
+    """Every slow span of every communicator: {comm, first, last (step indexes), pattern, ratio (median over
+    its flagged steps), baseline_ns, flagged}; a span whose median excess is < min_step_fraction of the step
+    is left out (a 20 % rise on a communicator that takes 0.1 % of the step is noise)."""
+    out = []
     for cid, per in trans.items():
-        if cid not in members:
+        if cid not in members or len(per) < cfg.min_baseline_steps + cfg.fluctuation_min:
             continue
-        before = sorted((i, v) for i, v in per.items() if i < lo)
-        recent = [v for i, v in per.items() if i >= lo]
-        if len(recent) < math.ceil(N / 2):
-            continue
-        base, _ = baseline(before, cfg)
-        if not base:
-            continue
-        now = median(recent)
-        if now < cfg.ratio * base or now - base < cfg.min_step_fraction * step_now:
-            continue
-        slow[cid] = now / base
-        # onset: back from the recent steps over values still >= ratio x baseline (one-step gaps allowed)
-        first = min(i for i, v in per.items() if i >= lo and v >= cfg.ratio * base) if any(
-            v >= cfg.ratio * base for i, v in per.items() if i >= lo) else lo
-        k = len(before) - 1
-        while k >= 0 and (before[k][1] >= cfg.ratio * base or (k > 0 and before[k - 1][1] >= cfg.ratio * base)):
-            if before[k][1] >= cfg.ratio * base:
-                first = before[k][0]
-            k -= 1
-        onset_idx[cid] = first
-        ev[cid] = {"ratio": round(now / base, 3), "baseline_ns": int(base), "recent_ns": int(now)}
-    return slow, onset_idx, ev
+        series = sorted(per.items())
+        base, flags, ratios = baseline(series, cfg)
+        for a, b, pattern in slow_spans(flags, cfg):
+            hit = [j for j in range(a, b + 1) if flags[j]]
+            r = median(ratios[j] for j in hit)
+            b0 = series[hit[0]][1] / ratios[hit[0]] if ratios[hit[0]] else 0.0
+            if not b0 or (r - 1.0) * b0 < cfg.min_step_fraction * step_ns:
+                continue
+            out.append({"comm": cid, "first": series[a][0], "last": series[b][0], "pattern": pattern,
+                        "ratio": r, "baseline_ns": b0, "flagged": [series[j][0] for j in hit]})
+    return out
+
+
+def episodes(spans: list[dict], gap: int) -> list[list[dict]]:
+    """Slow spans grouped into episodes: spans that overlap (within gap steps) are one network problem."""
+    out: list[list[dict]] = []
+    end = -1 << 30
+    for sp in sorted(spans, key=lambda x: (x["first"], x["last"])):
+        if out and sp["first"] <= end + gap:
+            out[-1].append(sp)
+            end = max(end, sp["last"])
+        else:
+            out.append([sp])
+            end = sp["last"]
+    return out
 
 
 def detect(reader, window: Window, cfg: CommtimeConfig) -> list[Finding]:
     js = load(reader, window, IrregularityConfig(complete_fraction=cfg.complete_fraction))
     n = len(js.numbers)
-    N = cfg.recent_steps
-    if n < cfg.min_baseline_steps + N:
+    if n < cfg.min_baseline_steps + cfg.fluctuation_min:
         return []
-    lo = n - N
-    step_now = median(js.x_ns[lo:])
-    if cfg.gate_ratio:
-        _, job_flags = baseline(list(enumerate(js.x_ns[:lo])), CommtimeConfig(
-            ratio=cfg.gate_ratio, baseline_steps=cfg.baseline_steps, min_baseline_steps=cfg.min_baseline_steps))
-        healthy = [x for x, f in zip(js.x_ns[:lo], job_flags) if not f][-cfg.baseline_steps:]
-        if len(healthy) >= cfg.min_baseline_steps and step_now >= cfg.gate_ratio * median(healthy):
-            return []  # the irregularity gate fires on these steps and localizes slow communicators itself
+    step_ns = median(js.x_ns)
     trans, members = transfer_times(js, range(n))
-    slow, onset_idx, ev = slow_comms(trans, members, lo, step_now, cfg)
-    if not slow:
+    spans = slow_comms(trans, members, step_ns, cfg)
+    if not spans:
         return []
+    job_flag, job_ratio = [False] * n, [0.0] * n
+    if cfg.gate_ratio:
+        _, job_flag, job_ratio = baseline(list(enumerate(js.x_ns)), CommtimeConfig(
+            ratio=cfg.gate_ratio, noise_k=0.0, baseline_steps=cfg.baseline_steps,
+            min_baseline_steps=cfg.min_baseline_steps))
     topo, nic_of = nic_map(reader, window.job_key, js)
-    sus = score_devices(slow, members, js.node_of, topo, nic_of)
-    first = min(onset_idx.values())
-    ref = [i for i in range(first) if i < lo][-cfg.baseline_steps:]
-    sus, pev = refine(reader, window.job_key, js, sus, slow, members, topo, nic_of, ref, list(range(lo, n)))
-    sus.sort(key=lambda s: (-s.score, s.kind, s.id))
-    sus = sus[:cfg.max_suspects]
+    out = []
+    for ep in episodes(spans, cfg.fluctuation_steps):
+        flagged = sorted({i for sp in ep for i in sp["flagged"]})
+        if cfg.gate_ratio and _left_to_irregularity(js, ep, trans, flagged, job_flag, job_ratio):
+            continue
+        found = explain(reader, window, js, ep, members, topo, nic_of, job_flag, cfg)
+        lead = found[0][0][0] if found and found[0][0] else None
+        for k, (sus, part, pev) in enumerate(found):
+            out.append(_finding(js, part, sus, pev, members, step_ns, cfg, n,
+                                f"{lead.kind} {lead.id}" if k and lead else ""))
+    return out
+
+
+def _left_to_irregularity(js, ep: list[dict], trans: dict[str, dict[int, int]], flagged: list[int],
+                          job_flag: list[bool], job_ratio: list[float]) -> bool:
+    """True when the irregularity gate fires on most of the episode's steps and the slow communicators explain
+    the job's slowdown (its excess step time <= 2x their largest excess transfer time, median over those
+    steps): irregularity then localizes the same devices. A job slowed far beyond what the slow communicators
+    cost (a slow GPU beside them) is not explained by them: both findings are made."""
+    hit = [i for i in flagged if job_flag[i]]
+    if len(hit) * 2 < len(flagged):
+        return False
+    job_x, comm_x = [], []
+    for i in hit:
+        job_x.append(js.x_ns[i] - js.x_ns[i] / job_ratio[i] if job_ratio[i] else 0.0)
+        comm_x.append(max((trans[sp["comm"]].get(i, 0) - sp["baseline_ns"] for sp in ep), default=0.0))
+    return median(job_x) <= 2.0 * max(0.0, median(comm_x))
+
+
+def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[int]], topo, nic_of, job_flag,
+            cfg: CommtimeConfig, max_causes: int = 3) -> list[tuple[list, list[dict], dict | None]]:
+    """The root causes of one episode's slow communicators, greedily: score every device over the slow ones
+    (score_devices; ties broken by progressive fetching, refine), take the best, set aside the slow
+    communicators whose paths it is on, and score again over the rest (a slow link beside a congested switch
+    elsewhere, two bad links at once), up to max_causes. Each cause: (its suspects, its spans, probe evidence)."""
+    out = []
+    rest = list(ep)
+    while rest and len(out) < max_causes:
+        slow: dict[str, float] = {}
+        for sp in rest:
+            slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
+        first = min(sp["first"] for sp in rest)
+        flagged = sorted({i for sp in rest for i in sp["flagged"]})
+        sus = score_devices(slow, members, js.node_of, topo, nic_of)
+        ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
+        sus, pev = refine(reader, window.job_key, js, sus, slow, members, topo, nic_of, ref, flagged)
+        sus.sort(key=lambda s: (-s.score, s.kind, s.id))
+        if not sus:
+            if not out:
+                out.append(([], rest, pev))
+            break
+        top = (sus[0].kind, sus[0].id)
+        mine = [sp for sp in rest if sp["comm"] in members and
+                top in comm_devices(topo, nic_of, js.node_of, members[sp["comm"]])]
+        if not mine:  # the best device is on no slow communicator's path (a fetched pair's): all of them
+            mine = rest
+        out.append((sus[:cfg.max_suspects], mine, pev))
+        taken = {id(sp) for sp in mine}
+        rest = [sp for sp in rest if id(sp) not in taken]
+    return out
+
+
+def _finding(js, part: list[dict], sus: list, pev: dict | None, members: dict[str, set[int]], step_ns: float,
+             cfg: CommtimeConfig, n: int, concurrent_with: str) -> Finding:
+    slow: dict[str, float] = {}
+    for sp in part:
+        slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
+    first = min(sp["first"] for sp in part)
+    last = max(sp["last"] for sp in part)
+    flagged = sorted({i for sp in part for i in sp["flagged"]})
     sev = max(slow.values())
+    pattern = "persistent" if any(sp["pattern"] == "persistent" for sp in part) else "fluctuating"
+    ongoing = last >= n - 1 - 2
     top = f"; top suspect {sus[0].kind} {sus[0].id}" if sus else ""
+    also = f", concurrent with {concurrent_with}" if concurrent_with else ""
     worst = sorted(slow, key=lambda c: -slow[c])
-    summary = (f"{len(slow)} communicator(s) transfer slowly: up to {sev:.2f}x their baseline transfer time "
-               f"(severity is this transfer-time ratio; job step time {step_now / 1e6:.1f} ms){top}.")
-    return [Finding(kind="network", onset_ns=js.start_ns[first], last_ns=js.end_ns[-1], severity=round(sev, 4),
-                    summary=summary, suspects=tuple(sus),
-                    evidence={"first_step": js.numbers[first], "recent_steps": N, "ratio": cfg.ratio,
-                              "step_ns": int(step_now), "slow_comms": {c: ev[c] for c in worst[:10]},
-                              "slow_count": len(slow), "comms": len(members),
-                              **({"probe": pev} if pev else {})})]
+    summary = (f"{len(slow)} communicator(s) transfer {'slowly' if pattern == 'persistent' else 'erratically'}: "
+               f"up to {sev:.2f}x their baseline transfer time over steps {js.numbers[first]}-{js.numbers[last]}"
+               f"{'' if ongoing else ' (over)'} (severity is this transfer-time ratio; job step time "
+               f"{step_ns / 1e6:.1f} ms){top}{also}.")
+    by = {sp["comm"]: sp for sp in part}
+    ev = {"first_step": js.numbers[first], "last_step": js.numbers[last], "pattern": pattern, "ongoing": ongoing,
+          "flagged_steps": [js.numbers[i] for i in flagged[-50:]], "ratio": cfg.ratio, "noise_k": cfg.noise_k,
+          "step_ns": int(step_ns),
+          "slow_comms": {c: {"ratio": round(slow[c], 3), "baseline_ns": int(by[c]["baseline_ns"]),
+                             "pattern": by[c]["pattern"]} for c in worst[:10]},
+          "slow_count": len(slow), "comms": len(members), **({"probe": pev} if pev else {})}
+    if concurrent_with:
+        ev["concurrent_with"] = concurrent_with
+    return Finding(kind="network", onset_ns=js.start_ns[first], last_ns=js.end_ns[last], severity=round(sev, 4),
+                   summary=summary, suspects=tuple(sus), evidence=ev)
 
 
 SPEC = DetectorSpec(

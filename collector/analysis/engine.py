@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig, DetectorSpec, Window, no_gc
 from steplens.collector.analysis.findings import Change, Finding, merge
 from steplens.collector.store import diagnosis as store
 from steplens.collector.store.writer import StoreJob
@@ -213,7 +213,7 @@ class AnalysisEngine:
         outputs: dict[str, list[Finding]] = {}
         errors: dict[str, str] = {}
         ran = []
-        with self._locks[job_key]:
+        with self._locks[job_key], no_gc():
             for name, spec in self.detectors.items():
                 cfg = self.configs[name]
                 if not cfg.enabled:

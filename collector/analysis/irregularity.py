@@ -74,7 +74,7 @@ from __future__ import annotations
 import cmath
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from statistics import median
 
 from steplens.collector.analysis import devrank, probe
@@ -147,6 +147,36 @@ class JobSteps:
     start_ns: list[int]                       # earliest start per step
     rows: dict[int, dict[int, dict]]          # rank -> step -> row (with comms)
     node_of: dict[int, str]
+    by_step: dict[int, dict] = field(default_factory=dict)  # step index -> groups(): built once, shared
+
+
+def groups(js: JobSteps, i: int) -> dict[str, tuple[list[int], list[int], list[dict]]]:
+    """Step index i's summaries grouped by communicator key (comm_key): key -> (ranks, their step start_ns,
+    their comm summaries), parallel lists in rank order. Built once per step and kept on js: skew(), margins()
+    and the commtime detector's transfer_times() read the same steps, and grouping 8,192 ranks' rows is most
+    of their cost (parallel lists, not a tuple per member: millions of small tuples kept alive make Python's
+    cyclic GC run over them again and again)."""
+    g = js.by_step.get(i)
+    if g is not None:
+        return g
+    g = {}
+    s = js.numbers[i]
+    for rank, steps in js.rows.items():
+        row = steps.get(s)
+        if row is None:
+            continue
+        start = row["start_ns"]
+        for c in row["comms"]:
+            op = c["op"]
+            cid = c["comm_id"] if op not in P2P_OPS else f"{c['comm_id']}#{op}"
+            grp = g.get(cid)
+            if grp is None:
+                grp = g[cid] = ([], [], [])
+            grp[0].append(rank)
+            grp[1].append(start)
+            grp[2].append(c)
+    js.by_step[i] = g
+    return g
 
 
 def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
@@ -347,6 +377,8 @@ class Skew:
     members: dict[str, set[int]]
     transfer: dict[str, dict[int, int]]     # comm -> step index -> min busy_ns over members
     all_members: dict[str, set[int]]
+    late: dict[int, dict[int, float]] = field(default_factory=dict)  # step index -> rank -> min over its
+                                            # collective comms of its mean (arrival - median) that step, ns
 
 
 def collective_picks(js: JobSteps, steps: int, cfg: IrregularityConfig) -> int:
@@ -363,40 +395,47 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
     members: dict[str, set[int]] = {}
     allm: dict[str, set[int]] = {}
     transfer: dict[str, dict[int, int]] = {}
+    late_by_step: dict[int, dict[int, float]] = {}
     for i in idx:
-        s = js.numbers[i]
-        comms: dict[str, list[tuple[int, int, dict]]] = {}
-        for rank, steps in js.rows.items():
-            row = steps.get(s)
-            if row is None:
+        step_late = late_by_step[i] = {}
+        for cid, (ranks, starts, cs) in groups(js, i).items():
+            if len(ranks) < 2:
                 continue
-            for c in row["comms"]:
-                comms.setdefault(comm_key(c), []).append((rank, row["start_ns"], c))
-        for cid, mem in comms.items():
-            if len(mem) < 2:
-                continue
-            allm.setdefault(cid, set()).update(m[0] for m in mem)
-            busy = [m[2]["busy_ns"] for m in mem if m[2]["busy_ns"] > 0]
+            am = allm.get(cid)
+            if am is None:
+                am = allm[cid] = set()
+            if len(am) < len(ranks):
+                am.update(ranks)
+            busy = [c["busy_ns"] for c in cs if c["busy_ns"] > 0]
             if busy:
                 transfer.setdefault(cid, {})[i] = min(busy)
-            if mem[0][2]["op"] in P2P_OPS:
+            if cs[0]["op"] in P2P_OPS:
                 continue
-            members.setdefault(cid, set()).update(m[0] for m in mem)
-            k_n = min(len(m[2]["issue_offsets_ns"]) for m in mem)
-            for k in _pick(list(range(k_n)), picks):
-                arr = [(start + c["issue_offsets_ns"][k], rank) for rank, start, c in mem]
+            members.setdefault(cid, set()).update(ranks)
+            k_n = min(len(c["issue_offsets_ns"]) for c in cs)
+            ks = _pick(list(range(k_n)), picks)
+            acc = [0.0] * len(ranks)
+            for k in ks:
+                arr = [(start + c["issue_offsets_ns"][k], rank) for rank, start, c in zip(ranks, starts, cs)]
                 top = max(a for a, _ in arr)
                 lasts = [rank for a, rank in arr if top - a <= tie_ns]
                 srt = sorted(a for a, _ in arr)
                 mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-                for a, rank in arr:
+                for j, (a, rank) in enumerate(arr):
                     key = (rank, cid)
                     total[key] = total.get(key, 0) + 1
                     margin[key] = margin.get(key, 0.0) + (a - mid)
+                    acc[j] += a - mid
                 for rank in lasts:
                     key = (rank, cid)
                     last[key] = last.get(key, 0.0) + 1.0 / len(lasts)
-    return Skew(last, total, margin, members, transfer, allm)
+            if ks:
+                for rank, v in zip(ranks, acc):
+                    v /= len(ks)
+                    cur = step_late.get(rank)
+                    if cur is None or v < cur:
+                        step_late[rank] = v
+    return Skew(last, total, margin, members, transfer, allm, late_by_step)
 
 
 def _share(sk: Skew, key) -> float:
@@ -433,7 +472,8 @@ def compute_suspects(js: JobSteps, bad: Skew, good: Skew | None, bad_steps: list
     return out
 
 
-def _devices(topo, nic_of: dict[int, str], node_of: dict[int, str], mem: set[int]) -> dict[tuple[str, str], float]:
+def comm_devices(topo, nic_of: dict[int, str], node_of: dict[int, str],
+                 mem: set[int]) -> dict[tuple[str, str], float]:
     """Devices a communicator's traffic uses, with weights: the member NICs, the switches and switch links of
     the ring's paths (1/#equal-cost paths each); without a topology, the members' nodes."""
     ranks = sorted(mem)
@@ -518,7 +558,7 @@ def score_devices(slow: dict[str, float], members: dict[str, set[int]], node_of:
     for cid, mem in members.items():
         if cid.endswith(SEND) and cid not in slow:
             continue  # a small transfer is latency-bound: it may not slow where bandwidth is short (no alibi)
-        for dev, w in _devices(topo, nic_of, node_of, mem).items():
+        for dev, w in comm_devices(topo, nic_of, node_of, mem).items():
             use[dev] = use.get(dev, 0.0) + w
             if cid in slow:
                 hit[dev] = hit.get(dev, 0.0) + w
@@ -597,17 +637,16 @@ def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew,
     if > 0) and the network causes are the collective communicators whose transfer time that step is >=
     comm_slow_ratio x their reference median; each cause weighted by R, the correlation of its series with the
     job step time over reference + flagged steps. Evidence beside the episode's own ranking; [(kind, id, I)]."""
-    idx = sorted(set(ref_idx[-cfg.baseline_steps:]) | set(bad_idx))
-    marg, members = margins(js, idx, cfg)
+    by_step = {**good.late, **bad.late}  # the skews' per-step lateness: no second pass over the arrivals
+    idx = sorted(i for i in set(ref_idx[-cfg.baseline_steps:]) | set(bad_idx) if i in by_step)
     pos = {i: k for k, i in enumerate(idx)}
     x = [js.x_ns[i] for i in idx]
     late: dict[int, list[float]] = {}
-    for (rank, cid), xs in marg.items():
-        if len(xs) != len(idx):
-            continue
-        cur = late.get(rank)
-        vals = [v for v, _ in xs]
-        late[rank] = vals if cur is None else [min(a, b) for a, b in zip(cur, vals)]
+    if idx:
+        for rank in by_step[idx[0]]:
+            vals = [by_step[i].get(rank) for i in idx]
+            if None not in vals:
+                late[rank] = vals
     r_rank = {r: devrank.pearson(v, x) for r, v in late.items()}
     causes = []
     for i in bad_idx:
@@ -623,7 +662,7 @@ def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew,
                 continue
             series = [good.transfer.get(cid, {}).get(j, bad.transfer[cid].get(j, 0)) for j in idx]
             causes.append((devrank.pearson(series, x),
-                           _devices(topo, nic_of, js.node_of, bad.all_members[cid])))
+                           comm_devices(topo, nic_of, js.node_of, bad.all_members[cid])))
     counts = {"rank": len(js.rows), "link": max(1, len(set(nic_of.values()))),
               "switch": len(topo.switches) if topo is not None else 1}
     return [list(t) for t in devrank.rank(causes, topo, counts)[:top]]
@@ -668,21 +707,16 @@ def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict
     picks = collective_picks(js, len(idx), cfg)
     pick_memo: dict[int, list[int]] = {}
     for i in idx:
-        s = js.numbers[i]
         comms: dict[str, list] = {}
-        for rank, steps in js.rows.items():
-            row = steps.get(s)
-            if row is None:
-                continue
-            start = row["start_ns"]
-            for c in row["comms"]:
+        for cid, (ranks, starts, cs) in groups(js, i).items():
+            for rank, start, c in zip(ranks, starts, cs):
                 offs = c["issue_offsets_ns"]
                 if offs and c["op"] not in P2P_OPS:
                     ks = pick_memo.get(len(offs))
                     if ks is None:
                         ks = pick_memo[len(offs)] = _pick(list(range(len(offs))), picks)
                     a = offs[ks[0]] if len(ks) == 1 else sum([offs[k] for k in ks]) / len(ks)
-                    comms.setdefault(c["comm_id"], []).append((start + a, rank, c["calls"]))
+                    comms.setdefault(cid, []).append((start + a, rank, c["calls"]))
         for cid, mem in comms.items():
             if len(mem) < 2:
                 continue

@@ -10,8 +10,10 @@ healthy pairs as two-member "communicators" that irregularity.score_devices scor
 
 Transfer time of one send: end - max(start, the matching recv's start when the peer's ops were fetched too,
 matched by comm and p2p_seq) - the part of a send that only waited for its receiver is not transfer. A pair
-(comm, sender, receiver) is slow when the median of its transfer times in the slow span is >= ratio x the
-median in the reference span and longer by >= min_excess_ns; healthy when both spans have >= 3 sends and it
+(comm, sender, receiver) is slow when the median of its transfer times in the slow span exceeds the median in
+the reference span by >= max((ratio - 1) x that median, noise_k x the noise of a median, min_excess_ns), the
+noise being the reference's robust spread (1.4826 x MAD) over sqrt(steps in the slow span) (a fabric's
+transfers jitter by a few % from one iteration to the next); healthy when both spans have >= 3 sends and it
 is not slow. Peers: the other member of a two-member communicator, else members[peer] (FR's peer is a group
 rank).
 Used by irregularity.network_suspects and commtime.detect only when the best network suspects tie (within
@@ -22,6 +24,7 @@ Cost: two fetches of <= max_ranks ranks x the spans' ops; the analysis itself is
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -78,8 +81,8 @@ def _within(rows: list[dict], spans: list[tuple[int, int]]) -> list[dict]:
 
 
 def probe(reader, job_key: str, ranks: list[int], ref_spans: list[tuple[int, int]],
-          bad_spans: list[tuple[int, int]], ratio: float = 1.15, min_excess_ns: int = 20_000,
-          max_ranks: int = 64) -> ProbeResult:
+          bad_spans: list[tuple[int, int]], ratio: float = 1.05, min_excess_ns: int = 20_000,
+          max_ranks: int = 64, noise_k: float = 4.0) -> ProbeResult:
     """Slow and healthy pipeline pairs among the sends of `ranks` (at most max_ranks, in the order given);
     spans are (start_ns, end_ns) of steps, cluster time: one fetch covers each side's spans, ops outside
     them (steps between flagged ones) are left out."""
@@ -105,7 +108,10 @@ def probe(reader, job_key: str, ranks: list[int], ref_spans: list[tuple[int, int
         pid = f"p2p:{cid}:{a}>{b}"
         res.members[pid] = {a, b}
         mb, mn = median(before), median(now)
-        if mb > 0 and mn >= ratio * mb and mn - mb >= min_excess_ns:
+        # noise of the slow span's median: the reference's spread (1.4826 x MAD), over sqrt of the steps it
+        # spans (a step's sends share that step's network conditions: steps are the samples)
+        sigma = 1.4826 * median(abs(x - mb) for x in before) * 1.2533 / math.sqrt(max(1, len(bad_spans)))
+        if mb > 0 and mn - mb >= max((ratio - 1.0) * mb, noise_k * sigma, min_excess_ns):
             res.slow[pid] = mn / mb
     return res
 
