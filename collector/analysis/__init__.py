@@ -13,6 +13,7 @@ import importlib
 DETECTORS: dict[str, str] = {
     "commtime": "steplens.collector.analysis.commtime:SPEC",
     "irregularity": "steplens.collector.analysis.irregularity:SPEC",
+    "lateness": "steplens.collector.analysis.lateness:SPEC",
 }
 
 

@@ -154,7 +154,8 @@ def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, s
     """Where a communicator was slow, as (first, last, pattern) positions in its series: a run of >=
     recent_steps flagged values (one-step gaps allowed) is `persistent` when >= 80 % of it is flagged,
     `fluctuating` otherwise or when another run follows within fluctuation_steps (merged); so are >=
-    fluctuation_min flagged values within fluctuation_steps outside such runs (spans that touch are merged). A lone flagged value is noise or a spike, not a slow device."""
+    fluctuation_min flagged values within fluctuation_steps outside such runs; spans within fluctuation_steps
+    of each other are one (`fluctuating`). A lone flagged value is noise or a spike, not a slow device."""
     idx = [i for i, f in enumerate(flags) if f]
     out: list[list] = []
     run: list[int] = []
@@ -180,7 +181,13 @@ def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, s
                     out[-1][1] = max(out[-1][1], b)
                 else:
                     out.append([a, b, "fluctuating", False])
-    return sorted((a, b, p) for a, b, p, _ in out)
+    merged: list[list] = []
+    for a, b, p, _ in sorted(out):  # spans within fluctuation_steps of each other: one, slow on and off
+        if merged and a - merged[-1][1] <= cfg.fluctuation_steps:
+            merged[-1][1], merged[-1][2] = max(b, merged[-1][1]), "fluctuating"
+        else:
+            merged.append([a, b, p])
+    return [(a, b, p) for a, b, p in merged]
 
 
 def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], step_ns: float,

@@ -869,7 +869,19 @@ def detect(reader, window: Window, cfg: IrregularityConfig) -> list[Finding]:
                                suspects=sus, evidence={"straggler_steps": len(js.numbers) - lo,
                                                        "first_step": js.numbers[onset], "step_ns": int(now),
                                                        "comms": ev}))
+    try:  # the lateness detector of the same pass reads which ranks these findings name (named_ranks)
+        reader._irregularity_memo = (window, out)
+    except AttributeError:
+        pass
     return out
+
+
+def named_ranks(reader, window: Window, cfg: IrregularityConfig) -> list[tuple[str, int, int]]:
+    """(rank id, onset_ns, last_ns) of every finding of this detector on the window that leads with a rank:
+    the pass's own result when it ran already (kept on the reader), else detect() now."""
+    memo = getattr(reader, "_irregularity_memo", None)
+    out = memo[1] if memo is not None and memo[0] == window else detect(reader, window, cfg)
+    return [(f.suspects[0].id, f.onset_ns, f.last_ns) for f in out if f.suspects and f.suspects[0].kind == "rank"]
 
 
 SPEC = DetectorSpec(

@@ -1,0 +1,185 @@
+"""Per-rank lateness: a GPU slower than its peers that the job's step time does not show.
+
+Reads the window's Step records (per-communicator summaries with issue offsets) through irregularity.load;
+nothing else. Pure: `detect(reader, window, cfg) -> list[Finding]`, no writes, no clock, no state across
+windows.
+
+Why: the job's step time is its slowest rank's. A second GPU slowing while another is already slower (a
+fluctuating GPU under a degrading one), or a GPU fluctuating a little, moves nothing the irregularity gate
+sees; the rank still arrives later than its peers at every collective it joins.
+Lateness of rank r in step s: the min over the collective communicators r joins of its mean arrival
+(start_ns + issue offset, over the step's picked collectives) minus the members' median arrival
+(irregularity.margins). Min, so a rank that only waited for someone upstream (late into its data-parallel
+group, on time with its tensor-parallel peers, who waited alike) is not late; ranks in fewer than two
+collective communicators are not judged (TP = 1: nothing tells a slow rank from one waiting on its pipeline).
+Flags per rank and step: a trailing median b of its unflagged lateness and its noise (1.4826 x MAD); flagged
+when lateness - b >= max(noise_k x sigma, min_step_fraction x the job's baseline step). Slow spans as the
+commtime detector finds them (commtime.slow_spans: persistent runs, fluctuating bursts, anywhere in the
+window).
+Not duplicated: a span that an irregularity finding leading with this rank overlaps is that finding's
+(irregularity.named_ranks: the same pass's result, kept on the reader, or computed here); what remains are
+masked ranks (late, but someone else is later) and fluctuations under the gate. The evidence says how much of
+the span the job's step time was irregular (gate-flagged or in a level shift) and whether the rank was last.
+Finding: kind `fluctuation` (a fluctuating span) or `slowdown` (persistent), one per rank span; severity =
+1 + the rank's median excess lateness over its flagged steps / the baseline step: the step-time ratio this
+rank alone would cost (the summary says so); suspect: the rank, cause `compute`; evidence: its span, flagged
+steps, the waiting it causes, and `masked_by`: the rank an irregularity finding blames over the same steps.
+Cost: irregularity.margins over the window's last steps, capped so ranks x steps <= max_rank_steps (at 8,192
+ranks: the last 24 steps; the evidence says how many steps were judged).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.commtime import MAD_SIGMA, slow_spans
+from steplens.collector.analysis.findings import Finding, Suspect
+from steplens.collector.analysis.irregularity import IrregularityConfig, gate, load, margins, named_ranks
+
+
+@dataclass
+class LatenessConfig(DetectorConfig):
+    noise_k: float = 4.0                 # flagged when above its own lateness baseline by noise_k x its noise
+    min_step_fraction: float = 0.02      # ... and by at least this share of the job's baseline step
+    recent_steps: int = 5                # a run of >= this many flagged steps is a persistent span
+    fluctuation_steps: int = 12          # >= fluctuation_min flagged steps within this many: fluctuating
+    fluctuation_min: int = 3
+    baseline_steps: int = 100            # trailing unflagged steps in a rank's lateness baseline
+    min_baseline_steps: int = 10         # no verdict before this many
+    max_rank_steps: int = 200_000        # ranks x steps judged per window at most (the last steps)
+    complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
+    max_collectives_per_step: int = 16   # issue offsets used per communicator and step
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.noise_k <= 100.0:
+            raise ConfigError(f"noise_k must be within [0, 100], got {self.noise_k}")
+        if not 0.0 < self.min_step_fraction < 1.0:
+            raise ConfigError(f"min_step_fraction must be within (0, 1), got {self.min_step_fraction}")
+        if not 2 <= self.fluctuation_min <= self.fluctuation_steps <= 1000 or not 1 <= self.recent_steps <= 1000:
+            raise ConfigError("need 2 <= fluctuation_min <= fluctuation_steps <= 1000 and 1 <= recent_steps <= 1000")
+        if not 2 <= self.min_baseline_steps <= self.baseline_steps <= 100_000:
+            raise ConfigError("need 2 <= min_baseline_steps <= baseline_steps <= 100000")
+        if self.max_rank_steps < 1000:
+            raise ConfigError("max_rank_steps must be >= 1000")
+        if not 0.0 < self.complete_fraction <= 1.0:
+            raise ConfigError("complete_fraction must be within (0, 1]")
+        if self.max_collectives_per_step < 1:
+            raise ConfigError("max_collectives_per_step must be >= 1")
+
+
+def flags(cols: list[list[tuple[float, int]]], step_ns: list[float], cfg: LatenessConfig) -> tuple[list[bool],
+                                                                                                   list[float]]:
+    """Per step: flagged when the rank is late against its own history into every collective communicator it
+    joins (margin - trailing median >= noise_k x that comm's noise, 1.4826 x MAD over its unflagged steps,
+    re-taken every 4 steps) and the waiting it causes, summed over them (excess x collectives per step), is
+    >= min_step_fraction x the job's baseline step (step_ns: 0 before there is one). Returns (flags, the
+    waiting it causes per step, ns)."""
+    hist = [deque(maxlen=cfg.baseline_steps) for _ in cols]
+    stats = [(0.0, 0.0)] * len(cols)
+    out, cost = [], []
+    stale = 0
+    for p, base in enumerate(step_ns):
+        f, w = False, 0.0
+        if len(hist[0]) >= cfg.min_baseline_steps and base:
+            if stale <= 0:
+                stats = [(b, MAD_SIGMA * median(abs(x - b) for x in h)) for h in hist for b in (median(h),)]
+                stale = 4
+            stale -= 1
+            ex = [col[p][0] - b for col, (b, _) in zip(cols, stats)]
+            w = sum(e * col[p][1] for e, col in zip(ex, cols))
+            f = all(e > 0 and e >= cfg.noise_k * sd for e, (_, sd) in zip(ex, stats)) and \
+                w >= cfg.min_step_fraction * base
+        out.append(f)
+        cost.append(w)
+        if not f:
+            for h, col in zip(hist, cols):
+                h.append(col[p][0])
+    return out, cost
+
+
+def detect(reader, window: Window, cfg: LatenessConfig) -> list[Finding]:
+    icfg = IrregularityConfig(complete_fraction=cfg.complete_fraction,
+                              max_collectives_per_step=cfg.max_collectives_per_step)
+    js = load(reader, window, icfg)
+    n = len(js.numbers)
+    if n < cfg.min_baseline_steps + cfg.fluctuation_min or len(js.rows) < 4:
+        return []
+    g = gate(js.x_ns, icfg)
+    irregular = [bool(f) for f in g.flag]  # the steps irregularity sees: flagged, or in a level shift
+    for first, last, _, _ in g.degradations:
+        for i in range(first, last + 1):
+            irregular[i] = True
+    steps = min(n, max(cfg.min_baseline_steps + cfg.fluctuation_min, cfg.max_rank_steps // len(js.rows)))
+    idx = list(range(n - steps, n))
+    marg, members = margins(js, idx, icfg)
+    comms_of: dict[int, list[str]] = {}
+    for cid, mem in members.items():
+        for r in mem:
+            comms_of.setdefault(r, []).append(cid)
+    # the latest arrival per communicator and step: who kept each group waiting
+    top: dict[str, list[float]] = {}
+    for (rank, cid), xs in marg.items():
+        if len(xs) == steps:
+            cur = top.get(cid)
+            vals = [v for v, _ in xs]
+            top[cid] = vals if cur is None else [max(a, b) for a, b in zip(cur, vals)]
+    base_step = [g.base_ns[i] for i in idx]
+    named = None
+    out = []
+    for rank, cids in sorted(comms_of.items()):
+        cols = [marg.get((rank, c), []) for c in cids]
+        if len(cids) < 2 or any(len(xs) != steps for xs in cols):
+            continue
+        fl, cost = flags(cols, base_step, cfg)
+        if not any(fl):
+            continue
+        if named is None:
+            named = named_ranks(reader, window, icfg)
+        for a, b, pattern in slow_spans(fl, cfg):
+            hit = [p for p in range(a, b + 1) if fl[p]]
+            gated = sum(irregular[idx[p]] for p in hit) / len(hit)
+            is_last = [all(cols[k][p][0] >= top[c][p] - 1000 for k, c in enumerate(cids)) for p in hit]
+            first, last_i = idx[a], idx[b]
+            if any(r == str(rank) and on <= js.end_ns[last_i] and js.start_ns[first] <= end
+                   for r, on, end in named):
+                continue  # an irregularity finding over these steps leads with this rank already
+            ongoing = b >= steps - 3
+            excess = median(cost[p] for p in hit)
+            base = median(base_step[p] for p in hit) or median(js.x_ns)
+            sev = 1.0 + max(0.0, excess) / base
+            # the job's own slowdown meanwhile, as irregularity names it: what hid this rank
+            by = next((r for r, on, end in named if r != str(rank) and on <= js.end_ns[last_i]
+                       and js.start_ns[first] <= end), None)
+            kind = "fluctuation" if pattern == "fluctuating" else "slowdown"
+            summary = (f"Rank {rank} arrives later than usual at every collective it joins, keeping its groups "
+                       f"waiting {excess / 1e6:.1f} ms more per step"
+                       f"{' on and off' if kind == 'fluctuation' else ''} over steps {js.numbers[first]}-"
+                       f"{js.numbers[last_i]}{'' if ongoing else ' (over)'}"
+                       f"{f', hidden while rank {by} slows the job' if by is not None else ''} "
+                       f"(severity {sev:.2f}: the step-time ratio it alone would cost).")
+            out.append(Finding(
+                kind=kind, onset_ns=js.start_ns[first], last_ns=js.end_ns[last_i], severity=round(sev, 4),
+                summary=summary,
+                suspects=(Suspect("rank", str(rank), 1.0, "compute", {"node": js.node_of.get(rank, ""),
+                                                                      "comms": sorted(cids)}),),
+                evidence={"first_step": js.numbers[first], "last_step": js.numbers[last_i], "pattern": pattern,
+                          "ongoing": ongoing, "flagged_steps": [js.numbers[idx[p]] for p in hit][-50:],
+                          "excess_waiting_ns": int(excess), "baseline_step_ns": int(base),
+                          "gate_flagged_share": round(gated, 3), "steps_judged": steps,
+                          "last_share": round(sum(is_last) / len(hit), 3),
+                          **({"masked_by": str(by)} if by is not None else {})}))
+    return out
+
+
+SPEC = DetectorSpec(
+    name="lateness",
+    description="a rank late into every collective it joins against its own history, when the job's step "
+                "time does not show it (masked by a slower rank, or fluctuating under the gate)",
+    kinds=("fluctuation", "slowdown"),
+    config_class=LatenessConfig,
+    detect=detect,
+)

@@ -1,0 +1,75 @@
+"""The lateness detector (collector/analysis/lateness.py) on simulated jobs fed through the real writer (as
+bench/eval feeds them): a rank late into every collective it joins against its own history is found when the
+job's step time does not show it (a GPU fluctuating under the gate, a GPU slowing while another is slower
+still), and not when the irregularity detector names it already; healthy jobs with jittering compute and
+transfers give nothing."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+from conftest import REPO
+from steplens.collector.analysis.base import ConfigError, Window
+from steplens.collector.analysis.irregularity import IrregularityConfig
+from steplens.collector.analysis.irregularity import detect as irregularity
+from steplens.collector.analysis.lateness import LatenessConfig, detect
+from steplens.sim.faults import parse_fault
+from steplens.sim.model import ModelConfig
+
+sys.path.insert(0, os.path.join(REPO, "bench", "eval"))  # scoring.py: the eval feed through StoreWriter
+import scoring
+
+
+def store(tmp_path, specs: list[str], seed: int = 11, cv: float = 0.02, shape=(8, 4, 2)):
+    dp, pp, tp = shape
+    cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=100, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=seed, net_jitter_cv=cv)
+    return scoring.feed(cfg, [parse_fault(x, cfg.topology()) for x in specs], str(tmp_path / f"l{seed}.db"))
+
+
+def run(reader, **kw) -> list:
+    return detect(reader, Window(scoring.JOB, 0, 2**62), LatenessConfig(**kw))
+
+
+@pytest.mark.parametrize("seed,cv,shape", [(3, 0.04, (8, 4, 2)), (4, 0.01, (8, 2, 4))])
+def test_healthy_jobs_give_nothing(tmp_path, seed, cv, shape):
+    assert run(store(tmp_path, [], seed, cv, shape)) == []
+
+
+def test_a_gpu_fluctuating_under_the_gate_is_found(tmp_path):
+    # 1.15x at the top of an 8-step cycle: the job's step time moves < 10 % (the gate's delta), irregularity
+    # says nothing; rank 13 arrives late at both of its groups on the slow steps
+    rd = store(tmp_path, ["fluctuation:13:30:60:1.15:8"])
+    assert irregularity(rd, Window(scoring.JOB, 0, 2**62), IrregularityConfig()) == []
+    (f,) = run(rd)
+    assert (f.kind, f.suspects[0].id, f.suspects[0].cause) == ("fluctuation", "13", "compute")
+    assert 30 <= f.evidence["first_step"] <= 34 and 56 <= f.evidence["last_step"] <= 60
+    assert f.evidence["pattern"] == "fluctuating" and not f.evidence["ongoing"] and "(over)" in f.summary
+    assert 1.02 < f.severity < 1.3 and f.evidence["gate_flagged_share"] < 0.5
+
+
+def test_a_gpu_masked_by_a_slower_one_is_found_and_the_slower_one_not_twice(tmp_path):
+    # rank 13 is 2.5x slow from step 20 (irregularity: a degradation naming it); rank 40 fluctuates up to 2x
+    # from 30 to 50 and is never the last to arrive while 13 is slower: the job's step time cannot show it
+    rd = store(tmp_path, ["slow_gpu:13:20:80:2.5", "fluctuation:40:30:50:2.0:5"])
+    irr = irregularity(rd, Window(scoring.JOB, 0, 2**62), IrregularityConfig())
+    assert [f.suspects[0].id for f in irr] == ["13"]
+    (f,) = run(rd)
+    assert f.suspects[0].id == "40" and 29 <= f.evidence["first_step"] <= 32
+    assert f.evidence["masked_by"] == "13" and "hidden while rank 13 slows the job" in f.summary
+    assert f.evidence["gate_flagged_share"] > 0.5 and f.evidence["last_share"] < 0.5
+
+
+def test_ranks_in_one_collective_group_are_not_judged(tmp_path):
+    # TP = 1: a rank's only group is its DP ring, where a rank waiting on its pipeline looks late too
+    rd = store(tmp_path, ["slow_gpu:5:30:60:1.3"], shape=(8, 4, 1))
+    assert run(rd) == []
+
+
+def test_bad_config_fails():
+    for bad in ({"noise_k": -1}, {"min_step_fraction": 0.0}, {"fluctuation_min": 1}, {"max_rank_steps": 10},
+                {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}):
+        with pytest.raises(ConfigError):
+            LatenessConfig(**bad).validate()
