@@ -67,7 +67,7 @@ class CommtimeConfig(DetectorConfig):
     fluctuation_min: int = 3
     baseline_steps: int = 100            # trailing unflagged steps in a communicator's baseline (median)
     min_baseline_steps: int = 10         # no verdict before this many baseline steps
-    min_step_fraction: float = 0.01      # excess transfer time per step at least this share of the step time
+    min_step_fraction: float = 0.005     # excess transfer time per step at least this share of the step time
     gate_ratio: float = 1.1              # job step time this far above baseline: irregularity's (0: ignore)
     complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
     max_suspects: int = 5

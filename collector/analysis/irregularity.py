@@ -414,27 +414,28 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
             members.setdefault(cid, set()).update(ranks)
             k_n = min(len(c["issue_offsets_ns"]) for c in cs)
             ks = _pick(list(range(k_n)), picks)
+            if not ks:
+                continue
             acc = [0.0] * len(ranks)
             for k in ks:
-                arr = [(start + c["issue_offsets_ns"][k], rank) for rank, start, c in zip(ranks, starts, cs)]
-                top = max(a for a, _ in arr)
-                lasts = [rank for a, rank in arr if top - a <= tie_ns]
-                srt = sorted(a for a, _ in arr)
+                arr = [start + c["issue_offsets_ns"][k] for start, c in zip(starts, cs)]
+                top = max(arr)
+                lasts = [rank for a, rank in zip(arr, ranks) if top - a <= tie_ns]
+                srt = sorted(arr)
                 mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-                for j, (a, rank) in enumerate(arr):
-                    key = (rank, cid)
-                    total[key] = total.get(key, 0) + 1
-                    margin[key] = margin.get(key, 0.0) + (a - mid)
-                    acc[j] += a - mid
+                acc = [x + a - mid for x, a in zip(acc, arr)]
                 for rank in lasts:
                     key = (rank, cid)
                     last[key] = last.get(key, 0.0) + 1.0 / len(lasts)
-            if ks:
-                for rank, v in zip(ranks, acc):
-                    v /= len(ks)
-                    cur = step_late.get(rank)
-                    if cur is None or v < cur:
-                        step_late[rank] = v
+            nk = len(ks)
+            for rank, v in zip(ranks, acc):  # per member once per step, not once per collective
+                key = (rank, cid)
+                total[key] = total.get(key, 0) + nk
+                margin[key] = margin.get(key, 0.0) + v
+                v /= nk
+                cur = step_late.get(rank)
+                if cur is None or v < cur:
+                    step_late[rank] = v
     return Skew(last, total, margin, members, transfer, allm, late_by_step)
 
 
@@ -668,12 +669,14 @@ def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew,
     return [list(t) for t in devrank.rank(causes, topo, counts)[:top]]
 
 
-def causes(sus: list[Suspect], share: float = 0.5) -> list[Suspect]:
+def causes(sus: list[Suspect], share: float = 0.5, net_score: float = 0.5) -> list[Suspect]:
     """The independent root causes among an episode's suspects, best first: the top one; every other rank
     late into every collective it joins (cause compute) scoring >= share x the best compute score (a second
     slow GPU: waiting ranks are an effect, not listed); and, when the top is a compute cause, the best network
-    device (slow communicators that a slow GPU does not explain: their transfer time, the min over members,
-    does not wait for a late member). [] when there are no suspects."""
+    device if it scores >= net_score (slow communicators that a slow GPU does not explain: their transfer
+    time, the min over members, does not wait for a late member; a weak one, a link that only shares a ring's
+    slowness, made a finding of its own naming the wrong link, and the commtime detector reports a network
+    fault beside a slow GPU itself). [] when there are no suspects."""
     if not sus:
         return []
     out = [sus[0]]
@@ -681,7 +684,7 @@ def causes(sus: list[Suspect], share: float = 0.5) -> list[Suspect]:
     if comp:
         out += [x for x in comp[1:] if x is not sus[0] and x.score >= share * comp[0].score]
     if sus[0].cause == "compute":
-        net = [x for x in sus if x.cause == "network"]
+        net = [x for x in sus if x.cause == "network" and x.score >= net_score]
         if net:
             out.append(net[0])
     return out
