@@ -152,9 +152,13 @@ def sim_fetcher(cfg: ModelConfig, faults):
     """FetchDetail as the emulated agents answer it (agentview.commops: the node-local CommOps of the asked
     ranks), with the clock conversion ingest applies (cluster = mono + base_ns - MONO_BASE)."""
     off = cfg.base_ns - MONO_BASE
+    kept: list = []  # the job's iterations, simulated once at the first fetch (agents answer from a store)
 
     def fetch(job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0) -> list[dict]:
-        ops = agentview.commops(cfg, faults, list(ranks), since_ns - off, until_ns - off, MONO_BASE, job_key=job_key)
+        if not kept:
+            simulate(cfg, faults, sink=kept.append)
+        ops = agentview.commops(cfg, faults, list(ranks), since_ns - off, until_ns - off, MONO_BASE, job_key=job_key,
+                                iterations=kept)
         rows = [{"kind": "commop", "rank": o.rank, "comm_id": o.comm_id, "op": o.op, "seq": o.seq,
                  "p2p_seq": o.p2p_seq, "peer": o.peer, "members": o.members, "nranks": o.nranks, "bytes": o.bytes,
                  "issue_ns": o.issue_mono_ns + off, "start_ns": o.start_mono_ns + off, "end_ns": o.end_mono_ns + off}
@@ -213,7 +217,7 @@ def evaluate(name: str, cfg: ModelConfig, specs: list[str], tmpdir: str) -> dict
         if t["kind"] in EXCLUDED_KINDS:
             continue
         ids = target_ids(t)
-        hit1 = hit3 = detected = map1 = False
+        hit1 = hit3 = detected = map1 = cog1 = cog_seen = False
         latency = None
         for c in checks:
             for _, f in seen[c]:
@@ -227,6 +231,10 @@ def evaluate(name: str, cfg: ModelConfig, specs: list[str], tmpdir: str) -> dict
                 mp = f.evidence.get("map") or []
                 if mp and mp[0][1] in ids:
                     map1 = True
+                cg = (f.evidence.get("cog") or {}).get("causes") or []
+                if cg:
+                    cog_seen = True
+                    cog1 = cog1 or cg[0][1] in ids
                 if ids & set(top[:3]):
                     hit3 = True
                     if latency is None:
@@ -234,7 +242,8 @@ def evaluate(name: str, cfg: ModelConfig, specs: list[str], tmpdir: str) -> dict
         impact = fault_impact(cfg, next(f for f in faults if f.target == t["target"] and f.start == t["start"]))
         faults_out.append({"kind": t["kind"], "target": t["target"], "value": t["value"], "start": t["start"],
                            "end": t["end"], "detected": detected, "top1": hit1, "top3": hit3, "map_top1": map1,
-                           "iterations_to_finding": latency, "impact": impact})
+                           "cog_top1": cog1, "cog_searched": cog_seen, "iterations_to_finding": latency,
+                           "impact": impact})
     fault_spans = [(t["start"] - 2, (t["end"] if t["kind"] != "degradation" else 10**9) + 2) for t in tr]
     true_f = false_f = 0
     for _, f in final:
@@ -320,6 +329,14 @@ def _rates(faults: list[dict]) -> dict:
             "top3": round(sum(f["top3"] for f in faults) / n, 3) if n else None}
 
 
+def _cog(faults: list[dict]) -> dict:
+    """The operator-graph walk's first cause (irregularity evidence `cog`) against the target, over the faults
+    on a rank (GPU) it walked for: its causes name ranks or communicators, not NICs or switches."""
+    gpu = [f for f in faults if f.get("cog_searched") and f["target"].isdigit()]
+    return {"cog_top1_of_gpu_faults_walked": round(sum(f["cog_top1"] for f in gpu) / len(gpu), 3) if gpu else None,
+            "cog_gpu_faults_walked": len(gpu)}
+
+
 def summarize(rows: list[dict]) -> dict:
     faults = [f for r in rows for f in r["faults"]]
     visible = [f for f in faults if f["impact"] >= VISIBLE_IMPACT]
@@ -345,6 +362,7 @@ def summarize(rows: list[dict]) -> dict:
             "top1_of_detected": round(sum(f["top1"] for f in found) / len(found), 3) if found else None,
             "map_top1_of_faults": round(sum(f.get("map_top1", False) for f in faults) / len(faults), 3)
             if faults else None,
+            **_cog(faults),
             "median_iterations_to_finding": lat[len(lat) // 2] if lat else None,
             "healthy_runs": len(healthy), "healthy_findings": sum(r["false_findings"] for r in healthy),
             "max_analysis_seconds": max((r["analysis_seconds"] for r in rows), default=0.0),

@@ -155,9 +155,7 @@ def _members(cfg: ModelConfig) -> dict[str, list[int]]:
 def _by_rank(rows: Rows, it: Iteration, want=None) -> dict[int, list[tuple]]:
     """The iteration's comm ops per rank, (comm_id, op, seq, bytes, start_ns, end_ns), in issue order."""
     out: dict[int, list[tuple]] = {}
-    for r, cid, op, seq, nb, a, b in rows.commops(it):
-        if want is not None and r not in want:
-            continue
+    for r, cid, op, seq, nb, a, b in rows.commops(it, want):
         lst = out.get(r)
         if lst is None:
             lst = out[r] = []
@@ -459,10 +457,12 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
 
 
 def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: int, until_ns: int,
-            mono_base: int = 0, *, job_key: str = "simjob") -> list[CommOp]:
+            mono_base: int = 0, *, job_key: str = "simjob", iterations: list[Iteration] | None = None) -> list[CommOp]:
     """The node-local CommOp detail of `ranks` in [since, until] (what FetchDetail returns from an agent).
     since/until in the agents' mono ns (mono_base + simulated ns); an op is in the window when it overlaps it
-    (issue <= until and end >= since); until_ns <= 0 means no upper bound. Re-simulates up to `until`."""
+    (issue <= until and end >= since); until_ns <= 0 means no upper bound. Re-simulates up to `until`, or reads
+    `iterations` (the job's simulated iterations, kept by a caller that fetches often: an agent answers from
+    its node-local store in milliseconds, not by re-running the job)."""
     want = set(ranks)
     members = _members(cfg)
     procs = {r: _Proc(cfg, r) for r in want}
@@ -470,7 +470,7 @@ def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: i
     rows.base = mono_base
     hi = until_ns if until_ns > 0 else None
     out: list[CommOp] = []
-    for it in _iterations(cfg, faults):
+    for it in (iterations if iterations is not None else _iterations(cfg, faults)):
         if hi is not None and it.start and mono_base + min(it.start) > hi:
             break
         if it.end and mono_base + max(it.end) + 10**9 < since_ns:

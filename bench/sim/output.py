@@ -107,15 +107,17 @@ class Rows:
             yield (r, f"pp.s{s - 1}-{s}.d{d}.t{t}", "send", it.it * 2 * M + M + m, act,
                    ns(end[d]), ns(end[d] + self.pair_xfer(it, s - 1)[d * self.cfg.tp + t]))
 
-    def commops(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
-        """(rank, comm_id, op, seq, bytes, start_ns, end_ns) per rank, schedule order within a stage."""
+    def commops(self, it: Iteration,
+                ranks: set[int] | None = None) -> Iterator[tuple[int, str, str, int, int, int, int]]:
+        """(rank, comm_id, op, seq, bytes, start_ns, end_ns) per rank, schedule order within a stage; only those
+        of `ranks` when given (an emulated agent answering FetchDetail for a few ranks)."""
         cfg = self.cfg
         D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
         fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
         tp_bytes = cfg.activation_bytes
         factor, ns = it.factor, self.ns
         if cfg.ep > 1:
-            yield from self._commops_ep(it)
+            yield from (o for o in self._commops_ep(it) if ranks is None or o[0] in ranks)
             return
         for s in range(P):
             for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
@@ -124,6 +126,8 @@ class Rows:
                     g = s * D + d
                     for t in range(T):
                         r = g * T + t
+                        if ranks is not None and r not in ranks:
+                            continue
                         yield from self._pp_recv(it, r, s, d, t, kind, m, posted, start)
                         if T > 1:
                             yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
@@ -134,6 +138,8 @@ class Rows:
                 for d in range(D):
                     for t in range(T):
                         r = (s * D + d) * T + t
+                        if ranks is not None and r not in ranks:
+                            continue
                         yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, cfg.grad_bytes, ns(last[d]),
                                ns(it.last_b[s] + it.ar_ns[s][t]))
 

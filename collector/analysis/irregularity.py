@@ -51,6 +51,10 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            keeps its groups waiting >=
            straggler_min_fraction of the step time per step in all (stragglers()): kind `slowdown`, cause
            `compute`.
+Operator graph: with progressive fetching (an AnalysisReader with agents), each episode is also walked on the
+           grouped communication-operator graph from the pivot's abnormal ops (cog.py, Holmes §4.3 with its
+           errata fixed, abnormal ops from the LightGBM operator model): evidence `cog` (causes, path, ranks
+           fetched), beside the skew's ranking, not ordering it.
 Reference for the skew: the healthy steps before the finding's first flagged step; for a degradation, before
 its ramp (ramp_onset: the unflagged steps just before it whose ratio is already >= 1 + ramp_fraction x
 (delta - 1) carry the slow rank's lateness, and taking them as healthy hid a one-rank degradation's rank).
@@ -77,7 +81,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from statistics import median
 
-from steplens.collector.analysis import devrank, probe
+from steplens.collector.analysis import cog, devrank, probe
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.steptime import EVIDENCE_RANK
@@ -113,6 +117,7 @@ class IrregularityConfig(DetectorConfig):
     max_collectives_per_step: int = 16     # issue offsets used per communicator and step (evenly spread)
     max_arrivals: int = 500_000            # ranks x steps x offsets per analysis at most (fewer offsets if more)
     max_suspects: int = 5
+    cog: bool = True                       # walk the operator graph from the pivot (cog.py, progressive fetching)
     ramp_fraction: float = 0.25            # a step before a degradation with ratio >= 1 + this x (delta - 1) is
                                            # part of its ramp: left out of the pre-onset reference
 
@@ -628,6 +633,8 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
     sus.sort(key=lambda s: (s.cause == "waiting", -s.score, s.kind, s.id))
     if good is not None:
         slow["map"] = map_ranking(js, ep.idx, healthy, bad, good, cfg, net_ctx[0], net_ctx[1])
+    if cfg.cog and getattr(reader, "fetch_commops", None) is not None:
+        slow["cog"] = cog.search(reader, window.job_key, js, ep.idx, healthy, g.ratio).evidence()
     return sus[:cfg.max_suspects], slow
 
 
