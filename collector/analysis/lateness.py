@@ -42,11 +42,11 @@ from steplens.collector.analysis.irregularity import IrregularityConfig, gate, l
 
 @dataclass
 class LatenessConfig(DetectorConfig):
-    noise_k: float = 4.0                 # flagged when above its own lateness baseline by noise_k x its noise
+    noise_k: float = 5.0                 # flagged when above its own lateness baseline by noise_k x its noise
     min_step_fraction: float = 0.02      # ... and by at least this share of the job's baseline step
     recent_steps: int = 5                # a run of >= this many flagged steps is a persistent span
     fluctuation_steps: int = 12          # >= fluctuation_min flagged steps within this many: fluctuating
-    fluctuation_min: int = 3
+    fluctuation_min: int = 4
     baseline_steps: int = 100            # trailing unflagged steps in a rank's lateness baseline
     min_baseline_steps: int = 10         # no verdict before this many
     max_rank_steps: int = 200_000        # ranks x steps judged per window at most (the last steps)
