@@ -37,20 +37,25 @@ so the step is found in the ops themselves:
   row, or cut-to-cut times that lost their rhythm) is learnt afresh from its recent ops. A slower step is not
   a lost one: without sequence numbers only explicit losses (a dropped stretch, ops dropped from the buffer)
   break the chain of consecutive steps.
-- **Anchors** (`add_anchors`: the ends of the process's optimizer steps, which the bootstrap's hook records and
-  the flightrec source hands over, see steplens_bootstrap) move a step's end from its last op to where the
+- **Anchors** (`add_anchors`: where the process's iterations end, which the bootstrap's hooks record and the
+  flightrec source hands over: each optimizer step's end and, where the loop body calls zero_grad after the
+  step, that zero_grad's end; see steplens_anchors) move a step's end from its last op to where the
   iteration ends: the last anchor between the step's last op (its end, or its issue) and the issue of the next
   step's cut op; the step's evidence is then `anchor`. A process that has sent anchors closes a step only once
   the next step's cut op is seen (one poll later than without: that op bounds the window, and the source asks
   for anchors after the ops, so none in the window is still to come); a step with no anchor in its window
   keeps its last op's end (evidence `comm_pattern`), as does an optimizer step that runs before the last
-  collective (a loss all-reduce after it). Why: gloo's Flight Recorder has issue times only and nothing marks
-  the optimizer step, so without anchors the testbed's DP2 x PP2 steps end an all-reduce plus an optimizer
-  step early (25-29 % of the step time, above); with them the boundary is the optimizer step's end, which
-  precedes the job's own step end by its zero_grad only (figures: bench/testbed_steps.py).
+  collective (a loss all-reduce after it). The last anchor in the window is the zero_grad's end where the
+  loop has one after its step, else the optimizer step's. Why: gloo's Flight Recorder has issue times only and
+  nothing marks the optimizer step, so without anchors the testbed's DP2 x PP2 steps end an all-reduce plus an
+  optimizer step early (25-29 % of the step time, above); with the optimizer-step ends alone they ended
+  before the job's zero_grad(set_to_none=False) of 2.1 M floats, a constant -0.8..-0.9 ms (0.85-1.2 % of
+  its step); with the zero_grad's end too, 0.10 % on the testbed (phase -0.10 ms, jitter 0.006 %) and 0.03 %
+  for the same job on loopback (bench/testbed_steps.py, tests/test_steps_e2e.py; bench/testbed/README.md).
 - **ProfilerStep windows win**: ops inside a window are that step's (evidence `profiler`), and comm-pattern
   steps of the same process overlapping a window are not emitted.
-Evidence values: `profiler`, `comm_pattern`, `anchor` (a comm-pattern step whose end is an optimizer step's).
+Evidence values: `profiler`, `comm_pattern`, `anchor` (a comm-pattern step whose end is an anchor: an optimizer
+step's end or its zero_grad's).
 
 Each Step carries per-communicator summaries (calls, bytes, busy and wait ns, the issue offset of each
 collective from the step start, capped at `max_collectives` per step with the rest counted): what goes

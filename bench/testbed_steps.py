@@ -5,7 +5,9 @@ PP2 gloo job under the steplens bootstrap, waits past start-up, lets it run `--s
 the Step records the collector stored with steps/rank<r>.jsonl (bench/testbed/boundaries.py): per rank the
 median |end error| as a fraction of the step time, the constant phase, the error after it and the duration
 error; then takes the testbed down. `--no-anchors` launches the ranks with STEPLENS_ANCHORS=0, so the steps end
-at the comm ops alone (what the agent had before the anchors: issue times of gloo's DP all-reduce).
+at the comm ops alone (what the agent had before the anchors: issue times of gloo's DP all-reduce);
+`--no-zero-grad-anchors` with STEPLENS_ANCHORS_ZERO_GRAD=0, so they end at the optimizer step's end (what the
+anchors were before the zero_grad ones).
 Needs root, iproute2 and torch; ~1.5 min on the 2-core VM, nothing else CPU-heavy running
 (flock /tmp/steplens-cpu.lock). The last stdout line is one JSON object; the headline is
 median_boundary_error_fraction (median over every matched step of every rank; goal <= 0.01, stretch 0.001).
@@ -29,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=150, help="quiet steps measured (after --warmup)")
     ap.add_argument("--warmup", type=int, default=30, help="steps left out after start-up")
     ap.add_argument("--no-anchors", action="store_true", help="STEPLENS_ANCHORS=0 in the ranks: comm ops only")
+    ap.add_argument("--no-zero-grad-anchors", action="store_true",
+                    help="STEPLENS_ANCHORS_ZERO_GRAD=0 in the ranks: optimizer-step ends only")
     ap.add_argument("--state-dir", help="testbed state (default: a fresh temporary directory)")
     a = ap.parse_args(argv)
     if os.geteuid() != 0:
@@ -39,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     try:
         netns.up(layout)
-        env = {r: {"STEPLENS_ANCHORS": "0"} for r in range(4)} if a.no_anchors else None
+        env = {r: {"STEPLENS_ANCHORS": "0"} for r in range(4)} if a.no_anchors else \
+            {r: {"STEPLENS_ANCHORS_ZERO_GRAD": "0"} for r in range(4)} if a.no_zero_grad_anchors else None
         netns.start_job(layout, dp=2, pp=2, steps=0, env_faults=env)
         faults.wait_steps(layout, a.warmup, timeout=300)
         since = time.time_ns()
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
               "median_duration_error_fraction": max((f["median_duration_error"] or 0 for f in per), default=None),
               "step_ms": [f["step_ms"] for f in per], "steps_matched": figs["all"]["steps"],
               "evidence": sorted({e for f in per for e in f["evidence"]}), "anchors": not a.no_anchors,
+              "zero_grad_anchors": not (a.no_anchors or a.no_zero_grad_anchors),
               "job_key": key, "seconds": round(time.monotonic() - t_start, 1),
               "left_after_down": left["namespaces_left"] + left["cgroups_left"], "goal": 0.01}
     print(json.dumps(result))

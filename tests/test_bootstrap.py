@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -235,6 +236,13 @@ def test_anchor_ring_round_trip_wrap_torn_slot_and_pid_reuse(tmp_path):
     assert [n for n, _ in read_anchor_ring(path, 555, 10)] == [11, 12, 14]
     with pytest.raises(FlightrecError, match="pid reused"):
         read_anchor_ring(path, 556, -1)
+    struct.pack_into("<I", ring.map, 8, 2)  # a layout this agent does not know: refused, said, no crash
+    with pytest.raises(FlightrecError, match="layout version 2 .*reads version 1") as err:
+        read_anchor_ring(path, 555, -1)
+    assert err.value.kind == "bad_anchors" and "version 2" in a.read(path, 555)[1]
+    with pytest.raises(FlightrecError, match="version 2"):
+        header_anchors({"version": 2, "clock": "realtime", "anchors": []})
+    struct.pack_into("<I", ring.map, 8, 1)
     with pytest.raises(FlightrecError):
         header_anchors({"version": 1, "clock": "realtime", "anchors": [[1, -5]]})
     ring.close()
@@ -244,9 +252,10 @@ def test_anchor_ring_round_trip_wrap_torn_slot_and_pid_reuse(tmp_path):
 
 
 def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
-    """A gloo process (world 1) under the bootstrap runs 30 SGD steps: one anchor per optimizer step, between
-    the loop's own clock reads, in the ring beside the socket; the exit, while the worker server is being
-    asked for its dump, writes the anchors into the exit dump's header and removes the ring."""
+    """A gloo process (world 1) under the bootstrap runs 30 SGD steps, each followed by zero_grad: two anchors
+    per iteration, the optimizer step's end and the zero_grad's, each between the loop's own clock reads, in
+    the ring beside the socket; the exit, while the worker server is being asked for its dump, writes the
+    anchors into the exit dump's header and removes the ring."""
     from steplens.agent.sources.flightrec import FlightrecError, http_post_unix, read_anchor_ring, read_exit_dump
     code = ("import os, sys, time, json, torch, torch.distributed as dist\n"
             "dist.init_process_group('gloo', rank=0, world_size=1)\n"
@@ -254,7 +263,7 @@ def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
             "while not os.path.exists(sys.argv[1]): time.sleep(0.02)\n"
             "for _ in range(30):\n"
             "    m(torch.randn(8, 64)).sum().backward(); a = time.time_ns(); opt.step(); b = time.time_ns()\n"
-            "    opt.zero_grad(); marks.append((a, b)); time.sleep(0.01)\n"
+            "    opt.zero_grad(); c = time.time_ns(); marks.append((a, b, c)); time.sleep(0.01)\n"
             "print(json.dumps(marks))\n"
             "while not os.path.exists(sys.argv[2]): time.sleep(0.02)\n")
     go, done = tmp_path / "go", tmp_path / "done"
@@ -272,8 +281,8 @@ def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
         with open(f"/proc/{p.pid}/stat") as fh:
             ticks = int(fh.read().rsplit(")", 1)[1].split()[19])
         got = read_anchor_ring(str(ring), ticks, -1)
-        assert [n for n, _ in got] == list(range(30))
-        assert all(a <= ns <= b for (a, b), (_, ns) in zip(marks, got))
+        assert [n for n, _ in got] == list(range(60))
+        assert all(a <= s <= b <= z <= c for (a, b, c), (_, s), (_, z) in zip(marks, got[::2], got[1::2]))
         done.touch()
         while p.poll() is None:  # ask the server all through the exit (a Python handler deadlocked here)
             try:
@@ -288,7 +297,193 @@ def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
     assert not ring.exists() and not sock.exists()
     (dump,) = tmp_path.glob("*.fr-exit.json")
     header, _ = read_exit_dump(str(dump))
-    assert [n for n, _ in header["anchors"]["anchors"]] == list(range(30))
+    assert [n for n, _ in header["anchors"]["anchors"]] == list(range(60))
+
+
+class _Opt:
+    """Stands in for a torch optimizer (this test needs no torch): step() calls the global post hook as
+    torch's step wrapper does, zero_grad() is wrapped as steplens_anchors.patch_zero_grad wraps torch's."""
+
+    def __init__(self, a, work):
+        self.a, self.work = a, work
+
+    def step(self):
+        self.a._on_optimizer_step(self, (), {})
+
+
+class _Accelerated:
+    """A wrapper library's optimizer (accelerate's AcceleratedOptimizer): step and zero_grad forward."""
+
+    def __init__(self, opt):
+        self.opt = opt
+
+    def step(self):
+        self.opt.step()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+
+
+def test_zero_grad_ends_the_iteration_only_after_the_step_in_the_same_loop_body(tmp_path):
+    """The first zero_grad after an optimizer step is an anchor too (its end: where `step(); zero_grad()`
+    loops end the iteration) when it comes later in the loop body than the step, also through a wrapper or
+    from a Module (HF Trainer's model.zero_grad()); not at the top of the next iteration, not in the
+    tutorials' `forward; zero_grad(); backward; step()`, not inside the step call (a closure), not for
+    another optimizer's step, not twice, and not with a kind of zero_grad that was not wrapped."""
+    a = _anchors_module()
+    marks = []
+
+    def work(self, *args, **kwargs):
+        marks.append(time.time_ns())
+        time.sleep(0.001)  # zeroing the gradients
+
+    _Opt.zero_grad = a._wrap_zero_grad(work, True)
+    module_zero_grad = a._wrap_zero_grad(work, False)
+    ring = a.Ring(str(tmp_path / "1.anchors"), start_ticks=1, slots=256)
+    a._ring, a._zero_grad = ring, True  # what install() sets, less torch
+    try:
+        opt, other = _Opt(a, work), _Opt(a, work)
+        acc = _Accelerated(opt)
+
+        def count(loop):
+            n0 = ring.count
+            for _ in range(3):
+                loop()
+            return (ring.count - n0) / 3
+
+        def zero_grad_after():
+            opt.step()
+            opt.zero_grad()
+            opt.zero_grad()  # a second one is not an anchor
+
+        def zero_grad_at_the_top():
+            opt.zero_grad()
+            opt.step()
+
+        def tutorial():
+            marks.append(0)  # the forward
+            opt.zero_grad()
+            opt.step()
+
+        def through_a_wrapper():
+            acc.step()
+            acc.zero_grad()
+
+        def wrapper_at_the_top():
+            acc.zero_grad()
+            acc.step()
+
+        def module_after():
+            opt.step()
+            module_zero_grad(None)
+
+        def inside_the_step():  # Lightning: the closure's zero_grad runs inside the step call
+            step_with(lambda: opt.zero_grad())
+
+        def step_with(closure):
+            closure()
+            opt.step()
+
+        def helper_after():
+            opt.step()
+            cleanup()
+
+        def cleanup():
+            opt.zero_grad()
+
+        def two_optimizers_zero_grad_first():  # a GAN written zero_grad-first: neither is an iteration end
+            opt.zero_grad()
+            opt.step()
+            other.zero_grad()
+            other.step()
+
+        assert count(zero_grad_after) == 2 and count(through_a_wrapper) == 2 and count(module_after) == 2
+        assert count(helper_after) == 2
+        assert count(zero_grad_at_the_top) == 1 and count(tutorial) == 1 and count(wrapper_at_the_top) == 1
+        assert count(inside_the_step) == 1 and count(two_optimizers_zero_grad_first) == 2
+        # the anchor is the zero_grad's end: after its work began, before the caller goes on
+        n = ring.count
+        opt.step()
+        opt.zero_grad()
+        after = time.time_ns()
+        got = a.read(ring.path, 1, n - 1)[0]
+        assert [k for k, _ in got] == [n, n + 1] and marks[-1] + 1_000_000 <= got[1][1] <= after
+        assert got[0][1] <= marks[-1]
+        a._ring = None  # closed: the wrappers only call through
+        opt.step()
+        opt.zero_grad()
+        assert ring.count == n + 2
+    finally:
+        a._ring, a._last_step, a._zero_grad = None, None, False
+        ring.close()
+
+
+def test_which_zero_grad_ends_an_iteration_is_decided_by_the_call_sites():
+    """ends_iteration on hand-made call stacks: the innermost common function decides (functions by identity:
+    these four code objects compare equal)."""
+    a = _anchors_module()
+    loop, body, wrap_step, wrap_zero = (compile("0", n, "eval") for n in ("loop", "body", "ws", "wz"))
+    other = compile("0", "other", "eval")
+    step = ((wrap_step, body, loop), (10, 40, 8))
+
+    def ends(*frames):
+        return a.ends_iteration(*step, frames)
+    assert ends((wrap_zero, 6), (body, 44), (loop, 8))       # after the step, in the same body
+    assert not ends((wrap_zero, 6), (body, 12), (loop, 8))   # body's top: the next iteration
+    assert not ends((body, 40), (loop, 8))                    # the same call: inside the step
+    assert ends((loop, 9))                                    # the loop, after body()
+    assert not ends((other, 3))                               # nothing in common
+    assert not a.ends_iteration((), (), [(loop, 9)])
+
+
+def test_anchors_of_zero_grad_in_real_torch_loops(tmp_path):
+    """torch, no process group: install() wraps Optimizer.zero_grad and Module.zero_grad; per iteration a
+    `step(); zero_grad()` loop gets two anchors (the second between zero_grad's return and the loop's next
+    clock read), a zero_grad-first loop and the tutorials' loop one, gradient accumulation two per optimizer
+    step; install(zero_grad=False) keeps one; torch.compile (eager backend) of a function calling
+    Module.zero_grad still traces it without a graph break."""
+    code = ("import sys, json, time, tempfile, torch\n"
+            "import steplens_anchors as A\n"
+            "zg = sys.argv[2] == '1'\n"
+            "ring = A.install(sys.argv[1], 1, zero_grad=zg)\n"
+            "m = torch.nn.Linear(64, 64); opt = torch.optim.SGD(m.parameters(), lr=0.1)\n"
+            "def fb(): m(torch.randn(8, 64)).sum().backward()\n"
+            "out = {}\n"
+            "def run(name, body, n=5):\n"
+            "    c = ring.count\n"
+            "    for _ in range(n): body()\n"
+            "    out[name] = (ring.count - c) / n\n"
+            "marks = []\n"
+            "def after():\n"
+            "    fb(); opt.step(); opt.zero_grad(set_to_none=False); marks.append(time.time_ns())\n"
+            "def top(): opt.zero_grad(); fb(); opt.step()\n"
+            "def tutorial():\n"
+            "    loss = m(torch.randn(8, 64)).sum(); opt.zero_grad(); loss.backward(); opt.step()\n"
+            "def module(): fb(); opt.step(); m.zero_grad()\n"
+            "def accumulate():\n"
+            "    for _ in range(4): fb()\n"
+            "    opt.step(); opt.zero_grad()\n"
+            "c0 = ring.count\n"
+            "for f in (after, top, tutorial, module, accumulate): run(f.__name__, f)\n"
+            "got = A.read(ring.path, 1, c0 - 1)[0][:10]\n"
+            "out['ordered'] = all(got[2 * i + 1][1] <= marks[i] for i in range(5)) if zg else None\n"
+            "if zg:\n"
+            "    def f(x):\n"
+            "        y = m(x).sum(); m.zero_grad(); return y\n"
+            "    e = torch._dynamo.explain(f)(torch.randn(2, 64))\n"
+            "    out['graph_breaks'] = e.graph_break_count\n"
+            "print(json.dumps(out))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPLENS_", "TORCH_"))}
+    env.update(PYTHONPATH=SITE)
+    res = {}
+    for zg in ("1", "0"):
+        p = subprocess.run([VENV_PY, "-c", code, str(tmp_path), zg], capture_output=True, text=True, env=env,
+                           timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        res[zg] = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["1"] == {"after": 2, "top": 1, "tutorial": 1, "module": 2, "accumulate": 2, "ordered": True,
+                        "graph_breaks": 0}, res
+    assert res["0"] == {"after": 1, "top": 1, "tutorial": 1, "module": 1, "accumulate": 1, "ordered": None}, res
 
 
 @pytest.mark.gpu

@@ -392,3 +392,22 @@ def test_an_anchor_before_the_last_collective_leaves_the_end_alone():
     assert len(seg.procs[(100, 7)].anchors) <= 4
     seg.add_anchors(100, 7, list(range(1, 10)))
     assert seg.anchors_dropped >= 5 and len(seg.procs[(100, 7)].anchors) == 4
+
+
+def test_a_zero_grad_anchor_after_the_optimizer_step_ends_the_step():
+    """Two anchors per iteration, as the bootstrap writes for a `step(); zero_grad()` loop: the optimizer step's
+    end and, 0.8 ms later, the zero_grad's; the step ends at the later one (the last anchor before the next
+    step's first op). An iteration without the zero_grad anchor (a zero_grad-first loop) ends at its step."""
+    rng = random.Random(13)
+    ops, truth = dp_job(40, rng)
+    gloo = [op(o.issue_mono_ns, 0, o.comm_id, o.op, o.bytes, o.seq, end=False) for o in ops]
+    zero_grad = int(0.8 * MS)
+    anchors = sorted([e for _, _, e in truth] + [e + zero_grad for s, _, e in truth if s % 5])
+    seg = StepSegmenter()
+    steps = polled(seg, gloo, anchors)
+    ends = {s: e for s, _, e in truth}
+    assert len(steps) >= 35 and all(s.evidence == "anchor" for s in steps)
+    for st in steps:
+        s = st.step - 1
+        assert st.end_mono_ns == ends[s] + (zero_grad if s % 5 else 0)
+    assert all(b.start_mono_ns == a.end_mono_ns for a, b in zip(steps, steps[1:]))

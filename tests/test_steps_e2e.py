@@ -170,9 +170,11 @@ def test_steps_of_the_testbed_job_dp2_pp2_on_loopback(tmp_path):
     for the other replica) and the optimizer step: measured 2026-11-24, median |error| 25-29 % of the step
     time, 4.6-6.9 % after the constant phase (-16..-20 ms), durations 6-12 %. The bootstrap's anchors (the
     end of each optimizer step, steplens_anchors) end each step where the iteration ends, evidence `anchor`:
-    measured 2026-11-24 (4 ranks on 2 cores, ~68 ms steps): median |error| 1.05-1.17 % of the step time, a
-    constant phase of -0.74..-0.81 ms (what follows opt.step(): zero_grad of 2.1 M floats and the loop's log
-    write), 0.10-0.17 % after it, durations 0.25-2.0 %."""
+    measured 2026-11-24 (4 ranks on 2 cores, ~68 ms steps) with the optimizer-step ends alone: median |error|
+    1.05-1.17 % of the step time, a constant phase of -0.74..-0.81 ms (what follows opt.step(): zero_grad of
+    2.1 M floats), 0.10-0.17 % after it, durations 0.25-2.0 %. The job's loop is `opt.step(); opt.zero_grad()`,
+    so the anchors now also hold the zero_grad's end and the step ends there: measured 2026-11-24 (~112 ms steps,
+    loaded machine) median |error| 0.026-0.028 %, phase -0.03 ms, 0.003 % after it, durations 0.005 %."""
     run = tmp_path / "run"
     run.mkdir()
     port = free_port()
@@ -223,7 +225,8 @@ def test_steps_of_the_testbed_job_dp2_pp2_on_loopback(tmp_path):
         figures.append(f)
     for f in figures:
         assert f["steps"] >= f["iterations"] - 4 and f["anchored"] >= f["steps"] - 1, f
-        # anchored at the optimizer step's end: measured 1.05-1.17 %, 0.10-0.17 % after the phase (-0.75 ms) on a
-        # quiet machine; 2.2 % and 1.1 % in a loaded CI run (the fresh-boot pass); without anchors ~25 % and ~7 %
-        assert f["median_abs_error"] <= 0.05 and -3.0 < f["phase_ms"] <= 0, f
+        # anchored at zero_grad's end, the job's own end but for a clock read: no phase left (it was -0.75 ms at
+        # the optimizer step's end, 1.05-1.17 %, and 2.2 % in a loaded CI run; without anchors ~25 % and ~7 %);
+        # what is left is jitter, of which a loaded machine has more: hence the margin on the error
+        assert f["median_abs_error"] <= 0.03 and -0.3 < f["phase_ms"] <= 0.05, f
         assert f["median_error_after_phase"] <= 0.03 and f["median_duration_error"] <= 0.05, f

@@ -31,10 +31,13 @@ up to 40 s, then it goes on and records what stayed open).
 
 Step boundaries: the agents' Step records in the collector's store against the job's own step logs
 (steps/rank<r>.jsonl, wall clock), steps away from the faults: median |end error| as a fraction of the median
-step time, per rank (bench/testbed_steps.py measures the same on a quiet bed). Measured 2026-11-24 over five
-runs: 0.83-1.25 % (1.0-1.25 % at ~80 ms steps, 0.90-1.0 % at ~85 ms, 0.83-0.90 % at ~105 ms), a phase of -0.75..-1.0 ms
-(the job's zero_grad(set_to_none=False) and log write after opt.step()), 0.13-0.24 % after it, durations
-0.19-0.40 %; asserted with margin: <= 2 %, <= 0.5 % after the phase, durations <= 1 %.
+step time, per rank (bench/testbed_steps.py measures the same on a quiet bed). With the optimizer-step anchors
+alone, measured 2026-11-24 over five runs: 0.83-1.25 % (1.0-1.25 % at ~80 ms steps, 0.90-1.0 % at ~85 ms,
+0.83-0.90 % at ~105 ms), a phase of -0.75..-1.0 ms (the job's zero_grad(set_to_none=False) after opt.step()),
+0.13-0.24 % after it, durations 0.19-0.40 %. With the zero_grad's end anchored too (steplens_anchors), one run
+2026-11-24 (~115 ms steps, loaded machine): 0.042-0.082 % per rank, phase -0.05..-0.09 ms, 0.002-0.012 % after
+it, durations 0.003-0.004 %; asserted with margin: <= 1 %, |phase| <= 0.3 ms, <= 0.5 % after the phase,
+durations <= 1 %.
 Figures per run are printed (-s) and kept in RESULTS.
 """
 
@@ -245,10 +248,10 @@ def test_step_boundaries_match_the_job_step_logs(bed):
     for r in range(4):
         f = figures[r]
         assert f["steps"] >= 50 and f["evidence"] == ["anchor"], (r, f)
-        # the goal is 1 %: the boundary is the optimizer step's end, and what follows it in this job
-        # (zero_grad(set_to_none=False) of 2.1 M floats, the log write) is a constant -0.8..-0.9 ms phase, which
-        # alone is 1.2 % of a 71 ms quiet step; the jitter around it is ~0.1-0.2 % (module docstring)
-        assert f["median_abs_error"] <= 0.02 and -3.0 < f["phase_ms"] <= 0, (r, f)
+        # the goal is 1 %: the boundary is the end of the job's zero_grad after its optimizer step (the anchors
+        # without it, at the optimizer step's end, left a constant -0.8..-0.9 ms phase, 1.2 % of a 71 ms quiet
+        # step); what is left is the jitter (module docstring) and the collector's clock-offset estimate
+        assert f["median_abs_error"] <= 0.01 and abs(f["phase_ms"]) <= 0.3, (r, f)
         assert f["median_error_after_phase"] <= 0.005 and f["median_duration_error"] <= 0.01, (r, f)
 
 

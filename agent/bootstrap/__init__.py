@@ -3,7 +3,7 @@
 (`launch_env()`), and the reader of the cupti records it writes (`read_cupti()`).
 
 The bootstrap itself lives in ./site (steplens_bootstrap.py, steplens_cupti.py, steplens_anchors.py: the ends of
-the job's optimizer steps, the step segmenter's anchors, sitecustomize.py, steplens_bootstrap.pth):
+the job's iterations (optimizer steps and the zero_grad after them), the step segmenter's anchors, sitecustomize.py, steplens_bootstrap.pth):
 standard-library modules loaded into the user's interpreter, so they never import steplens. Nothing here runs
 in the job.
 """

@@ -17,13 +17,15 @@ emitted once, when retired or completed; entries are deduplicated per process by
 When the ring wrapped between two polls (the oldest record_id in a dump is past the last one seen + 1),
 the lost entries are counted (`lost_entries`) and reported as an Event.
 
-Anchors: the bootstrap writes the end of each optimizer step of the process into a ring file beside its
-socket, <pid>.anchors (layout in steplens_anchors; a file because a Python worker-server handler deadlocks the
-job's exit). Each poll reads it after the Flight Recorder dump (so every optimizer step that ended before the
-newest op in the dump is in it), takes the numbers not seen before, converts the times to this boot's
-monotonic clock and hands them to the CommLog's segmenter (`add_anchors`), which ends a step at the optimizer
-step after its last collective. No file (an older bootstrap, STEPLENS_ANCHORS=0): not looked for again, steps
-end at the ops; a file of another process (pid reused) or of another layout is reported once and left alone.
+Anchors: the bootstrap writes where each iteration of the process ends into a ring file beside its socket,
+<pid>.anchors: the end of each optimizer step and, where the loop body calls zero_grad after the step, the end
+of that zero_grad (layout and rule in steplens_anchors; a file because a Python worker-server handler
+deadlocks the job's exit). Each poll reads it after the Flight Recorder dump (so every anchor written before
+the newest op in the dump is in it), takes the numbers not seen before, converts the times to this boot's
+monotonic clock and hands them to the CommLog's segmenter (`add_anchors`), which ends a step at the last
+anchor after its last collective. No file (an older bootstrap, STEPLENS_ANCHORS=0): not looked for again,
+steps end at the ops; a file of another process (pid reused) or of another layout version (a newer bootstrap)
+is reported once (flightrec_bad_anchors, saying which version) and left alone.
 The exit dump's header carries the anchors the ring still held at exit.
 A job's last ops (those after the last poll) come from the exit dump the bootstrap writes at interpreter exit,
 <pid>-<start ticks>.fr-exit.json in the same directories (see steplens_bootstrap): each step reads the ones
@@ -64,9 +66,10 @@ from steplens.agent.records import CommOp, Event, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
-ANCHORS = "anchors"           # <pid>.anchors: the bootstrap's ring of optimizer-step ends (steplens_anchors)
+ANCHORS = "anchors"           # <pid>.anchors: the bootstrap's ring of iteration ends (steplens_anchors)
 _ANCHOR_HEAD = struct.Struct("<8sIIQI")   # magic, version, slots, start ticks, clock (steplens_anchors' layout)
 _ANCHOR_MAGIC, _ANCHOR_HEADER_BYTES, _ANCHOR_COUNT_AT = b"SLANCHR1", 64, 32
+_ANCHOR_VERSION = 1
 EXIT_SUFFIX = ".fr-exit.json"   # <pid>-<start ticks>.fr-exit.json, written by the bootstrap at exit
 EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this long, for its exit dump
 
@@ -225,8 +228,13 @@ def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int,
     if len(data) < _ANCHOR_HEADER_BYTES or len(again) < 8:
         raise FlightrecError("bad_anchors", f"{path}: short file")
     magic, version, slots, ticks, clock = _ANCHOR_HEAD.unpack_from(data, 0)
-    if magic != _ANCHOR_MAGIC or version != 1 or clock != 1 or len(data) < _ANCHOR_HEADER_BYTES + slots * 16:
-        raise FlightrecError("bad_anchors", f"{path}: not an anchor ring of version 1")
+    if magic != _ANCHOR_MAGIC:
+        raise FlightrecError("bad_anchors", f"{path}: not an anchor ring (magic {magic!r})")
+    if version != _ANCHOR_VERSION or clock != 1:
+        raise FlightrecError("bad_anchors", f"{path}: anchor ring layout version {version} (clock {clock}); this "
+                             f"agent reads version {_ANCHOR_VERSION} (clock 1, realtime) only: a newer bootstrap?")
+    if len(data) < _ANCHOR_HEADER_BYTES + slots * 16:
+        raise FlightrecError("bad_anchors", f"{path}: {len(data)} bytes, short for {slots} slots")
     if ticks != start_ticks:
         raise FlightrecError("bad_anchors", f"{path}: written by another process (start ticks {ticks}, not "
                              f"{start_ticks}: pid reused)")
@@ -242,9 +250,11 @@ def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int,
 def header_anchors(doc) -> list[tuple[int, int]]:
     """The anchors of an exit dump's header ({"version": 1, "clock": "realtime", "anchors": [[n, ns], ...]});
     FlightrecError("bad_anchors") for anything else."""
-    if not isinstance(doc, dict) or doc.get("version") != 1 or doc.get("clock") != "realtime" or \
+    if not isinstance(doc, dict) or doc.get("version") != _ANCHOR_VERSION or doc.get("clock") != "realtime" or \
             not isinstance(doc.get("anchors"), list):
-        raise FlightrecError("bad_anchors", "exit dump anchors: not a version 1 realtime list")
+        version = doc.get("version") if isinstance(doc, dict) else None
+        raise FlightrecError("bad_anchors", f"exit dump anchors: not a version {_ANCHOR_VERSION} realtime list "
+                             f"(version {str(version)[:20]})")
     out = []
     for a in doc["anchors"]:
         if not (isinstance(a, list) and len(a) == 2 and all(type(x) is int and x >= 0 for x in a)):

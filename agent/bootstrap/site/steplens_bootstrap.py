@@ -24,11 +24,12 @@ The socket is removed at exit (atexit); a killed process leaves it behind, and t
 refused connection once.
 
 Anchors (STEPLENS_ANCHORS, default 1): before the server starts, steplens_anchors.install() registers a global
-optimizer-step post hook that writes each optimizer step's end into a shared-memory ring,
-<runtime dir>/<pid>.anchors, which the agent reads beside the socket to end each step where the iteration
-ends (gloo's Flight Recorder has enqueue times only; see steplens_anchors for the layout, the cost (~1 us per
-optimizer step) and why a file rather than a worker-server handler). The ring is removed at exit, after the
-exit dump's header has taken its anchors.
+optimizer-step post hook and wraps Optimizer.zero_grad and Module.zero_grad (STEPLENS_ANCHORS_ZERO_GRAD,
+default 1), which write each optimizer step's end, and the end of the zero_grad that follows it in the same
+loop body, into a shared-memory ring, <runtime dir>/<pid>.anchors, which the agent reads beside the socket to
+end each step where the iteration ends (gloo's Flight Recorder has enqueue times only; see steplens_anchors
+for the rule, the layout, the cost (a few us per optimizer step) and why a file rather than a worker-server
+handler). The ring is removed at exit, after the exit dump's header has taken its anchors.
 
 Exit dump: the source reads the ring every few seconds, so the ops of a job's last seconds would be lost
 when it ends. At interpreter exit (atexit, before the socket goes) the bootstrap writes the whole ring,
@@ -151,7 +152,8 @@ def _start_server(directory: str) -> None:
 def _start_anchors(directory: str) -> None:
     try:
         import steplens_anchors
-        _state["anchors"] = steplens_anchors.install(directory, _start_ticks()).path
+        _state["anchors"] = steplens_anchors.install(
+            directory, _start_ticks(), zero_grad=os.environ.get("STEPLENS_ANCHORS_ZERO_GRAD", "1") != "0").path
     except Exception as exc:  # a torch without the global optimizer hooks: steps end at the comm ops
         _state["error"] = f"anchors: {type(exc).__name__}: {exc}"
 
