@@ -17,7 +17,7 @@ help:
 	@echo "make test     install test needs and run the test suite (what CI runs)"
 	@echo "make test-fresh-boot / test-btf-refused   the two extra runs of make test (fresh-boot clock; BTF refused)"
 	@echo "make bench    benchmarks (bench/*.py), each ends with one JSON line of figures"
-	@echo "make eval     detector scores against the simulator's ground truth (named, random, 8,192 GPUs, whole path)"
+	@echo "make eval     detector scores against the simulator's ground truth (named, random, healthy, 8,192 GPUs, whole path)"
 	@echo "make proto    regenerate proto/steplens/v1/*_pb2*.py from the .proto files"
 	@echo "make install  create $(VENV) with steplens and its test needs"
 
@@ -120,13 +120,17 @@ bench: install $(TORCH_STAMP)
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/ebpf.py; else echo "skipping bench/ebpf.py: needs root (eBPF)"; fi
 
 # the detectors' scores (bench/README.md "eval"): named scenarios and EVAL_RANDOM random ones (64-512 GPUs,
-# through a real store), EVAL_SCALE scenarios at 8,192 GPUs (scale.py) and EVAL_WHOLEPATH through the whole
-# stream -> collector -> `steplens diagnose` path (wholepath.py). ~50 min on the 2-core VM with the defaults.
+# through a real store), EVAL_HEALTHY healthy 512-GPU runs of 1,000 iterations on the analysis loop's windows
+# (healthy.py: no finding expected), EVAL_SCALE scenarios at 8,192 GPUs (scale.py) and EVAL_WHOLEPATH through
+# the whole stream -> collector -> `steplens diagnose` path (wholepath.py). ~90 min on the 2-core VM with the
+# defaults (~50 min before healthy.py's ~40).
 EVAL_RANDOM ?= 200
+EVAL_HEALTHY ?= 4
 EVAL_SCALE ?= 20
 EVAL_WHOLEPATH ?= 20
 eval: install
 	cd bench/eval && ../../$(PY) run.py --random $(EVAL_RANDOM) --random-seed 2000
+	cd bench/eval && ../../$(PY) healthy.py --runs $(EVAL_HEALTHY) --seed 5000
 	cd bench/eval && ../../$(PY) scale.py --scenarios $(EVAL_SCALE) --seed 3000
 	cd bench/eval && ../../$(PY) wholepath.py --scenarios $(EVAL_WHOLEPATH) --seed 4000
 

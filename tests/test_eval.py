@@ -53,3 +53,12 @@ def test_wholepath_eval_streams_diagnoses_and_scores(tmp_path):
                              "--linger", "6", "--seed", "4001"], 300)
     assert head["scenarios"] == 1 and head["median_diagnose_s"] > 0
     assert "diagnose" in text and head["precision"] is not None
+
+
+def test_healthy_eval_finds_nothing_on_a_healthy_job():
+    # healthy.py's machinery (the job fed into the store as it runs, every detector on the loop's windows) on a
+    # small job; `make eval` runs it at 512 GPUs x 1,000 iterations
+    head, text = _last_json(["healthy.py", "--runs", "1", "--shapes", "8,4,2", "--iterations", "60"], 120)
+    assert head["runs"] == 1 and head["gpus"] == 64 and head["iterations"] == 60
+    assert head["windows"] >= 3 and head["findings"] == 0 and head["false_positive_windows"] == 0
+    assert head["steps_seen_max"] == 60 and " windows " in text
