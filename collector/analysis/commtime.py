@@ -196,9 +196,13 @@ def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], s
     its flagged steps), baseline_ns, flagged}; a span whose median excess is < min_step_fraction of the step
     is left out (a 20 % rise on a communicator that takes 0.1 % of the step is noise)."""
     out = []
+    floor = cfg.min_step_fraction * step_ns
     for cid, per in trans.items():
         if cid not in members or len(per) < cfg.min_baseline_steps + cfg.fluctuation_min:
             continue
+        lo, hi = min(per.values()), max(per.values())
+        if hi - lo < floor or hi < cfg.ratio * lo:
+            continue  # no value can be flagged (a baseline is >= the lowest value) or matter: exact, and cheap
         series = sorted(per.items())
         base, flags, ratios = baseline(series, cfg)
         for a, b, pattern in slow_spans(flags, cfg):
