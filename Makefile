@@ -122,8 +122,8 @@ bench: install $(TORCH_STAMP)
 # the detectors' scores (bench/README.md "eval"): named scenarios and EVAL_RANDOM random ones (64-512 GPUs,
 # through a real store), EVAL_HEALTHY healthy 512-GPU runs of 1,000 iterations on the analysis loop's windows
 # (healthy.py: no finding expected), EVAL_SCALE scenarios at 8,192 GPUs (scale.py) and EVAL_WHOLEPATH through
-# the whole stream -> collector -> `steplens diagnose` path (wholepath.py). ~90 min on the 2-core VM with the
-# defaults (~50 min before healthy.py's ~40).
+# the whole stream -> collector -> `steplens diagnose` path (wholepath.py). ~50 min on the 2-core VM with the
+# defaults, plus ~30 min for healthy.py.
 EVAL_RANDOM ?= 200
 EVAL_HEALTHY ?= 4
 EVAL_SCALE ?= 20

@@ -28,12 +28,11 @@ detectors' own time; the emulated agents' fetch time apart), feed and wall secon
 runs, gpus, iterations, windows, findings, finding_outputs, false_positive_windows, max_analysis_s,
 median_analysis_s, max_fetch_s, ranks_fetched_max, steps_seen_max, wall_s.
 
-Figures (2-core VM shared with other evals, 2026-11-24; the defaults: 4 runs x 512 GPUs x 1,000 iterations,
-seed 5000): 270 windows (64, 64, 64, 78), 1 finding in 1 window: irregularity/slowdown, a straggler rank 101 of
-DP32xPP4xTP4 at 1.00x the step time in the window ending at iteration 896 (z 6.8 into its DP group over the 13
-steps after the change point the test picks), also without the simulator's network jitter. Analysis per
-window: median 8.05 s, max 20.7 s (390 steps x 512 ranks read, the store's row limit); feed ~30 s a run;
-2,420 s in all (~10 min a run), 1.6 GB peak RSS.
+Figures (2-core VM, 2026-11-24, at commit 9cd3385; the defaults: 4 runs x 512 GPUs x 1,000 iterations, seed
+5000): 270 windows (64, 64, 64, 78), 0 findings; analysis per window median 5.5 s, max 11.9 s (391 iterations x
+512 ranks read: the store's row limit); feed ~27 s a run; 1,721 s in all (~7 min a run), 1.6 GB peak RSS.
+Before 9cd3385 one window found a straggler (irregularity/slowdown, rank 101 of DP32xPP4xTP4 at 1.00x the step
+time, window ending at iteration 896: z 6.8 over the 13 steps after the change point the test picked).
 """
 
 from __future__ import annotations
