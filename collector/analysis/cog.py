@@ -34,7 +34,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-P2P = ("send", "recv")
+from steplens.collector.analysis.probe import P2P, op_start
+from steplens.collector.analysis.probe import peer as peer_of
 
 
 @dataclass
@@ -62,18 +63,6 @@ class CogResult:
                 "path": self.path[:12], "classifier": self.classifier, **({"note": self.note} if self.note else {})}
 
 
-def _start(op: dict) -> int:
-    return op.get("start_ns") or op.get("issue_ns") or 0
-
-
-def _peer(op: dict) -> int:
-    mem = op.get("members") or []
-    if len(mem) == 2 and op.get("rank") in mem:
-        return mem[0] if mem[1] == op["rank"] else mem[1]
-    p = op.get("peer", -1)
-    return mem[p] if mem and 0 <= p < len(mem) else -1
-
-
 class _Search:
     def __init__(self, reader, job_key: str, js, flagged: list[int], ref: list[int], cfg: CogConfig,
                  flagged_numbers: set[int]) -> None:
@@ -98,7 +87,7 @@ class _Search:
             return False
         rows = self.reader.fetch_commops(self.job_key, [rank], *self.span)
         mine = sorted((r for r in rows if r.get("rank") == rank and r.get("kind", "commop") == "commop"),
-                      key=_start)
+                      key=op_start)
         self.ops[rank] = mine
         self.abn[rank] = self.classify(rank)
         return True
@@ -124,7 +113,7 @@ class _Search:
         row = self.js.rows.get(rank, {}).get(self.js.numbers[i])
         if row is None:
             return []
-        return [k for k, o in enumerate(self.ops[rank]) if row["start_ns"] <= _start(o) <= row["end_ns"]]
+        return [k for k, o in enumerate(self.ops[rank]) if row["start_ns"] <= op_start(o) <= row["end_ns"]]
 
     def last_arrival(self, rank: int, k: int, i: int) -> tuple[int, float]:
         """The member of op k's collective instance that arrived last (from the step summaries: the call's
@@ -147,24 +136,22 @@ class _Search:
                     break
                 inst = self._instance(m, op, i)
                 if inst >= 0:
-                    arr.append((_start(self.ops[m][inst]), m))
+                    arr.append((op_start(self.ops[m][inst]), m))
         if len(arr) < 2:
             return -1, 0.0
         arr.sort()
-        dur = max(1, op["end_ns"] - _start(op))
+        dur = max(1, op["end_ns"] - op_start(op))
         return arr[-1][1], (arr[-1][0] - arr[(len(arr) - 1) // 2][0]) / dur
 
     def transfer_slow(self, send: dict, recv_start: int, rank: int) -> bool:
         """The send's transfer against the same pair's sends in the reference (non-flagged) steps."""
-        def xfer(o, rs):
-            return max(0, o["end_ns"] - max(_start(o), rs))
         same = [o for o in self.ops[rank] if o["comm_id"] == send["comm_id"] and o["op"] == "send"
                 and o is not send]
-        ref = sorted(o["end_ns"] - _start(o) for o in same)
+        ref = sorted(o["end_ns"] - op_start(o) for o in same)
         if len(ref) < 4:
             return False
         med = ref[len(ref) // 2]
-        return xfer(send, recv_start) > 1.5 * med + 20_000
+        return max(0, send["end_ns"] - max(op_start(send), recv_start)) > 1.5 * med + 20_000
 
     def walk(self, rank: int, k: int, i: int, seen: set, path: list, depth: int = 0) -> tuple:
         op = self.ops[rank][k]
@@ -181,7 +168,7 @@ class _Search:
             if g != rank and not self.fetch(g):
                 return ("rank", str(g), "compute")
             return self.before(g, self._instance(g, op, i), i, seen, path, depth)
-        peer = _peer({**op, "rank": rank})
+        peer = peer_of(op)
         if peer < 0 or not self.fetch(peer):
             return ("rank", str(peer), "compute") if peer >= 0 else ("pair", op["comm_id"], "network")
         match = next((j for j in self.in_step(peer, i) if self.ops[peer][j]["comm_id"] == op["comm_id"]
@@ -190,11 +177,9 @@ class _Search:
             return ("rank", str(peer), "compute")
         other = self.ops[peer][match]
         send, recv, sender = (other, op, peer) if op["op"] == "recv" else (op, other, rank)
-        if self.transfer_slow(send, _start(recv), sender):
+        if self.transfer_slow(send, op_start(recv), sender):
             return ("pair", op["comm_id"], "network")
-        if op["op"] == "recv":
-            return self.before(peer, match, i, seen, path, depth)
-        return self.before(peer, match, i, seen, path, depth)
+        return self.before(peer, match, i, seen, path, depth)  # the sender (recv) or the receiver (send)
 
     def _instance(self, g: int, op: dict, i: int) -> int:
         for j in self.in_step(g, i):
@@ -235,7 +220,7 @@ def search(reader, job_key: str, js, flagged: list[int], ref: list[int], ratio: 
         for i in worst:
             idx = s.in_step(pivot, i)
             cand = sorted((k for k in idx if s.abn[pivot][k] >= 0.5),
-                          key=lambda k: -(s.ops[pivot][k]["end_ns"] - _start(s.ops[pivot][k])))[:cfg.ops_per_step]
+                          key=lambda k: -(s.ops[pivot][k]["end_ns"] - op_start(s.ops[pivot][k])))[:cfg.ops_per_step]
             for k in cand:
                 path: list = []
                 kind, did, why = s.walk(pivot, k, i, set(), path)

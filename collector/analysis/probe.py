@@ -45,7 +45,13 @@ class ProbeResult:
                 "slow_pairs": {p: round(self.slow[p], 3) for p in worst}, **({"note": self.note} if self.note else {})}
 
 
-def _peer(op: dict) -> int:
+def op_start(op: dict) -> int:
+    """A fetched CommOp's start (its issue time when the start is unknown)."""
+    return op.get("start_ns") or op.get("issue_ns") or 0
+
+
+def peer(op: dict) -> int:
+    """The global rank at the other end of a point-to-point op (FR's peer is a group rank), -1 if unknown."""
     mem = op.get("members") or []
     if len(mem) == 2 and op.get("rank") in mem:
         return mem[0] if mem[1] == op["rank"] else mem[1]
@@ -60,14 +66,14 @@ def transfers(rows: list[dict]) -> dict[tuple[str, int, int], list[int]]:
     for r in rows:
         if r.get("kind", "commop") != "commop" or r.get("op") not in P2P:
             continue
-        peer = _peer(r)
-        if peer < 0:
+        other = peer(r)
+        if other < 0:
             continue
-        start = r.get("start_ns") or r.get("issue_ns") or 0
+        start = op_start(r)
         if r["op"] == "recv":
-            recv_start[(r["comm_id"], peer, r["rank"], r.get("p2p_seq", -1))] = start
+            recv_start[(r["comm_id"], other, r["rank"], r.get("p2p_seq", -1))] = start
         elif r.get("end_ns", 0) > start > 0:
-            sends.append((r["comm_id"], r["rank"], peer, r.get("p2p_seq", -1), start, r["end_ns"]))
+            sends.append((r["comm_id"], r["rank"], other, r.get("p2p_seq", -1), start, r["end_ns"]))
     out: dict[tuple[str, int, int], list[int]] = {}
     for cid, a, b, seq, start, end in sends:
         rs = recv_start.get((cid, a, b, seq), 0) if seq >= 0 else 0
@@ -77,7 +83,7 @@ def transfers(rows: list[dict]) -> dict[tuple[str, int, int], list[int]]:
 
 def _within(rows: list[dict], spans: list[tuple[int, int]]) -> list[dict]:
     spans = sorted(spans)
-    return [r for r in rows if any(a <= (r.get("start_ns") or r.get("issue_ns") or 0) <= b for a, b in spans)]
+    return [r for r in rows if any(a <= op_start(r) <= b for a, b in spans)]
 
 
 def probe(reader, job_key: str, ranks: list[int], ref_spans: list[tuple[int, int]],
