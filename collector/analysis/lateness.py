@@ -7,21 +7,22 @@ windows.
 Why: the job's step time is its slowest rank's. A second GPU slowing while another is already slower (a
 fluctuating GPU under a degrading one), or a GPU fluctuating a little, moves nothing the irregularity gate
 sees; the rank still arrives later than its peers at every collective it joins.
-Lateness of rank r in step s: the min over the collective communicators r joins of its mean arrival
-(start_ns + issue offset, over the step's picked collectives) minus the members' median arrival
-(irregularity.margins). Min, so a rank that only waited for someone upstream (late into its data-parallel
-group, on time with its tensor-parallel peers, who waited alike) is not late; ranks in fewer than two
-collective communicators are not judged (TP = 1: nothing tells a slow rank from one waiting on its pipeline).
-Flags per rank and step: a trailing median b of its unflagged lateness and its noise (1.4826 x MAD); flagged
-when lateness - b >= max(noise_k x sigma, min_step_fraction x the job's baseline step). Slow spans as the
-commtime detector finds them (commtime.slow_spans: persistent runs, fluctuating bursts, anywhere in the
+Margins of rank r in step s: per collective communicator it joins, its mean arrival (start_ns + issue offset,
+over the step's picked collectives) minus the members' median arrival (irregularity.margins).
+Flags per rank and step: per communicator a trailing median and noise (1.4826 x MAD) of its unflagged
+margins; flagged when the rank is late by >= noise_k x that noise in every communicator it joins (so a rank
+that only waited for someone upstream, late into its data-parallel group but on time with its
+tensor-parallel peers who waited alike, is not late) and the waiting it causes, summed over them (excess x
+collectives per step), is >= min_step_fraction of the job's baseline step. Ranks in fewer than two collective
+communicators are not judged (TP = 1: nothing tells a slow rank from one waiting on its pipeline). Slow spans
+as the commtime detector finds them (commtime.slow_spans: persistent runs, fluctuating bursts, anywhere in the
 window).
 Not duplicated: a span that an irregularity finding leading with this rank overlaps is that finding's
 (irregularity.named_ranks: the same pass's result, kept on the reader, or computed here); what remains are
 masked ranks (late, but someone else is later) and fluctuations under the gate. The evidence says how much of
 the span the job's step time was irregular (gate-flagged or in a level shift) and whether the rank was last.
 Finding: kind `fluctuation` (a fluctuating span) or `slowdown` (persistent), one per rank span; severity =
-1 + the rank's median excess lateness over its flagged steps / the baseline step: the step-time ratio this
+1 + the median waiting it causes over its flagged steps / the baseline step: the step-time ratio this
 rank alone would cost (the summary says so); suspect: the rank, cause `compute`; evidence: its span, flagged
 steps, the waiting it causes, and `masked_by`: the rank an irregularity finding blames over the same steps.
 Cost: irregularity.margins over the window's last steps, capped so ranks x steps <= max_rank_steps (at 8,192
