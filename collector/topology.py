@@ -176,7 +176,14 @@ class Topology:
 
     def downstream_nics(self, switch: str) -> int:
         """NICs below a switch: those it serves directly, or, for a switch above leaves, every NIC reachable
-        through switches of a lower tier (used for Holmes' topology decay H(d))."""
+        through switches of a lower tier (used for Holmes' topology decay H(d)). Cached per switch."""
+        cache = self.__dict__.setdefault("_downstream", {})
+        got = cache.get(switch)
+        if got is None:
+            got = cache[switch] = self._downstream_uncached(switch)
+        return got
+
+    def _downstream_uncached(self, switch: str) -> int:
         direct = [n for n in self.nics.values() if n.switch == switch]
         if direct:
             return len(direct)

@@ -11,17 +11,20 @@ stream -> collector path). Ground truth (output.truth) is read by the scorer onl
 
 Scored as scoring.py scores: detected when a finding's onset is at or after the fault start - 2 iterations;
 top-1 / top-3 when the target is the first / among the first three suspects of any finding about it; healthy
-runs count false positives. The detectors run on the windows ending at onset + 5 and + 10 iterations and at
-the end (what the analysis loop sees as data arrives). Reported per scenario: simulate + records (s), detect =
-localization (s, all detectors on one window, the slowest window; the emulated agents' fetch time apart), ranks
-fetched, the end-to-end wall time.
+runs count false positives. The detectors run as the analysis loop runs them: a pass every --every steps as data
+arrives, with the engine's per-job memo kept across passes (irregularity.per_step: a step's per-step results
+are computed once); findings are scored on the passes ending at onset + 5 and + 10 iterations and at the end.
+Reported per scenario: simulate + records (s), localization = the slowest pass (s, all detectors; the emulated
+agents' fetch time apart), one pass over the whole window from cold (no memo: what `steplens diagnose` on a job
+the loop never saw costs), ranks fetched, the end-to-end wall time.
 
-    .venv/bin/python bench/eval/scale.py [--scenarios 20] [--seed 3000] [--iterations 60] [--gpus 8192]
+    .venv/bin/python bench/eval/scale.py [--scenarios 20] [--seed 3000] [--iterations 60] [--every 5]
 
 Ends with one JSON line: top1_fraction, top3_fraction, recall, precision, f1, max_analysis_s (localization: the
-detectors' own time on the slowest window), max_fetch_s (the emulated agents answering FetchDetail: they re-run
-the 8,192-GPU simulation per request on this machine, where real agents answer from their node-local stores, in
-parallel), median_end_to_end_s, ranks_fetched_max, ranks_fetched_fraction_max.
+detectors' own time on the slowest pass), median/max_cold_analysis_s (one pass from cold), max_fetch_s (the
+emulated agents answering FetchDetail: they re-run the 8,192-GPU simulation per request on this machine, where
+real agents answer from their node-local stores, in parallel), median_end_to_end_s, ranks_fetched_max,
+ranks_fetched_fraction_max.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ def scenario(rng: random.Random, iterations: int, shapes=SHAPES_8K) -> tuple[Mod
     return cfg, [spec]
 
 
-def evaluate(cfg: ModelConfig, specs: list[str]) -> dict:
+def evaluate(cfg: ModelConfig, specs: list[str], every: int = 5) -> dict:
     t0 = time.perf_counter()
     faults = [parse_fault(s, cfg.topology()) for s in specs]
     reader = MemReader(cfg, faults)
@@ -112,23 +115,30 @@ def evaluate(cfg: ModelConfig, specs: list[str]) -> dict:
     ends = {r["step"]: r["end_ns"] for r in reader.rows if r["rank"] == 0}
     last = max(ends)
     checks = sorted({min(last, f.start + k) for f in faults for k in (5, 10)} | {last})
+    passes = sorted(set(range(every, last + 1, every)) | set(checks))
     found, t_detect, t_analysis, t_fetch, fetched = [], 0.0, 0.0, 0.0, set()
     sim_fetch = scoring.sim_fetcher(cfg, faults)
-    for c in checks:  # what the analysis loop would see as data arrives: onset + 5, + 10 steps, the end
-        spent = [0.0]
+    memo: dict = {}  # the engine's per-job memo, kept across the loop's passes (irregularity.per_step)
+    spent = [0.0]
 
-        def fetch(*a, **kw):  # the emulated agents' time (re-simulating the job), apart from the analysis
-            t = time.perf_counter()
-            try:
-                return sim_fetch(*a, **kw)
-            finally:
-                spent[0] += time.perf_counter() - t
-        ar = AnalysisReader(reader, fetch)
+    def fetch(*a, **kw):  # the emulated agents' time (re-simulating the job), apart from the analysis
+        t = time.perf_counter()
+        try:
+            return sim_fetch(*a, **kw)
+        finally:
+            spent[0] += time.perf_counter() - t
+    for c in passes:  # the analysis loop's passes as data arrives, one every `every` steps
+        spent[0] = 0.0
+        ar = AnalysisReader(reader, fetch, memo)
         got, sec = scoring.run_detectors(ar, ends[c] + 1)
-        found += got
+        if c in checks:  # scored on the windows ending at onset + 5, + 10 steps and at the end
+            found += got
         if sec - spent[0] > t_analysis:
             t_analysis, t_fetch, t_detect = sec - spent[0], spent[0], sec
         fetched |= ar.ranks_fetched
+    spent[0] = 0.0
+    _, sec = scoring.run_detectors(AnalysisReader(reader, fetch), ends[last] + 1)  # one pass from cold
+    t_cold = sec - spent[0]
     wall = time.perf_counter() - t0
 
     def step_of(ns: int) -> int:
@@ -152,6 +162,7 @@ def evaluate(cfg: ModelConfig, specs: list[str]) -> dict:
             "findings": [{"detector": d, "kind": f.kind, "top": [s.id for s in f.suspects[:3]]} for d, f in found],
             "true_findings": true_f, "false_findings": len(found) - true_f, "records_s": round(t_records, 2),
             "detect_s": round(t_detect, 2), "analysis_s": round(t_analysis, 2), "fetch_s": round(t_fetch, 2),
+            "cold_analysis_s": round(t_cold, 2), "passes": len(passes),
             "end_to_end_s": round(wall, 2), "ranks_fetched": len(fetched),
             "windows": len(checks)}
 
@@ -161,6 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--scenarios", type=int, default=20)
     p.add_argument("--seed", type=int, default=3000)
     p.add_argument("--iterations", type=int, default=60)
+    p.add_argument("--every", type=int, default=5, help="steps between the analysis loop's passes")
     p.add_argument("--shape", help="DP,PP,TP instead of the 8,192-GPU shapes (a quick check on a small job)")
     args = p.parse_args(argv)
     shapes = [tuple(int(x) for x in args.shape.split(","))] if args.shape else SHAPES_8K
@@ -168,13 +180,13 @@ def main(argv=None) -> int:
     rows = []
     for i in range(args.scenarios):
         cfg, specs = scenario(rng, args.iterations, shapes)
-        r = evaluate(cfg, specs)
+        r = evaluate(cfg, specs, args.every)
         rows.append(r)
         f = r["faults"][0]
         print(f"{i:>3} {r['shape']:<16} {specs[0]:<36} impact {f['impact']:<6} found {'yes' if f['detected'] else 'no':<3} "
               f"top1 {'yes' if f['top1'] else 'no':<3} top3 {'yes' if f['top3'] else 'no':<3} FP {r['false_findings']} "
               f"fetched {r['ranks_fetched']:>4}  records {r['records_s']:>5.1f} s  analysis {r['analysis_s']:>5.2f} s "
-              f"(+ fetch {r['fetch_s']:>5.2f} s)  "
+              f"(+ fetch {r['fetch_s']:>5.2f} s, cold {r['cold_analysis_s']:>5.2f} s)  "
               f"end to end {r['end_to_end_s']:>5.1f} s", flush=True)
     faults = [f for r in rows for f in r["faults"]]
     vis = [f for f in faults if f["impact"] and f["impact"] >= scoring.VISIBLE_IMPACT]
@@ -183,6 +195,8 @@ def main(argv=None) -> int:
             "visible_top1_fraction": round(sum(f["top1"] for f in vis) / len(vis), 3) if vis else None,
             "max_analysis_s": max(r["analysis_s"] for r in rows),
             "median_analysis_s": statistics.median(r["analysis_s"] for r in rows),
+            "median_cold_analysis_s": statistics.median(r["cold_analysis_s"] for r in rows),
+            "max_cold_analysis_s": max(r["cold_analysis_s"] for r in rows), "every_steps": args.every,
             "max_fetch_s": max(r["fetch_s"] for r in rows),
             "max_detect_with_fetch_s": max(r["detect_s"] for r in rows),
             "median_end_to_end_s": statistics.median(r["end_to_end_s"] for r in rows),

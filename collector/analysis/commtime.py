@@ -52,7 +52,7 @@ from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import (IrregularityConfig, comm_devices, groups, load, nic_map,
+from steplens.collector.analysis.irregularity import (IrregularityConfig, comm_devices, groups, load, nic_map, per_step,
                                                       refine, score_devices)
 
 NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
@@ -96,25 +96,32 @@ class CommtimeConfig(DetectorConfig):
 
 def transfer_times(js, numbers_idx: range) -> tuple[dict[str, dict[int, int]], dict[str, set[int]]]:
     """Per collective communicator, and per point-to-point one's sends (`<id>#send`): step index -> min busy_ns
-    over its members, and its members (irregularity.groups: the steps grouped once per pass)."""
+    over its members, and its members (irregularity.groups: the steps grouped once per pass; each step's
+    result memoized across passes: irregularity.per_step)."""
     t: dict[str, dict[int, int]] = {}
     members: dict[str, set[int]] = {}
     for i in numbers_idx:
-        for cid, (ranks, _, cs) in groups(js, i).items():
-            if cid.endswith(NOT_TRANSFER):
-                continue  # a receive's busy time is mostly waiting for its sender
+        for cid, (ranks, b) in per_step(js, "transfer", i, lambda i: _step_transfer(js, i)).items():
             mem = members.get(cid)
             if mem is None:
                 mem = members[cid] = set()
             if len(mem) < len(ranks):
                 mem.update(ranks)
-            b = min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0)
             if b > 0:
                 per = t.get(cid)
                 if per is None:
                     per = t[cid] = {}
                 per[i] = b
     return t, {c: m for c, m in members.items() if len(m) >= 2}
+
+
+def _step_transfer(js, i: int) -> dict[str, tuple[list[int], int]]:
+    """One step of transfer_times(): comm -> (its members, min busy_ns over them; 0: none busy)."""
+    out = {}
+    for cid, (ranks, _, cs) in groups(js, i).items():
+        if not cid.endswith(NOT_TRANSFER):  # a receive's busy time is mostly waiting for its sender
+            out[cid] = (ranks, min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0))
+    return out
 
 
 MAD_SIGMA = 1.4826   # a normal distribution's sigma per median absolute deviation

@@ -32,6 +32,7 @@ from steplens.collector.store.writer import StoreJob
 
 log = logging.getLogger("steplens.collector.analysis")
 
+MEMO_JOBS = 64   # jobs whose per-step results are kept between passes (each: its window's steps, compact)
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -41,11 +42,13 @@ class FetchUnavailable(RuntimeError):
 
 class AnalysisReader:
     """What a detector reads: the store's Reader (every read method), plus `fetch_commops` for progressive
-    fetching of node-local CommOps from the ranks a search visits; counts what was fetched."""
+    fetching of node-local CommOps from the ranks a search visits; counts what was fetched. step_memo: the
+    job's per-step results kept across passes (irregularity.per_step; the engine keeps one per job)."""
 
-    def __init__(self, reader, fetch: Callable | None = None) -> None:
+    def __init__(self, reader, fetch: Callable | None = None, step_memo: dict | None = None) -> None:
         self._reader = reader
         self._fetch = fetch
+        self.step_memo = step_memo
         self.ranks_fetched: set[int] = set()
 
     def __getattr__(self, name):
@@ -196,6 +199,8 @@ class AnalysisEngine:
         self.jobs_waiting = 0
         self.store_failures = 0
         self._locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
+        self._memos: collections.OrderedDict[str, dict] = collections.OrderedDict()  # job -> per-step memo
+        self._memo_lock = threading.Lock()
         self._marks: dict[str, int] = {}
         self._rowid = 0
         self._stop = threading.Event()
@@ -209,11 +214,11 @@ class AnalysisEngine:
         data_ns: newest data time of the job (resolution clock; default read from the store)."""
         t0 = time.perf_counter()
         until = until_ns or self.now_ns()
-        reader = AnalysisReader(self.reader, self.fetch)
         outputs: dict[str, list[Finding]] = {}
         errors: dict[str, str] = {}
         ran = []
         with self._locks[job_key], no_gc():
+            reader = AnalysisReader(self.reader, self.fetch, self._memo(job_key))
             for name, spec in self.detectors.items():
                 cfg = self.configs[name]
                 if not cfg.enabled:
@@ -252,6 +257,16 @@ class AnalysisEngine:
         return RunResult(job_key, since_ns or min((max(0, until - int(self.configs[n].window_seconds * 1e9))
                                                   for n in ran), default=until), until, ran, errors, found, changes,
                          seconds, len(reader.ranks_fetched))
+
+    def _memo(self, job_key: str) -> dict:
+        """The job's per-step memo (irregularity.per_step), the most recently analysed MEMO_JOBS jobs' kept
+        (called under the job's lock)."""
+        with self._memo_lock:
+            memo = self._memos.pop(job_key, None)
+            self._memos[job_key] = memo = {} if memo is None else memo
+            while len(self._memos) > MEMO_JOBS:
+                self._memos.popitem(last=False)
+        return memo
 
     @staticmethod
     def _own(f: Finding, job_key: str, name: str) -> Finding:

@@ -153,6 +153,24 @@ class JobSteps:
     rows: dict[int, dict[int, dict]]          # rank -> step -> row (with comms)
     node_of: dict[int, str]
     by_step: dict[int, dict] = field(default_factory=dict)  # step index -> groups(): built once, shared
+    fps: list[tuple] = field(default_factory=list)  # per step: what its rows are (count, sum of start, end)
+    memo: dict = field(default_factory=dict)  # (name, step number) -> (fp, result): per-step results kept
+                                              # across passes (the engine's per-job memo), see per_step()
+
+
+def per_step(js: JobSteps, name: str, i: int, compute):
+    """compute(i) for step index i, memoized on js.memo by step number and the step's fingerprint: a step's
+    per-step result (its communicators' transfer times, its members' arrival margins) is computed once while
+    its rows stay the same, so a pass of the loop pays only for the steps that are new since the last one
+    (or got rows since). name carries the parameters the result depends on."""
+    key = (name, js.numbers[i])
+    fp = js.fps[i]
+    hit = js.memo.get(key)
+    if hit is not None and hit[0] == fp:
+        return hit[1]
+    v = compute(i)
+    js.memo[key] = (fp, v)
+    return v
 
 
 def groups(js: JobSteps, i: int) -> dict[str, tuple[list[int], list[int], list[dict]]]:
@@ -192,6 +210,13 @@ def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
     if memo is not None and memo[0] == key:
         return memo[1]
     js = _load(reader, window, cfg)
+    memo = getattr(reader, "step_memo", None)
+    if isinstance(memo, dict):  # the engine's per-job memo: per-step results of earlier passes
+        js.memo = memo
+        if js.numbers:
+            first = js.numbers[0]
+            for k in [k for k in memo if k[1] < first]:  # steps that left the window
+                del memo[k]
     try:
         reader._steps_memo = (key, js)
     except AttributeError:
@@ -218,7 +243,7 @@ def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
             count[s] = count.get(s, 0) + 1
     need = max(1, math.ceil(cfg.complete_fraction * len(per_rank)))
     numbers = sorted(s for s, n in count.items() if n >= need)
-    x, ends, starts = [], [], []
+    x, ends, starts, fps = [], [], [], []
     for s in numbers:
         have = [per_rank[r][s] for r in per_rank if s in per_rank[r]]
         if cfg.pivot_rank >= 0 and s in per_rank.get(cfg.pivot_rank, {}):
@@ -226,9 +251,12 @@ def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
             x.append(p["end_ns"] - p["start_ns"])
         else:
             x.append(max(h["end_ns"] - h["start_ns"] for h in have))
-        ends.append(max(h["end_ns"] for h in have))
-        starts.append(min(h["start_ns"] for h in have))
-    return JobSteps(numbers, x, ends, starts, per_rank, node_of)
+        e = [h["end_ns"] for h in have]
+        b = [h["start_ns"] for h in have]
+        ends.append(max(e))
+        starts.append(min(b))
+        fps.append((len(have), sum(e), sum(b)))
+    return JobSteps(numbers, x, ends, starts, per_rank, node_of, fps=fps)
 
 
 # -- the gate and the kinds -------------------------------------------------------------------------------
@@ -711,32 +739,53 @@ def ramp_onset(g: Gate, first: int, flagged: set[int], cfg: IrregularityConfig) 
 def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict, dict[str, set[int]]]:
     """Per (rank, collective comm): one sample per step, the rank's mean arrival over the step's collectives
     (the picked ones: collective_picks, evenly spread) minus the members' median of that mean, and the
-    collectives per step; and the comms' members."""
+    collectives per step; and the comms' members. Per step memoized (per_step): the picks are those of a
+    full straggler_steps window whatever len(idx), so a step's result is the same in every pass (and for
+    the lateness detector, whose windows are shorter) and the loop computes it once."""
     out: dict[tuple[int, str], list[tuple[float, int]]] = {}
     members: dict[str, set[int]] = {}
-    picks = collective_picks(js, len(idx), cfg)
-    pick_memo: dict[int, list[int]] = {}
+    picks = collective_picks(js, cfg.straggler_steps, cfg)
+    name = f"margins:{picks}"
     for i in idx:
-        comms: dict[str, list] = {}
-        for cid, (ranks, starts, cs) in groups(js, i).items():
-            for rank, start, c in zip(ranks, starts, cs):
-                offs = c["issue_offsets_ns"]
-                if offs and c["op"] not in P2P_OPS:
-                    ks = pick_memo.get(len(offs))
-                    if ks is None:
-                        ks = pick_memo[len(offs)] = _pick(list(range(len(offs))), picks)
-                    a = offs[ks[0]] if len(ks) == 1 else sum([offs[k] for k in ks]) / len(ks)
-                    comms.setdefault(cid, []).append((start + a, rank, c["calls"]))
-        for cid, mem in comms.items():
-            if len(mem) < 2:
-                continue
-            members.setdefault(cid, set()).update(m[1] for m in mem)
-            arr = sorted(a for a, _, _ in mem)
-            mid = (arr[(len(arr) - 1) // 2] + arr[len(arr) // 2]) / 2
-            calls = max(m[2] for m in mem)
-            for a, rank, _ in mem:
-                out.setdefault((rank, cid), []).append((a - mid, calls))
+        for cid, (ranks, diffs, calls) in per_step(js, name, i, lambda i: _step_margins(js, i, picks)).items():
+            mem = members.get(cid)
+            if mem is None:
+                mem = members[cid] = set()
+            if len(mem) < len(ranks):
+                mem.update(ranks)
+            for rank, d in zip(ranks, diffs):
+                key = (rank, cid)
+                col = out.get(key)
+                if col is None:
+                    out[key] = [(d, calls)]
+                else:
+                    col.append((d, calls))
     return out, members
+
+
+def _step_margins(js: JobSteps, i: int, picks: int) -> dict[str, tuple[list[int], list[float], int]]:
+    """One step of margins(): collective comm -> (its members, each one's mean arrival over the picked
+    collectives minus the members' median of it, collectives that step), comms with >= 2 members."""
+    out = {}
+    pick_memo: dict[int, list[int]] = {}
+    for cid, (ranks, starts, cs) in groups(js, i).items():
+        arr, who, calls = [], [], 0
+        for rank, start, c in zip(ranks, starts, cs):
+            offs = c["issue_offsets_ns"]
+            if offs and c["op"] not in P2P_OPS:
+                ks = pick_memo.get(len(offs))
+                if ks is None:
+                    ks = pick_memo[len(offs)] = _pick(list(range(len(offs))), picks)
+                arr.append(start + (offs[ks[0]] if len(ks) == 1 else sum([offs[k] for k in ks]) / len(ks)))
+                who.append(rank)
+                if c["calls"] > calls:
+                    calls = c["calls"]
+        if len(arr) < 2:
+            continue
+        srt = sorted(arr)
+        mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
+        out[cid] = (who, [a - mid for a in arr], calls)
+    return out
 
 
 def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:

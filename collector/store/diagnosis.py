@@ -110,18 +110,26 @@ class DiagnosisQueries:
             db.conn.close()
 
     def topology_record(self) -> dict | None:
-        """The current topology: {version, origin, imported_ns, digest, name, counts..., topology (Topology)}."""
+        """The current topology: {version, origin, imported_ns, digest, name, counts..., topology (Topology)}.
+        The parsed Topology is kept while the newest version and digest stay the same (one small read per call):
+        the analysis reads it every pass, and its path and downstream caches live on the object."""
         db = self._db()
         try:
-            cur = db.conn.execute("SELECT * FROM topologies ORDER BY version DESC LIMIT 1")
-            rows = _dict_rows(cur)
+            head = db.conn.execute("SELECT version, digest FROM topologies ORDER BY version DESC LIMIT 1").fetchone()
+            kept = getattr(self, "_topology_kept", None)
+            if head is None:
+                return None
+            if kept is not None and kept[0] == tuple(head):
+                return dict(kept[1])
+            rows = _dict_rows(db.conn.execute("SELECT * FROM topologies WHERE version = ?", (head[0],)))
         finally:
             db.conn.close()
         if not rows:
             return None
         r = rows[0]
         r["topology"] = from_dict(json.loads(r.pop("doc_json")))
-        return r
+        self._topology_kept = ((r["version"], r["digest"]), r)
+        return dict(r)
 
     def topology(self) -> Topology | None:
         rec = self.topology_record()
