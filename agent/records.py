@@ -288,5 +288,29 @@ class Step:
     comms: list = field(default_factory=list)  # StepComm
 
 
+@dataclass(slots=True)
+class CommProgress:
+    """Where one process stands on one communicator, as of mono_ns (when the state was read): the collective
+    sequence numbers it has enqueued, started and completed (torch Flight Recorder pg_status; -1 none), and
+    the oldest op it enqueued that has not completed (what it waits in during a hang). What a hang's culprit
+    is found from: the member that never entered the sequence number the others wait in."""
+
+    mono_ns: int
+    pid: int
+    comm_id: str                # as CommOp.comm_id ("pg:<name>" from the Flight Recorder)
+    start_ticks: int = 0
+    job_key: str = ""
+    rank: int = -1              # the process's global rank
+    last_enqueued: int = -1     # collective seq numbers; -1 none
+    last_started: int = -1
+    last_completed: int = -1
+    pending_op: str = ""        # the oldest op enqueued and not completed (normalized op kind); "" none
+    pending_seq: int = -1       # its collective seq (p2p: its p2p seq)
+    pending_p2p: bool = False   # the pending op is a send/recv (pending_seq is a p2p seq)
+    pending_peer: int = -1      # p2p: the peer's global rank where known, else -1
+    pending_since_mono_ns: int = 0  # its issue time (this host's monotonic clock); 0 none
+    nranks: int = 0             # members of the communicator where known
+
+
 Record = (Metric | GpuInfo | ProcessInfo | ProcessExit | Event | Gap | ModeChange | StackSummary | ConnStats
-          | Flow | CommOp | KernelRec | CommSummary | CommMember | Step)
+          | Flow | CommOp | KernelRec | CommSummary | CommMember | Step | CommProgress)

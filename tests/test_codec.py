@@ -27,6 +27,8 @@ COMM = [
                            [256, 1, 1], 555, "cudaLaunchKernel", T + 10, T + 10 + 500, 0, 3)),
     ("kineto", r.CommSummary(T + 20, 4242, "pg:1", "all_reduce", T + 8, 4, 16384, 40_000, 12_000, 99812,
                              "torchelastic:abc", 3, 12, 17, 20, "backend_thread", 0, 0)),
+    ("flightrec", r.CommProgress(T + 21, 4242, "pg:1", 99812, "torchelastic:abc", 3, 18, -1, 17, "send", 5, True, 2,
+                                 T + 19, 4)),
 ]
 
 

@@ -292,7 +292,7 @@ def test_step_round_trip_store_and_step_times(tmp_path):
     st = step_times(reader, "j", recent_steps=5, min_baseline_steps=5)
     assert st.source == "steps" and st.now_seconds and 0.04 < st.now_seconds < 0.06 and st.baseline_seconds
     tops, marks = reader.new_data_since(0)
-    assert len(tops) == 2 and tops[1] == len(recs) and marks["j"] == max(x["end_ns"] for x in rows)
+    assert len(tops) == 3 and tops[1] == len(recs) and marks["j"] == max(x["end_ns"] for x in rows)  # DATA_TABLES
     assert reader.new_data_since(tops)[1] == {}
     assert reader.data_watermarks(["j"])["j"] == marks["j"]
 

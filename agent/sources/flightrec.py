@@ -1,4 +1,5 @@
-"""flightrec: torch.distributed Flight Recorder entries of workload processes, as CommOps.
+"""flightrec: torch.distributed Flight Recorder entries of workload processes, as CommOps, and where each process
+stands on each of its process groups, as CommProgress (hang detection).
 
 Reads: the per-process Unix sockets `<pid>.sock` that the steplens bootstrap (agent/bootstrap/site, loaded
 with PYTHONPATH + STEPLENS_BOOTSTRAP=1) opens with torch's `_WorkerServer`, in `socket_dirs`; only pids the
@@ -35,6 +36,23 @@ the workloads keeps its cursor and ProcessInfo for EXIT_GRACE_SECONDS, so a dump
 the exit still deduplicates and is attributed; for one never seen alive the dump's header (RANK, WORLD_SIZE,
 job variables) says. A normal exit (socket gone, exit dump present) is not reported as a failure.
 
+Progress (CommProgress, what a hang's culprit is found from): after each successful dump of a live process, one
+record per process group in the dump's pg_status (torch 2.13 writes last_enqueued/started/completed_collective as
+strings; gloo leaves started at -1), comm_id "pg:<name>" as the CommOps', rank/job_key/start_ticks from the
+process's ProcessInfo, mono_ns the time the dump was read. The oldest entry of the group not done (not retired
+and state != "completed": gloo leaves every entry "scheduled" and retires it when it completes) gives pending_op
+(normalized profiling name), pending_seq (collective_seq_id; p2p_seq_id for p2p), pending_peer (NCCL p2p names
+"nccl:send 0->1" carry the group ranks: mapped to global through the group's members; else -1) and
+pending_since_mono_ns (time_created_ns through the same REALTIME->MONOTONIC conversion as the CommOps). Emit rule,
+per (process, group): when the status or the pending op changed since the last record emitted, every poll while
+an op is pending (the collector sees "still waiting as of T"), and at least every progress_every_seconds
+otherwise. A group in both endpoints' dumps keeps the one further on. Exit dumps give none (the process is gone),
+and a process that left the workloads or failed has its state forgotten. An issue time that is not of this boot
+leaves pending_since 0, counted with the CommLog's dropped times (`log.rejected`) and reported once per process
+(flightrec_progress_time_dropped); a pg_status value or a pending seq that is not an int64 >= -1 (>= 0 for the
+seq) is reported as flightrec_entries_malformed. A process without a job key gives none (the collector keeps
+progress per job).
+
 Failures are reported once per process and kind, then the process is retried after retry_seconds: a
 socket that refuses (a stale socket file of a killed process), a process that exits mid-poll, a
 truncated or non-JSON answer. The agent keeps running. An entry with a field of the wrong type is skipped
@@ -49,6 +67,8 @@ mode; a job that records more than TORCH_FR_BUFFER_SIZE entries between two dump
 agent (procs + flightrec + kineto) running vs paused inside one job +1.6 % +- 1.2 % at 1 s polling and
 +0.6 % +- 2.6 % and +1.8 % +- 0.9 % (two runs) at 5 s; separate launches with and without the logger differ by -1.8 .. +3.5 % across runs,
 launch-to-launch spread being of that size: the 0.5 % goal is below what this machine can resolve.
+Progress adds one pass over the parsed entries per dump and, in a busy job (nearly always some op in flight), one
+~80-byte record per group per poll: with 3 groups, 8 processes and 5 s polling, ~5 records/s per node.
 """
 
 from __future__ import annotations
@@ -56,13 +76,16 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import socket
 import struct
 import time
+import types
 from dataclasses import dataclass, field
 
-from steplens.agent.commlog import CommLog, RealtimeClock, dtype_bytes, normalize_op
-from steplens.agent.records import CommOp, Event, ProcessInfo
+from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, RealtimeClock, dtype_bytes, normalize_op,
+                                   time_problem)
+from steplens.agent.records import CommOp, CommProgress, Event, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
@@ -85,6 +108,7 @@ class FlightrecConfig(SourceConfig):
     max_processes: int = 64                       # processes polled at most
     max_response_bytes: int = 64 * 1024 * 1024    # a larger answer is refused
     detail_max_records: int = 2_000_000           # node-local CommOp ring (detail.db)
+    progress_every_seconds: float = 30.0          # CommProgress per group at least this often (see Progress)
 
     def validate(self) -> None:
         super().validate()
@@ -98,6 +122,8 @@ class FlightrecConfig(SourceConfig):
             raise ConfigError("retry_seconds must be >= 0 and max_processes within 1..4096")
         if self.max_response_bytes < 4096 or self.detail_max_records < 1000:
             raise ConfigError("max_response_bytes must be >= 4096 and detail_max_records >= 1000")
+        if not (0 < self.progress_every_seconds <= 86400):
+            raise ConfigError("progress_every_seconds must be within 0..86400 (exclusive of 0)")
 
 
 class FlightrecError(Exception):
@@ -181,6 +207,8 @@ class Dump:
     entries: list
     members: dict          # pg name -> [global ranks]
     pg_sizes: dict         # pg name -> nranks
+    status: dict = field(default_factory=dict)   # pg name -> (last enqueued, started, completed seq); -1 none
+    status_malformed: int = 0                    # pg_status groups left out (a value not an int64 >= -1)
 
 
 def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
@@ -214,7 +242,18 @@ def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
         if isinstance(ranks, list) and ranks and all(isinstance(r, int) for r in ranks):
             members[str(name)] = ranks
             sizes[str(name)] = len(ranks)
-    return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes)
+    status, malformed = {}, 0
+    pg_status = doc.get("pg_status") or {}
+    for name, st in (pg_status.items() if isinstance(pg_status, dict) else ()):
+        try:  # torch 2.13 writes the numbers as strings
+            seqs = tuple(int(st.get(f"last_{k}_collective", -1)) for k in ("enqueued", "started", "completed"))
+        except (AttributeError, TypeError, ValueError):
+            seqs = ()
+        if seqs and all(-1 <= v <= INT64_MAX for v in seqs):
+            status[str(name)] = seqs
+        else:
+            malformed += 1
+    return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes, status, malformed)
 
 
 def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int, int]]:
@@ -310,6 +349,62 @@ def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks
         seq_source="" if p2p else "trace")
 
 
+_P2P_RANKS = re.compile(r"\s+(\d+)\s*(?:->|<-)\s*(\d+)\s*$")   # NCCL's "nccl:send 0->1", "nccl:recv 1<-0"
+
+
+def progress_records(dump: Dump, clock: RealtimeClock, mono_ns: int, pid: int, start_ticks: int = 0,
+                     rank: int = -1, world_size: int = -1, job_key: str = "",
+                     future_slack_ns: int = FUTURE_SLACK_NS) -> tuple[list[CommProgress], list[tuple[str, str]]]:
+    """One CommProgress per process group of the dump's pg_status, as of mono_ns (when the dump was taken), and
+    the problems met: (reason, detail) per pending op whose issue time is not one of this boot (DROP_REASONS
+    keys; its pending_since is left 0) or whose sequence number is not an integer ("malformed"; no pending op
+    is reported for that group)."""
+    oldest: dict[str, dict] = {}
+    for e in dump.entries:
+        rid = e.get("record_id")
+        if entry_done(e) or not isinstance(rid, int):
+            continue
+        pg = e.get("process_group") or [""]
+        name = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else ""
+        if name in dump.status and (name not in oldest or rid < oldest[name]["record_id"]):
+            oldest[name] = e
+    out, problems = [], []
+    for name, (enq, started, done) in dump.status.items():
+        members = dump.members.get(name, [])
+        nranks = dump.pg_sizes.get(name, 0)
+        if not members and name == "0" and world_size > 0:  # the default group is the world
+            members, nranks = list(range(world_size)), world_size
+        rec = CommProgress(mono_ns, pid, f"pg:{name}", start_ticks, job_key, rank, enq, started, done,
+                           nranks=max(nranks, 0))
+        e = oldest.get(name)
+        if e is not None:
+            p2p = bool(e.get("is_p2p"))
+            try:
+                seq = int(e.get("p2p_seq_id" if p2p else "collective_seq_id", -1))
+                if not 0 <= seq <= INT64_MAX:
+                    raise ValueError(f"sequence number {seq}")
+            except (ValueError, TypeError, OverflowError) as exc:
+                problems.append(("malformed", f"pg {name} record_id {e.get('record_id')}: {exc}"))
+            else:
+                pname = str(e.get("profiling_name", ""))
+                m = _P2P_RANKS.search(pname)
+                if m:
+                    pname = pname[:m.start()]
+                    peer = int(m.group(2))  # a rank of the group: global through the group's members
+                    rec.pending_peer = members[peer] if peer < len(members) else -1
+                rec.pending_op, rec.pending_seq, rec.pending_p2p = normalize_op(pname), seq, p2p
+                created = e.get("time_created_ns") or 0
+                since = clock.to_mono(created) if type(created) is int else created
+                reason, detail = time_problem(types.SimpleNamespace(mono_ns=since), mono_ns, future_slack_ns)
+                if reason:
+                    problems.append((reason, f"pg {name} record_id {e.get('record_id')}: time_created_ns "
+                                     f"{created!r} -> {detail}"))
+                else:  # created just before the dump: the clock conversion's error may put it a little after
+                    rec.pending_since_mono_ns = min(since, mono_ns)
+        out.append(rec)
+    return out, problems
+
+
 class _Cursor:
     """Per-process, per-endpoint dedup state: the highest record_id seen and entries seen but not done."""
 
@@ -403,6 +498,8 @@ class FlightrecSource(Source):
         self.unremovable: set[str] = set()  # exit dumps read but not deletable here: never read again
         self.exit_dumps = 0
         self.anchors_total = 0
+        self.progress: dict[tuple[int, int], dict[str, tuple]] = {}  # per process, per comm: (last emitted, when)
+        self.progress_total = 0
 
     def _sockets(self) -> dict[int, str]:
         found: dict[int, str] = {}
@@ -461,6 +558,8 @@ class FlightrecSource(Source):
                 del table[key]
         for key in [k for k, t in self.finished.items() if now - t > EXIT_GRACE_SECONDS and k not in workloads]:
             del self.finished[key]
+        for key in [k for k in self.progress if k not in self.targets]:  # exited or failed: forget
+            del self.progress[key]
         self.polls += 1
         out += self.log.add(ops)
         return out
@@ -534,11 +633,13 @@ class FlightrecSource(Source):
     def _poll(self, tgt: _Target, out: list) -> list[CommOp]:
         info = tgt.info
         ops: list[CommOp] = []
+        progress: dict[str, CommProgress] = {}
         for ep in ENDPOINTS:
             if ep in tgt.missing:
                 continue
             status, body = http_post_unix(tgt.path, ep, self.config.request_timeout_seconds,
                                           self.config.max_response_bytes)
+            taken = self.ctx.mono_ns()
             if status == 404 or (status >= 400 and ep != ENDPOINTS[0]):
                 tgt.missing.add(ep)  # e.g. dump_nccl_trace_json on a CPU build
                 continue
@@ -551,6 +652,7 @@ class FlightrecSource(Source):
                     self._report(out, tgt.key, exc.kind, f"{tgt.path} {ep}: {exc}")
                     continue
                 raise
+            self._progress_of(tgt, ep, dump, taken, progress, out)
             entries, lost = new_entries(dump, tgt.cursors[ep])
             if lost:
                 self.lost_entries += lost
@@ -580,7 +682,44 @@ class FlightrecSource(Source):
             except (OSError, FlightrecError) as exc:
                 tgt.missing.add(ANCHORS)
                 self._report(out, tgt.key, "bad_anchors", f"{exc}; steps end at the last op")
+        self._emit_progress(tgt.key, progress.values(), out)
         return ops
+
+    def _progress_of(self, tgt: _Target, ep: str, dump: Dump, taken: int, progress: dict, out: list) -> None:
+        """The dump's CommProgress per group into `progress` (a group in both dumps keeps the one further on)."""
+        info = tgt.info
+        if not info.job_key:  # the collector keeps progress per job: refused without one
+            return
+        recs, problems = progress_records(dump, self.clock, taken, tgt.key[0], tgt.key[1], info.rank,
+                                          info.world_size, info.job_key, self.log.future_slack_ns)
+        for rec in recs:
+            old = progress.get(rec.comm_id)
+            if old is None or (rec.last_enqueued, rec.last_completed) > (old.last_enqueued, old.last_completed):
+                progress[rec.comm_id] = rec
+        if dump.status_malformed:
+            problems.append(("malformed", f"{dump.status_malformed} pg_status group(s) with a non-integer value"))
+        for reason, detail in problems:
+            if reason == "malformed":
+                self.errors += 1
+                self._report(out, tgt.key, "entries_malformed", f"{tgt.path} {ep}: progress: {detail}")
+            else:  # as CommLog counts times that are not of this boot; only the time is left out here
+                self.log.rejected[reason] += 1
+                self._report(out, tgt.key, "progress_time_dropped", f"{tgt.path} {ep}: pending op's issue time "
+                             f"{reason} ({detail}); its pending_since is left 0")
+
+    def _emit_progress(self, key: tuple[int, int], recs, out: list) -> None:
+        """The emit rule (module docstring, Progress): on a change, every poll while an op is pending, and at least
+        every progress_every_seconds."""
+        state = self.progress.setdefault(key, {})
+        every = int(self.config.progress_every_seconds * 1e9)
+        for rec in recs:
+            sig = (rec.last_enqueued, rec.last_started, rec.last_completed, rec.pending_op, rec.pending_seq,
+                   rec.pending_p2p, rec.pending_peer)
+            prev = state.get(rec.comm_id)
+            if prev is None or prev[0] != sig or rec.pending_op or rec.mono_ns - prev[1] >= every:
+                state[rec.comm_id] = (sig, rec.mono_ns)
+                out.append(rec)
+                self.progress_total += 1
 
     def _anchors(self, key: tuple[int, int], anchors: list[tuple[int, int]], cur: _Cursor) -> None:
         """New optimizer-step ends (by sequence number) to the segmenter, on this boot's monotonic clock."""

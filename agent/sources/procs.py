@@ -42,6 +42,23 @@ Emits ProcessInfo when a (pid, start_ticks) is first seen (everything present on
 exec changed what it runs, and ProcessExit when it is gone (a zombie counts as gone); keeps ctx.workloads
 current for the other sources.
 
+Process state (for hang diagnosis): the state letter of every reported workload (its stat is read every scan,
+helpers included; only known non-workloads are skipped between verifications) is followed across scans, and
+each transition is one Event, entity "<pid>:<start_ticks>", message naming rank and job key:
+  * process_stopped: 'T' (group stop: SIGSTOP, SIGTSTP, ...) at the first scan that sees it, value 0 then;
+    't' (ptrace stop: a debugger, or the agent's own pyframes sampler, which stops threads for microseconds)
+    only once it has lasted stopped_after_seconds, value = seconds since first seen in it;
+  * process_blocked: 'D' (uninterruptible sleep) once it has lasted blocked_after_seconds, value likewise;
+  * process_running: a process reported stopped or blocked is seen in any other state but those (R, S, ...);
+    value = seconds since the onset of what was reported (a stop that turned into a block counts whole);
+  * process_zombie: a reported workload is seen as 'Z' (exited, not reaped); its ProcessExit follows in the
+    same step, as before.
+"Lasted" means seen in the state at two scans that far apart with the process not run in between: two
+scans can each catch a different short stop or disk wait (a busy sampler, a data loader doing I/O), so while
+a workload sits unreported in 't' or 'D' its /proc/PID/schedstat (run time, times scheduled in) is read and
+any change restarts the clock. Without schedstat (kernel without CONFIG_SCHED_INFO) the two scans decide.
+A state the process stays in is reported once; Z and X are never tracked (gone).
+
 Privileges: /proc/PID/environ and /proc/PID/exe of other users' processes need root (or CAP_SYS_PTRACE);
 without them the process is still reported with what cmdline and stat say (no rank, env empty).
 
@@ -50,7 +67,8 @@ test_step_cost, process_time over 120 steps with the clock advanced 1 s per step
 ~0.3 ms of CPU per scan, ~0.03% of a core at 1 Hz. A known non-workload costs nothing between its
 verifications (a stat read every recheck_seconds); a workload one stat read (~7 µs) per scan; an
 unclassified Python process one maps read (~0.5 ms for a large interpreter) per maps_recheck_max_seconds
-once the back-off has ramped up; a new process one classification (~0.1-1 ms).
+once the back-off has ramped up; a new process one classification (~0.1-1 ms). State tracking adds a dict
+update per workload per scan and one schedstat read (~5 µs) per workload sitting unreported in 't' or 'D'.
 """
 
 from __future__ import annotations
@@ -59,7 +77,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
-from steplens.agent.records import ProcessExit, ProcessInfo
+from steplens.agent.records import Event, ProcessExit, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, HostContext, Source, SourceConfig
 
 ENV_KEYS = (
@@ -108,6 +126,8 @@ class ProcsConfig(SourceConfig):
     maps_recheck_max_seconds: float = 30.0  # longest wait between maps re-reads of an unclassified Python process
     recheck_seconds: float = 5.0  # a known non-workload process is re-read this often (catches exec); 0: every scan
     max_cmdline_bytes: int = 4096  # cmdline kept in ProcessInfo is cut to this many bytes
+    stopped_after_seconds: float = 2.0  # a workload in ptrace stop ('t') is reported once it lasts this long; 'T' at once
+    blocked_after_seconds: float = 5.0  # a workload in uninterruptible sleep ('D') is reported once it lasts this long
 
     def validate(self) -> None:
         super().validate()
@@ -122,6 +142,11 @@ class ProcsConfig(SourceConfig):
             raise ConfigError(f"recheck_seconds must be within 0..3600, got {self.recheck_seconds}")
         if self.max_cmdline_bytes < 64:
             raise ConfigError("max_cmdline_bytes must be >= 64")
+        # 0 would report every microsecond sampler stop and every disk wait a scan happens to catch
+        if not (0 < self.stopped_after_seconds <= 3600):
+            raise ConfigError(f"stopped_after_seconds must be within (0, 3600], got {self.stopped_after_seconds}")
+        if not (0 < self.blocked_after_seconds <= 3600):
+            raise ConfigError(f"blocked_after_seconds must be within (0, 3600], got {self.blocked_after_seconds}")
 
 
 @dataclass
@@ -138,6 +163,22 @@ class _Seen:
     verify_ns: int = 0  # a non-workload is not re-read (stat) before this
 
 
+_STOPPED, _BLOCKED = "stopped", "blocked"
+_STATE_CLASS = {b"T": _STOPPED, b"t": _STOPPED, b"D": _BLOCKED}
+_NEEDS_CONTINUITY = (b"t", b"D")  # reported only when they last: checked against schedstat
+
+
+@dataclass
+class _RunState:
+    """The state of one reported workload across scans."""
+
+    cls: str  # _STOPPED, _BLOCKED or "" (running, sleeping, ...)
+    since_ns: int  # first scan that saw it in cls (without running in between, for 't' and 'D')
+    mark: tuple | None = None  # schedstat (run time, times scheduled in) at since_ns, for 't' and 'D'
+    reported: str = ""  # the class last reported; "" none (or reported back running)
+    reported_since_ns: int = 0  # onset of the reported episode
+
+
 class ProcsSource(Source):
     name = "procs"
     config_class = ProcsConfig
@@ -151,6 +192,7 @@ class ProcsSource(Source):
         self._seen: dict[tuple[int, int], _Seen] = {}
         self._by_pid: dict[int, tuple[int, int]] = {}
         self._reported: dict[tuple[int, int], ProcessInfo] = {}
+        self._states: dict[tuple[int, int], _RunState] = {}
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -170,11 +212,13 @@ class ProcsSource(Source):
         self._seen = {}
         self._by_pid = {}
         self._reported = {}
+        self._states = {}
 
     def stop(self) -> None:
         self._seen = {}
         self._by_pid = {}
         self._reported = {}
+        self._states = {}
 
     def step(self) -> list:
         now = self.ctx.mono_ns()
@@ -182,6 +226,8 @@ class ProcsSource(Source):
         ppids: dict[int, int] = {}
         current: dict[tuple[int, int], _Seen] = {}
         by_pid: dict[int, tuple[int, int]] = {}
+        letters: dict[tuple[int, int], bytes] = {}  # state of every process read this scan
+        zombies: list[Event] = []
         try:
             entries = os.listdir(root)
         except OSError:
@@ -208,10 +254,15 @@ class ProcsSource(Source):
             if st is None:
                 continue
             comm, ppid, flags, start_ticks, state = st
+            key = (pid, start_ticks)
             if state in (b"Z", b"X"):
+                info = self._reported.get(key)
+                if state == b"Z" and info is not None:
+                    zombies.append(Event(now, "process_zombie", f"{pid}:{start_ticks}",
+                                         f"{_who(info)} exited, not reaped yet (state Z)"))
                 continue  # exited, not yet reaped: gone for our purposes
             ppids[pid] = ppid
-            key = (pid, start_ticks)
+            letters[key] = state
             seen = self._seen.get(key)
             if flags & _PF_KTHREAD:
                 seen = seen if seen is not None else _Seen(comm, None)
@@ -250,11 +301,69 @@ class ProcsSource(Source):
             if before is None or (before is not info and _identity(before) != _identity(info)):
                 # new, or the same (pid, start_ticks) after exec/setproctitle changed what it runs
                 out.append(info)
+        out += self._track_states(workloads, letters, now)
+        out += zombies
         for key in self._reported:
             if key not in workloads:
                 out.append(ProcessExit(now, key[0], key[1]))
         self._reported = workloads
         self.ctx.workloads.replace(workloads)
+        return out
+
+    # -- process state ---------------------------------------------------------------------------
+
+    def _track_states(self, workloads: dict, letters: dict, now: int) -> list[Event]:
+        """Events for the state transitions of the reported workloads (rules in the module docstring)."""
+        out: list[Event] = []
+        states: dict[tuple[int, int], _RunState] = {}
+        root = self.ctx.proc_root
+        for key, info in workloads.items():
+            letter = letters.get(key)
+            st = self._states.get(key)
+            if letter is None:  # not read this scan (cannot happen for a workload): keep what we knew
+                if st is not None:
+                    states[key] = st
+                continue
+            cls = _STATE_CLASS.get(letter, "")
+            if st is None:
+                st = _RunState(cls, now)
+                if letter in _NEEDS_CONTINUITY:
+                    st.mark = _read_schedstat(root, key[0])
+            elif cls != st.cls:
+                st.cls, st.since_ns = cls, now
+                st.mark = _read_schedstat(root, key[0]) if letter in _NEEDS_CONTINUITY else None
+            elif letter in _NEEDS_CONTINUITY and st.reported != cls:
+                mark = _read_schedstat(root, key[0])
+                if mark is not None and st.mark is not None and mark != st.mark:
+                    st.since_ns = now  # it ran since: a new stop or wait, not the same one
+                st.mark = mark if mark is not None else st.mark
+            states[key] = st
+            entity = f"{key[0]}:{key[1]}"
+            if cls:
+                if st.reported == cls:
+                    continue
+                lasted_ns = now - st.since_ns
+                limit = self.config.stopped_after_seconds if cls == _STOPPED else self.config.blocked_after_seconds
+                if letter != b"T" and lasted_ns < limit * 1e9:
+                    continue
+                if not st.reported:
+                    st.reported_since_ns = st.since_ns
+                st.reported = cls
+                lasted = lasted_ns / 1e9
+                if letter == b"T":
+                    msg = f"{_who(info)} stopped (state T)"
+                elif letter == b"t":
+                    msg = f"{_who(info)} stopped (state t, ptrace stop) for {lasted:.1f} s"
+                else:
+                    msg = f"{_who(info)} blocked in uninterruptible sleep (state D) for {lasted:.1f} s"
+                out.append(Event(now, f"process_{cls}", entity, msg, lasted))
+            elif st.reported:
+                lasted = (now - st.reported_since_ns) / 1e9
+                out.append(Event(now, "process_running", entity,
+                                 f"{_who(info)} running again (state {letter.decode('ascii', 'replace')}) "
+                                 f"after {lasted:.1f} s {st.reported}", lasted))
+                st.reported = ""
+        self._states = states
         return out
 
     # -- classification --------------------------------------------------------------------------
@@ -378,6 +487,27 @@ class ProcsSource(Source):
             p = ppids.get(p, 0)
             hops += 1
         return top
+
+
+def _who(info: ProcessInfo) -> str:
+    if info.rank >= 0:
+        return f"rank {info.rank} of job {info.job_key}"
+    return f"pid {info.pid} (no rank) of job {info.job_key}"
+
+
+def _read_schedstat(root: str, pid: int) -> tuple | None:
+    """(run time ns, times scheduled in) from /proc/PID/schedstat, or None (gone, or no CONFIG_SCHED_INFO)."""
+    try:
+        fd = os.open(f"{root}/{pid}/schedstat", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fields = os.read(fd, 256).split()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return (fields[0], fields[2]) if len(fields) >= 3 else None
 
 
 def _identity(info: ProcessInfo) -> tuple:

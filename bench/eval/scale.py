@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 
-from steplens.agent.records import ProcessInfo, Step
+from steplens.agent.records import CommProgress, Event, ProcessInfo, Step
 from steplens.collector.analysis.engine import AnalysisReader
 from steplens.collector.topology import from_dict
 from steplens.sim import agentview
@@ -54,13 +54,31 @@ class MemReader:
     """The store's read side for one job, in memory: steps(), jobs(), topology() as collector/store returns
     them (rows with node_id, cluster times, comms as dicts)."""
 
-    def __init__(self, cfg: ModelConfig, faults, job: str = scoring.JOB) -> None:
+    def __init__(self, cfg: ModelConfig, faults, job: str = scoring.JOB, progress: bool = False,
+                 hang_mode: str = "stopped") -> None:
         off = cfg.base_ns - scoring.MONO_BASE
         self.job = job
         self.rows: list[dict] = []
         self.ranks: list[dict] = []
-        for aid, rec in agentview.agent_records(cfg, faults, job, scoring.MONO_BASE, kinds=frozenset({"process", "step"})):
-            if type(rec) is Step:
+        self.progress: list[dict] = []   # CommProgress rows (progress=True), as Reader.comm_progress gives them
+        self.events: list[dict] = []     # process-state Events, as Reader.process_events gives them
+        kinds = frozenset({"process", "step"} | ({"progress"} if progress else set()))
+        for aid, rec in agentview.agent_records(cfg, faults, job, scoring.MONO_BASE, kinds=kinds,
+                                                hang_mode=hang_mode):
+            if type(rec) is CommProgress:
+                self.progress.append({"node_id": aid, "pid": rec.pid, "start_ticks": rec.start_ticks,
+                                      "job_key": rec.job_key, "rank": rec.rank, "comm_id": rec.comm_id,
+                                      "end_ns": rec.mono_ns + off, "last_enqueued": rec.last_enqueued,
+                                      "last_started": rec.last_started, "last_completed": rec.last_completed,
+                                      "pending_op": rec.pending_op, "pending_seq": rec.pending_seq,
+                                      "pending_p2p": rec.pending_p2p, "pending_peer": rec.pending_peer,
+                                      "pending_since_ns": rec.pending_since_mono_ns + off
+                                      if rec.pending_since_mono_ns else 0, "nranks": rec.nranks})
+            elif type(rec) is Event:
+                pid, _, ticks = rec.entity.partition(":")
+                self.events.append({"node_id": aid, "ts_ns": rec.mono_ns + off, "kind": rec.kind, "pid": int(pid),
+                                    "start_ticks": int(ticks), "message": rec.message, "value": rec.value})
+            elif type(rec) is Step:
                 self.rows.append({"node_id": aid, "source": "flightrec", "pid": rec.pid, "job_key": rec.job_key,
                                   "rank": rec.rank, "step": rec.step, "start_ns": rec.start_mono_ns + off,
                                   "end_ns": rec.end_mono_ns + off, "evidence": rec.evidence,
@@ -80,11 +98,32 @@ class MemReader:
                 and (want is None or r["rank"] in want)][-limit:]
 
     def jobs(self, job_key: str = "") -> list[dict]:
-        return [{"job_key": self.job, "world_size": len(self.ranks), "ranks": self.ranks}] \
-            if job_key in ("", self.job) else []
+        if job_key not in ("", self.job):
+            return []
+        if getattr(self, "_comms", None) is None:  # members per communicator, as the store's jobs() has them
+            comms: dict[str, set] = {}
+            for r in self.rows:
+                for c in r["comms"]:
+                    comms.setdefault(c["comm_id"], set()).add(r["rank"])
+            self._comms = [{"comm_id": c, "nranks": len(m), "ranks": sorted(m)} for c, m in sorted(comms.items())]
+        return [{"job_key": self.job, "world_size": len(self.ranks), "ranks": self.ranks, "comms": self._comms}]
 
     def topology(self):
         return self._topo
+
+    def comm_progress_latest(self, job_key: str, until_ns: int = 0) -> list[dict]:
+        newest: dict[tuple, dict] = {}
+        for p in self.progress:
+            if p["job_key"] == job_key and (not until_ns or p["end_ns"] <= until_ns):
+                k = (p["node_id"], p["pid"], p["comm_id"])
+                if k not in newest or p["end_ns"] >= newest[k]["end_ns"]:
+                    newest[k] = p
+        return sorted(newest.values(), key=lambda p: p["end_ns"])
+
+    def process_events(self, since_ns: int = 0, until_ns: int = 0, node_ids=None, kinds=None, limit: int = 100_000):
+        want = set(node_ids) if node_ids else None
+        return [e for e in self.events if e["ts_ns"] >= since_ns and (not until_ns or e["ts_ns"] <= until_ns)
+                and (want is None or e["node_id"] in want) and (kinds is None or e["kind"] in kinds)][:limit]
 
 
 def scenario(rng: random.Random, iterations: int, shapes=SHAPES_8K) -> tuple[ModelConfig, list[str]]:

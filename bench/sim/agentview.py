@@ -57,6 +57,8 @@ from typing import Iterator
 
 from steplens.agent.records import (
     CommOp,
+    CommProgress,
+    Event,
     CommSummary,
     Flow,
     Metric,
@@ -74,7 +76,10 @@ START_TICKS = 1_000_000
 MASTER_PORT = 29500
 MAX_COLLECTIVES = 64             # StepConfig.max_collectives: issue offsets kept per step
 STEP_MODES = ("constructed", "segmenter")
-KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow"})
+KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow", "progress"})
+PROGRESS_POLL_NS = 5 * 10**9     # flightrec's sentinel poll: CommProgress every poll while an op is pending
+STOPPED_AFTER_NS = 2 * 10**9     # procs: a process in state T this long is reported stopped
+HANG_MODES = ("stopped", "stuck")
 
 
 def agent_of(node: int, n_nodes: int, agents: int = 0) -> str:
@@ -362,7 +367,8 @@ def process_infos(cfg: ModelConfig, job_key: str, mono_ns: int) -> Iterator[tupl
 
 def agent_records(cfg: ModelConfig, faults: list[Fault], job_key: str = "simjob", mono_base: int = 0,
                   agents: int = 0, *, steps: str = "constructed", nodes: set[int] | None = None,
-                  kinds: frozenset[str] = KINDS, _dense: bool = True) -> Iterator[tuple[str, object]]:
+                  kinds: frozenset[str] = KINDS, _dense: bool = True,
+                  hang_mode: str = "stopped") -> Iterator[tuple[str, object]]:
     """(agent_id, record) in (roughly) time order: what real node agents would send upstream for this job:
     ProcessInfo per rank once at start, then per step per rank the Step record and its CommSummary
     records, NVML Metrics under real names, Flows. agent_id 'sim-node-<n>' (node n; with agents>0, node n
@@ -371,12 +377,78 @@ def agent_records(cfg: ModelConfig, faults: list[Fault], job_key: str = "simjob"
     docstring). nodes: only these nodes' records (a streaming worker builds its own agents' only). kinds: a
     subset of KINDS (process, step, comm_summary, metric, flow) to build only those: at 8,192 GPUs the flows
     alone are ~12M records per 100 iterations (every PP transfer crosses nodes), and a detector that reads
-    steps need not pay for them."""
-    yield from _records(cfg, faults, job_key, mono_base, agents, steps, nodes, kinds=kinds, dense=_dense)
+    steps need not pay for them. hang_mode: what a hung rank looks like from outside (hang_records)."""
+    yield from _records(cfg, faults, job_key, mono_base, agents, steps, nodes, kinds=kinds, dense=_dense,
+                        hang_mode=hang_mode)
+
+
+def hang_records(cfg: ModelConfig, it: Iteration, prev: dict[int, Step], procs: list, job_key: str,
+                 mode: str = "stopped") -> Iterator[tuple[int, str, object]]:
+    """(rank, source, record) a real agent sends while ranks hang in iteration `it` (it.stall: rank -> ns it
+    stops at the start of the iteration): the flightrec source's CommProgress of every rank, every poll
+    (PROGRESS_POLL_NS) while it waits, and the procs source's state Events.
+
+    Where each rank waits, from the job's dependencies (dense jobs: DP x PP x TP; EP groups are not modelled
+    here), with X = (sx, dx, tx) the hung rank and E[c] each rank's last collective seq on c at the end of the
+    iteration before (its Step's StepComm: seq_first + calls - 1):
+      * X itself enters nothing: stopped (SIGSTOP, mode "stopped"): no CommProgress at all (its Flight
+        Recorder socket does not answer) and a process_stopped Event STOPPED_AFTER_NS after the stop,
+        process_running when it resumes; stuck in Python (mode "stuck"): CommProgress with nothing pending;
+      * X's TP group (same stage and replica): inside the iteration's first TP collective, seq E + 1;
+      * X's pipeline (same replica, other stages): in a recv from the neighbouring stage towards X's;
+      * every other pipeline: done with its forward and backward, inside its stage's DP all-reduce, seq E + 1,
+        whose member in X's pipeline never enters it.
+    Nothing here says who is to blame: the detector finds X as the sink of who waits for whom."""
+    D = cfg.dp
+    for x, dur in sorted(it.stall.items()):
+        if x not in prev:
+            continue
+        t0 = prev[x].end_mono_ns
+        sx, dx, tx = cfg.coords(x)
+        polls = [t0 + k * PROGRESS_POLL_NS for k in range(1, int(dur // PROGRESS_POLL_NS) + 1)]
+        px = procs[x]
+        ent = f"{px.pid}:{START_TICKS}"
+        if mode == "stopped":
+            if dur > STOPPED_AFTER_NS:
+                yield x, "procs", Event(t0 + STOPPED_AFTER_NS, "process_stopped", ent,
+                                        f"rank {x} of job {job_key} stopped (state T)", STOPPED_AFTER_NS / 1e9)
+                yield x, "procs", Event(t0 + int(dur), "process_running", ent,
+                                        f"rank {x} of job {job_key} running again", dur / 1e9)
+        for r, st in sorted(prev.items()):
+            s, d, t = cfg.coords(r)
+            last = {c.comm_id: c.seq_first + c.calls - 1 for c in st.comms if c.seq_first >= 0}
+            wait_c, wait_peer = "", -1
+            if r == x:
+                pass
+            elif (s, d) == (sx, dx):
+                wait_c = f"tp.s{s}.d{d}"
+            elif d == dx:
+                a, b = (s - 1, s) if s > sx else (s, s + 1)
+                wait_c, wait_peer = f"pp.s{a}-{b}.d{d}.t{t}", cfg.rank(s - 1 if s > sx else s + 1, d, t)
+            elif D > 1:
+                wait_c = f"dp.s{s}.t{t}"
+            since = st.end_mono_ns + (0 if d == dx else int(0.9 * (st.end_mono_ns - st.start_mono_ns)))
+            p = procs[r]
+            for tp in polls if r != x or mode != "stopped" else ():  # stopped: its Flight Recorder is silent
+                for c, e in last.items():
+                    pend = c == wait_c
+                    yield r, "flightrec", CommProgress(tp, p.pid, c, START_TICKS, job_key, r, e + pend, e + pend, e,
+                                                       "all_reduce" if pend else "", e + 1 if pend else -1, False,
+                                                       -1, since if pend else 0)
+                if wait_peer >= 0:
+                    yield r, "flightrec", CommProgress(tp, p.pid, wait_c, START_TICKS, job_key, r, -1, -1, -1,
+                                                       "recv", 0, True, wait_peer, since, 2)
+            # the first poll after the job resumed: the op completed (the status changed, so it is sent)
+            tp = t0 + int(dur) + PROGRESS_POLL_NS
+            for c, e in last.items():
+                done = e + (c == wait_c)
+                yield r, "flightrec", CommProgress(tp, p.pid, c, START_TICKS, job_key, r, done, done, done)
+            if wait_peer >= 0:
+                yield r, "flightrec", CommProgress(tp, p.pid, wait_c, START_TICKS, job_key, r, -1, -1, -1, nranks=2)
 
 
 def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: bool = False, kinds=KINDS,
-             dense: bool = True):
+             dense: bool = True, hang_mode: str = "stopped"):
     """agent_records(); with sources=True, (agent_id, source, record)."""
     if steps not in STEP_MODES:
         raise ValueError(f"steps must be one of {', '.join(STEP_MODES)}")
@@ -410,10 +482,21 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
     ip = topo.ip
     dense = dense and steps == "constructed" and cfg.ep == 1
     mine_rank = (lambda r: True) if want is None else want.__contains__
+    want_prog = "progress" in kinds and want_step
+    if want_prog and hang_mode not in HANG_MODES:
+        raise ValueError(f"hang_mode must be one of {', '.join(HANG_MODES)}")
+    prev: dict[int, Step] = {}   # each rank's Step of the iteration before (where a hang's ranks stand)
     for it in _iterations(cfg, faults):
+        if want_prog and it.stall:
+            for r, source, rec in hang_records(cfg, it, prev, procs, job_key, hang_mode):
+                if mine_rank(r):
+                    yield out(r // gpn, source, rec)
+        cur: dict[int, Step] = {}
         if dense and (want_step or want_sum):
             for r, rec in _dense_records(cfg, it, mono_base, procs, job_key, last_end, want_step, want_sum,
                                          mine_rank, rows.net):
+                if want_prog and type(rec) is Step:
+                    cur[r] = rec
                 yield out(r // gpn, "flightrec", rec)
             per_rank = {}
         else:
@@ -437,9 +520,13 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
             if want_step:
                 st = _constructed_step(p, job_key, it.it, last_end.get(r) or ops[0][4], ops)
                 last_end[r] = st.end_mono_ns
+                if want_prog:
+                    cur[r] = st
                 yield out(p.node, "flightrec", st)
             for s in _summaries(p, job_key, ops) if want_sum else ():
                 yield out(p.node, "flightrec", s)
+        if want_prog:
+            prev = cur
         for ts, r, util, clock, power in rows.telemetry(it) if "metric" in kinds else ():
             n = r // gpn
             if not mine(n):

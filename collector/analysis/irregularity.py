@@ -68,9 +68,11 @@ Assumptions: rings follow sorted member order (NCCL's real ring order is not in 
 equal-cost path is weighted alike, so a single bad spine is not told apart from its peers.
 Cost: O(ranks x steps x collectives) in plain Python (no numpy in this package): ~0.3 s for 512 ranks x 100
 steps here; the offsets used per communicator and step are capped at max_collectives_per_step, and lowered so
-ranks x steps x offsets stays under max_arrivals (collective_picks: 3 per step at 8,192 ranks x 20 steps).
-load() keeps its last result on the reader, so the detectors of one pass parse the Step rows once. Measured
-for all detectors on one window of an 8,192-GPU job x 60 steps: 2-6 s (bench/eval/scale.py).
+ranks x PICK_STEPS x offsets stays under max_arrivals (collective_picks: 3 per step at 8,192 ranks).
+load() keeps its last result on the reader, so the detectors of one pass parse the Step rows once, and each
+step's per-step results (arrival margins, skew, transfer times) are kept across the loop's passes in the
+engine's per-job memo (per_step), so a pass computes its new steps only. Measured for all detectors at 8,192
+GPUs (bench/eval/scale.py): one pass from cold over 60 steps 7-12 s, the loop's passes every 5 steps 2.5-5 s.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class IrregularityConfig(DetectorConfig):
     straggler_z: float = 6.0               # z of its per-step mean arrival margin, in one of its groups at least
     straggler_z_every: float = 3.0         # ... and at least this in every collective group it joins
     max_collectives_per_step: int = 16     # issue offsets used per communicator and step (evenly spread)
-    max_arrivals: int = 500_000            # ranks x steps x offsets per analysis at most (fewer offsets if more)
+    max_arrivals: int = 500_000            # ranks x 20 steps x offsets at most (fewer offsets per step if more)
     max_suspects: int = 5
     cog: bool = True                       # walk the operator graph from the pivot (cog.py, progressive fetching)
     ramp_fraction: float = 0.25            # a step before a degradation with ratio >= 1 + this x (delta - 1) is
@@ -414,14 +416,24 @@ class Skew:
                                             # collective comms of its mean (arrival - median) that step, ns
 
 
+PICK_STEPS = 20  # margins(): issue offsets per step as if a window had this many steps (8,192 ranks -> 3);
+                 # the loop computes each step once (per_step), so a pass costs its new steps only
+
+
 def collective_picks(js: JobSteps, steps: int, cfg: IrregularityConfig) -> int:
     """Issue offsets used per communicator and step: max_collectives_per_step, fewer on large jobs so that
     ranks x steps x picks stays within max_arrivals (bounded CPU per window: 8,192 ranks x 20 steps -> 3)."""
     return max(1, min(cfg.max_collectives_per_step, cfg.max_arrivals // max(1, len(js.rows) * max(1, steps))))
 
 
-def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 1000) -> Skew:
-    picks = collective_picks(js, len(idx), cfg)
+def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 1000,
+         want: set[int] | None = None) -> Skew:
+    """Who arrives last (and by how much) into each collective over the steps idx, per (rank, comm); each
+    step's part computed once while its rows stay the same (per_step, picks as margins() takes them).
+    want: the per-rank sums (last, total, margin, late) of these ranks only (the communicators' transfer
+    times and members for all): a reference skew needs only the ranks the episode's skew points at."""
+    picks = collective_picks(js, PICK_STEPS, cfg)
+    name = f"skew:{picks}:{tie_ns}"
     last: dict = {}
     total: dict = {}
     margin: dict = {}
@@ -429,39 +441,35 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
     allm: dict[str, set[int]] = {}
     transfer: dict[str, dict[int, int]] = {}
     late_by_step: dict[int, dict[int, float]] = {}
+    where: dict[str, tuple] = {}  # want: cid -> (its member list, [(position, rank) wanted])
     for i in idx:
         step_late = late_by_step[i] = {}
-        for cid, (ranks, starts, cs) in groups(js, i).items():
-            if len(ranks) < 2:
-                continue
+        for cid, ranks, busy, p2p, lasts, acc, nk in per_step(js, name, i,
+                                                               lambda i: _step_skew(js, i, picks, tie_ns)):
             am = allm.get(cid)
             if am is None:
                 am = allm[cid] = set()
             if len(am) < len(ranks):
                 am.update(ranks)
-            busy = [c["busy_ns"] for c in cs if c["busy_ns"] > 0]
             if busy:
-                transfer.setdefault(cid, {})[i] = min(busy)
-            if cs[0]["op"] in P2P_OPS:
+                transfer.setdefault(cid, {})[i] = busy
+            if p2p:
                 continue
             members.setdefault(cid, set()).update(ranks)
-            k_n = min(len(c["issue_offsets_ns"]) for c in cs)
-            ks = _pick(list(range(k_n)), picks)
-            if not ks:
+            if not nk:
                 continue
-            acc = [0.0] * len(ranks)
-            for k in ks:
-                arr = [start + c["issue_offsets_ns"][k] for start, c in zip(starts, cs)]
-                top = max(arr)
-                lasts = [rank for a, rank in zip(arr, ranks) if top - a <= tie_ns]
-                srt = sorted(arr)
-                mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-                acc = [x + a - mid for x, a in zip(acc, arr)]
-                for rank in lasts:
+            for rank, share in lasts:
+                if want is None or rank in want:
                     key = (rank, cid)
-                    last[key] = last.get(key, 0.0) + 1.0 / len(lasts)
-            nk = len(ks)
-            for rank, v in zip(ranks, acc):  # per member once per step, not once per collective
+                    last[key] = last.get(key, 0.0) + share
+            if want is not None:
+                pos = where.get(cid)
+                if pos is None or pos[0] is not ranks and pos[0] != ranks:
+                    pos = where[cid] = (ranks, [(k, r) for k, r in enumerate(ranks) if r in want])
+                pairs = [(r, acc[k]) for k, r in pos[1]]
+            else:
+                pairs = zip(ranks, acc)
+            for rank, v in pairs:  # per member once per step, not once per collective
                 key = (rank, cid)
                 total[key] = total.get(key, 0) + nk
                 margin[key] = margin.get(key, 0.0) + v
@@ -470,6 +478,55 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
                 if cur is None or v < cur:
                     step_late[rank] = v
     return Skew(last, total, margin, members, transfer, allm, late_by_step)
+
+
+def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> list[tuple]:
+    """One step of skew(): per comm with >= 2 members (cid, members, min busy_ns (0: none), point-to-point,
+    [(rank, its share of being last)] summed over the picked collectives, [sum over them of its arrival
+    minus the members' median] (collectives), collectives picked)."""
+    out = []
+    for cid, (ranks, starts, cs) in groups(js, i).items():
+        if len(ranks) < 2:
+            continue
+        busy = min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0)
+        if cs[0]["op"] in P2P_OPS:
+            out.append((cid, ranks, busy, True, (), (), 0))
+            continue
+        k_n = min(len(c["issue_offsets_ns"]) for c in cs)
+        ks = _pick(list(range(k_n)), picks)
+        if not ks:
+            out.append((cid, ranks, busy, False, (), (), 0))
+            continue
+        acc = [0.0] * len(ranks)
+        lasts: dict[int, float] = {}
+        for k in ks:
+            arr = [start + c["issue_offsets_ns"][k] for start, c in zip(starts, cs)]
+            top = max(arr)
+            who = [rank for a, rank in zip(arr, ranks) if top - a <= tie_ns]
+            srt = sorted(arr)
+            mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
+            acc = [x + a - mid for x, a in zip(acc, arr)]
+            for rank in who:
+                lasts[rank] = lasts.get(rank, 0.0) + 1.0 / len(who)
+        out.append((cid, ranks, busy, False, tuple(lasts.items()), acc, len(ks)))
+    return out
+
+
+def pointed_at(bad: Skew, bad_idx: list[int], share: float = 0.05) -> set[int]:
+    """The ranks an episode's skew points at, the only ones whose reference sums are read: those last into
+    their collectives more than `share` of the time on average (compute_suspects drops the others whatever
+    their reference: their lateness over it is at most their share) and, per flagged step, the rank latest
+    into every collective it joins (map_ranking's compute causes)."""
+    comms_of: dict[int, list[str]] = {}
+    for cid, mem in bad.members.items():
+        for r in mem:
+            comms_of.setdefault(r, []).append(cid)
+    out = {r for r, cids in comms_of.items() if sum(_share(bad, (r, c)) for c in cids) / len(cids) > share}
+    for i in bad_idx:
+        late = bad.late.get(i)
+        if late:
+            out.add(max(late.items(), key=lambda kv: kv[1])[0])
+    return out
 
 
 def _share(sk: Skew, key) -> float:
@@ -643,7 +700,7 @@ def nic_map(reader, job_key: str, js: JobSteps):
 def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy: list[int],
              cfg: IrregularityConfig, net_ctx) -> tuple[list[Suspect], dict]:
     bad = skew(js, ep.idx, cfg)
-    good = skew(js, healthy, cfg) if healthy else None
+    good = skew(js, healthy, cfg, want=pointed_at(bad, ep.idx)) if healthy else None
     sus = compute_suspects(js, bad, good, ep.idx)
     base = median(g.base_ns[i] for i in ep.idx if g.base_ns[i]) if any(g.base_ns[i] for i in ep.idx) else 0.0
     if ep.kind == "degradation" and ep.detail.get("baseline_ns"):
@@ -740,11 +797,11 @@ def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict
     """Per (rank, collective comm): one sample per step, the rank's mean arrival over the step's collectives
     (the picked ones: collective_picks, evenly spread) minus the members' median of that mean, and the
     collectives per step; and the comms' members. Per step memoized (per_step): the picks are those of a
-    full straggler_steps window whatever len(idx), so a step's result is the same in every pass (and for
-    the lateness detector, whose windows are shorter) and the loop computes it once."""
+    PICK_STEPS window whatever len(idx), so a step's result is the same in every pass (and for the lateness
+    detector, whose windows are shorter) and the loop computes it once."""
     out: dict[tuple[int, str], list[tuple[float, int]]] = {}
     members: dict[str, set[int]] = {}
-    picks = collective_picks(js, cfg.straggler_steps, cfg)
+    picks = collective_picks(js, PICK_STEPS, cfg)
     name = f"margins:{picks}"
     for i in idx:
         for cid, (ranks, diffs, calls) in per_step(js, name, i, lambda i: _step_margins(js, i, picks)).items():

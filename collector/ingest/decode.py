@@ -44,6 +44,7 @@ class DecodedBatch:
     flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
     comm_summaries: list = field(default_factory=list)  # (mono_ns, source, CommSummary msg)
     comm_members: list = field(default_factory=list)    # (mono_ns, CommMember msg)
+    comm_progress: list = field(default_factory=list)   # (mono_ns, CommProgress msg)
     steps: list = field(default_factory=list)           # (mono_ns, source, Step msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
@@ -128,6 +129,12 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
                 rej["comm member with bad id, host or rank"] += 1
                 continue
             out.comm_members.append((mono, c))
+        elif kind == "comm_progress":
+            reason = comm_progress_problem(rec.comm_progress, mono)
+            if reason:
+                rej[f"comm progress with {reason}"] += 1
+                continue
+            out.comm_progress.append((mono, rec.comm_progress))
         elif kind == "step":
             st = rec.step
             if (st.start_mono_ns > st.end_mono_ns or st.end_mono_ns > mono or st.evidence not in STEP_EVIDENCE
@@ -142,6 +149,25 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
         else:
             rej["record with no known body"] += 1
     return out
+
+
+def comm_progress_problem(c, mono: int) -> str:
+    """"" when a CommProgress record is consistent, else what is wrong with it (the rejection reason's tail)."""
+    if not c.comm_id or len(c.comm_id) > MAX_NAME or not c.job_key or len(c.job_key) > MAX_NAME:
+        return "an empty or too long comm_id or job_key"
+    if len(c.pending_op) > MAX_NAME:
+        return "a too long pending_op"
+    if min(c.last_enqueued, c.last_started, c.last_completed, c.pending_seq) < -1 or c.rank < -1 \
+            or c.pending_peer < -1:
+        return "a sequence number, rank or peer below -1"
+    if c.pending_since_mono_ns > mono:
+        return "a pending op issued after the record's time"
+    if c.pending_op:  # pending_since_mono_ns 0 is allowed: the agent could not convert the op's issue time
+        if c.pending_seq < 0:
+            return "a pending op without its sequence number"
+    elif c.pending_seq != -1 or c.pending_since_mono_ns or c.pending_p2p or c.pending_peer != -1:
+        return "pending fields without a pending op"
+    return ""
 
 
 def stacks_json(st) -> str:

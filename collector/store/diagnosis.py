@@ -16,8 +16,9 @@ from steplens.collector.analysis.findings import Change, Finding, Suspect
 from steplens.collector.topology import Topology, from_dict
 
 JOB_COMMS_WINDOW_NS = 600 * 10**9
-DATA_TABLES = ("comm_summaries", "steps")   # per-job, per-step data: what makes the analysis loop run a job
+DATA_TABLES = ("comm_summaries", "steps", "comm_progress")   # per-job data: what makes the analysis loop run a job
 LISTED = ("open", "resolved")
+PROCESS_STATE_EVENTS = ("process_stopped", "process_blocked", "process_zombie", "process_running")
 
 _FCOLS = ("id, job_key, detector, kind, status, suspect_kind, suspect_id, onset_ns, last_ns, resolved_ns,"
           " first_seen_ns, severity, peak_severity, summary, suspects_json, evidence_json, confirmations,"
@@ -130,6 +131,33 @@ class DiagnosisQueries:
         r["topology"] = from_dict(json.loads(r.pop("doc_json")))
         self._topology_kept = ((r["version"], r["digest"]), r)
         return dict(r)
+
+    def process_events(self, since_ns: int = 0, until_ns: int = 0, node_ids: list[str] | None = None,
+                       kinds: tuple[str, ...] = PROCESS_STATE_EVENTS, limit: int = 100_000) -> list[dict]:
+        """The procs source's process-state Events (stopped, blocked, zombie, running again), oldest first:
+        {node_id, ts_ns, kind, pid, start_ticks, message, value}; entity "pid:start_ticks" parsed (an entity
+        that does not parse is skipped). until_ns 0: no upper bound."""
+        cond, args = [f"kind IN ({','.join('?' * len(kinds))})", "ts_ns >= ?"], [*kinds, since_ns]
+        if until_ns:
+            cond.append("ts_ns <= ?")
+            args.append(until_ns)
+        if node_ids:
+            cond.append(f"agent_id IN ({','.join('?' * len(node_ids))})")
+            args += list(node_ids)
+        db = self._db()
+        try:
+            rows = db.conn.execute(f"SELECT agent_id, ts_ns, kind, entity, message, value FROM events WHERE"
+                                   f" {' AND '.join(cond)} ORDER BY ts_ns LIMIT ?", args + [limit]).fetchall()
+        finally:
+            db.conn.close()
+        out = []
+        for agent, ts, kind, entity, message, value in rows:
+            pid, _, ticks = (entity or "").partition(":")
+            if not pid.isdigit() or not ticks.isdigit():
+                continue
+            out.append({"node_id": agent, "ts_ns": ts, "kind": kind, "pid": int(pid), "start_ticks": int(ticks),
+                        "message": message or "", "value": value or 0.0})
+        return out
 
     def topology(self) -> Topology | None:
         rec = self.topology_record()

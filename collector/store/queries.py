@@ -13,6 +13,17 @@ PROC_CPU = "process_cpu_percent"
 PROC_RSS = "process_resident_memory_bytes"
 PROC_THREADS = "process_threads"
 
+_PROGRESS_KEYS = ("node_id", "pid", "start_ticks", "job_key", "rank", "comm_id", "end_ns", "last_enqueued",
+                  "last_started", "last_completed", "pending_op", "pending_seq", "pending_p2p", "pending_peer",
+                  "pending_since_ns", "nranks")
+_PROGRESS_COLS = ", ".join("agent_id" if k == "node_id" else k for k in _PROGRESS_KEYS)
+
+
+def _progress_row(row) -> dict:
+    d = dict(zip(_PROGRESS_KEYS, row))
+    d["pending_p2p"] = bool(d["pending_p2p"])
+    return d
+
 
 class Reader(DiagnosisQueries):
     def __init__(self, path: str) -> None:
@@ -116,6 +127,42 @@ class Reader(DiagnosisQueries):
         finally:
             db.conn.close()
         return [dict(r, node_id=r.pop("agent_id")) for r in reversed(rows)]
+
+    def comm_progress(self, job_key: str, since_ns: int = 0, until_ns: int = 0, ranks: list[int] | None = None,
+                      limit: int = 200_000) -> list[dict]:
+        """The newest `limit` CommProgress rows of a job with since_ns <= end_ns <= until_ns (0: no bound), optionally
+        of some ranks, oldest first: {node_id, pid, start_ticks, job_key, rank, comm_id, end_ns, last_enqueued,
+        last_started, last_completed, pending_op, pending_seq, pending_p2p, pending_peer, pending_since_ns, nranks}
+        (end_ns: when the state was read; pending_since_ns 0: none or unknown; cluster times)."""
+        cond, args = ["job_key = ?", "end_ns >= ?"], [job_key, since_ns]
+        if until_ns:
+            cond.append("end_ns <= ?")
+            args.append(until_ns)
+        if ranks:
+            cond.append("rank IN (%s)" % ",".join("?" * len(ranks)))
+            args += list(ranks)
+        db = self._db()
+        try:
+            rows = db.conn.execute(f"SELECT {_PROGRESS_COLS} FROM comm_progress WHERE {' AND '.join(cond)}"
+                                   " ORDER BY end_ns DESC, rowid DESC LIMIT ?", args + [limit]).fetchall()
+        finally:
+            db.conn.close()
+        return [_progress_row(r) for r in reversed(rows)]
+
+    def comm_progress_latest(self, job_key: str, until_ns: int = 0) -> list[dict]:
+        """Per (node_id, pid, comm_id) of a job, its newest CommProgress row with end_ns <= until_ns (0: no bound),
+        as comm_progress() has them, ordered by rank, comm_id, node_id, pid."""
+        db = self._db()
+        try:
+            # SQLite's bare-column rule: with MAX() the other columns come from the row holding the maximum
+            rows = db.conn.execute(
+                f"SELECT {_PROGRESS_COLS}, MAX(end_ns) FROM comm_progress WHERE job_key = ? AND end_ns <= ?"
+                " GROUP BY agent_id, pid, comm_id", (job_key, until_ns or (1 << 63) - 1)).fetchall()
+        finally:
+            db.conn.close()
+        out = [_progress_row(r[:-1]) for r in rows]
+        out.sort(key=lambda r: (r["rank"], r["comm_id"], r["node_id"], r["pid"]))
+        return out
 
     def comms(self, job_key: str = "", comm_id: str = "") -> list[dict]:
         """Communicator members, newest report per (comm, rank, host, pid). A job filter keeps whole

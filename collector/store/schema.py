@@ -158,6 +158,20 @@ CREATE INDEX steps_job ON steps (job_key, end_ns);
 CREATE INDEX steps_end ON steps (end_ns);
 """))
 
+# where each process stands on each communicator (CommProgress from the flightrec source, for hang detection):
+# end_ns is the cluster time the state was read, pending_since_ns the pending op's issue time (0 none)
+MIGRATIONS.append((8, """
+CREATE TABLE comm_progress (
+  agent_id TEXT NOT NULL, end_ns INTEGER NOT NULL, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL,
+  job_key TEXT NOT NULL, rank INTEGER NOT NULL, comm_id TEXT NOT NULL, last_enqueued INTEGER NOT NULL,
+  last_started INTEGER NOT NULL, last_completed INTEGER NOT NULL, pending_op TEXT NOT NULL,
+  pending_seq INTEGER NOT NULL, pending_p2p INTEGER NOT NULL, pending_peer INTEGER NOT NULL,
+  pending_since_ns INTEGER NOT NULL, nranks INTEGER NOT NULL
+);
+CREATE INDEX comm_progress_job ON comm_progress (job_key, end_ns);
+CREATE INDEX comm_progress_end ON comm_progress (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -351,6 +351,15 @@ class StoreWriter:
                 " via=excluded.via, agent_id=excluded.agent_id, seen_ns=MAX(comm_members.seen_ns, excluded.seen_ns)",
                 [(c.comm_id, c.rank, c.nranks, c.host, c.pid, c.cuda_dev, c.nvml_dev, c.bus_id, c.global_rank,
                   c.job_key, c.via, agent, to_cluster(m)) for m, c in dec.comm_members])
+        if dec.comm_progress:
+            conn.executemany(
+                "INSERT INTO comm_progress(agent_id, end_ns, pid, start_ticks, job_key, rank, comm_id, last_enqueued,"
+                " last_started, last_completed, pending_op, pending_seq, pending_p2p, pending_peer, pending_since_ns,"
+                " nranks) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank, c.comm_id, c.last_enqueued,
+                  c.last_started, c.last_completed, c.pending_op, c.pending_seq, int(c.pending_p2p), c.pending_peer,
+                  to_cluster(c.pending_since_mono_ns) if c.pending_since_mono_ns else 0, c.nranks)
+                 for m, c in dec.comm_progress])
         if dec.steps:
             conn.executemany(
                 "INSERT INTO steps(agent_id, source, pid, start_ticks, job_key, rank, step, start_ns, end_ns, evidence,"
@@ -437,6 +446,7 @@ class StoreWriter:
             deleted += self.conn.execute("DELETE FROM conn_stats WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM comm_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM steps WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM comm_progress WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM batches WHERE received_ns < ? AND seq < ("

@@ -443,8 +443,40 @@ class CommMember(_message.Message):
     via: str
     def __init__(self, comm_id: _Optional[str] = ..., rank: _Optional[int] = ..., nranks: _Optional[int] = ..., host: _Optional[str] = ..., pid: _Optional[int] = ..., cuda_dev: _Optional[int] = ..., nvml_dev: _Optional[int] = ..., bus_id: _Optional[str] = ..., global_rank: _Optional[int] = ..., job_key: _Optional[str] = ..., via: _Optional[str] = ...) -> None: ...
 
+class CommProgress(_message.Message):
+    __slots__ = ("pid", "comm_id", "start_ticks", "job_key", "rank", "last_enqueued", "last_started", "last_completed", "pending_op", "pending_seq", "pending_p2p", "pending_peer", "pending_since_mono_ns", "nranks")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    COMM_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    LAST_ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    LAST_STARTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_OP_FIELD_NUMBER: _ClassVar[int]
+    PENDING_SEQ_FIELD_NUMBER: _ClassVar[int]
+    PENDING_P2P_FIELD_NUMBER: _ClassVar[int]
+    PENDING_PEER_FIELD_NUMBER: _ClassVar[int]
+    PENDING_SINCE_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    NRANKS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    comm_id: str
+    start_ticks: int
+    job_key: str
+    rank: int
+    last_enqueued: int
+    last_started: int
+    last_completed: int
+    pending_op: str
+    pending_seq: int
+    pending_p2p: bool
+    pending_peer: int
+    pending_since_mono_ns: int
+    nranks: int
+    def __init__(self, pid: _Optional[int] = ..., comm_id: _Optional[str] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., last_enqueued: _Optional[int] = ..., last_started: _Optional[int] = ..., last_completed: _Optional[int] = ..., pending_op: _Optional[str] = ..., pending_seq: _Optional[int] = ..., pending_p2p: _Optional[bool] = ..., pending_peer: _Optional[int] = ..., pending_since_mono_ns: _Optional[int] = ..., nranks: _Optional[int] = ...) -> None: ...
+
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member", "step")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member", "step", "comm_progress")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -462,6 +494,7 @@ class Record(_message.Message):
     COMM_SUMMARY_FIELD_NUMBER: _ClassVar[int]
     COMM_MEMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    COMM_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -479,7 +512,8 @@ class Record(_message.Message):
     comm_summary: CommSummary
     comm_member: CommMember
     step: Step
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ...) -> None: ...
+    comm_progress: CommProgress
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., comm_progress: _Optional[_Union[CommProgress, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)

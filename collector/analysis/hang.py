@@ -1,0 +1,423 @@
+"""hang: a job whose ranks stop making progress, with the culprit rank named long before the collective's
+timeout (NCCL 10 min, gloo 30 min), and a comm hang told from a non-comm one (XPUTimer §2, ALGORITHMS.md).
+
+Hung: no rank has completed a step for longer than the bound, bound = max(floor_seconds, step_multiple x the
+job's step time (median of its last steps)), and some rank has been waiting in one op for longer than the
+bound (CommProgress: the oldest op it enqueued and has not completed, from the Flight Recorder). Without
+CommProgress (no flightrec on the job) the step gap alone makes the finding, with no culprit but what process
+states say. "Now" is the window's end: the job's newest data (CommProgress keeps coming while a job hangs,
+every poll while something is pending, so the loop keeps running the job).
+
+Culprit: a wait-for graph over each rank's newest CommProgress per communicator, the XPUTimer sequence
+diff generalized to every group at once:
+  * a rank waiting in collective seq q of comm c waits for the members of c whose last enqueued seq < q
+    (they never entered it; a member with no CommProgress at all counts as not entered);
+  * a rank waiting in a send/recv waits for its peer;
+  * a collective every member has entered and none completes is a comm hang on c: its members wait for the
+    network (suspects: their nodes and NICs from the topology), not for a rank.
+Culprits are the sinks: ranks others wait for, transitively, that wait for nobody; ranked by how many ranks
+wait on them (the whole job, in a hang of one rank). Each culprit's cause comes from its process state (the
+procs source's process_stopped / process_blocked / process_zombie events, or its exit) and its Python stack
+(the newest stack summary of its process: the frames it is stuck in, in the finding). Non-comm hang: the
+culprit is a rank not inside the collective the others wait in (stopped, stuck in compute, data loading, a
+lock); comm hang: every member inside it.
+
+A hang that ended inside the window (the job completed steps again after a gap longer than the bound) is
+reported with `resumed_ns` and ongoing False, so the finding says it resumed and then resolves. Evidence kept
+with the finding (it outlives the job), compact at any scale (ranks as ranges, "0-51,53-63"): per culprit its
+process state, frames and where it stands on each of its communicators; its groups member by member (who
+entered which seq, who waits in what: the sequence diff itself); every waiting rank grouped by the op it waits
+in; the process states; every rank's stack grouped into the distinct stacks (most ranks first).
+
+Cost: one read of the newest CommProgress per (process, comm) and of the window's Step ends; O(ranks x comms)
+for the graph.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+
+from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.findings import Finding, Suspect
+
+STATE_EVENTS = {"process_stopped": "stopped", "process_blocked": "blocked in D state", "process_zombie": "zombie"}
+
+
+@dataclass
+class HangConfig(DetectorConfig):
+    resolve_after_seconds: float = 15.0  # resumed this long (data time): resolved
+    floor_seconds: float = 15.0          # never hung before this long without progress
+    step_multiple: float = 10.0          # ... nor before this many of the job's step times
+    recent_steps: int = 20               # the job's step time: median over its last steps
+    max_suspects: int = 8
+    max_ranks_listed: int = 64           # ranks' process states kept in the evidence
+    frames: int = 12                     # innermost frames of a culprit's stack kept
+
+    def validate(self) -> None:
+        super().validate()
+        if not 1.0 <= self.floor_seconds <= 86400 or not 1.0 <= self.step_multiple <= 10_000:
+            raise ConfigError("need 1 <= floor_seconds <= 86400 and 1 <= step_multiple <= 10000")
+        if self.recent_steps < 1 or self.max_suspects < 1 or self.max_ranks_listed < 1 or self.frames < 1:
+            raise ConfigError("recent_steps, max_suspects, max_ranks_listed and frames must be >= 1")
+
+
+# -- reading -----------------------------------------------------------------------------------------------
+
+def _steps(reader, window: Window) -> tuple[dict[int, int], dict[int, int], list[int]]:
+    """Per rank its newest step end (cluster ns), per step number its latest end, and the gaps between
+    consecutive steps' ends (the job's step times, ns), oldest first."""
+    rows = reader.steps(window.job_key, since_ns=window.since_ns)
+    last: dict[int, int] = {}
+    ends: dict[int, int] = {}
+    for r in rows:
+        if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0:
+            continue
+        if r["end_ns"] > last.get(r["rank"], 0):
+            last[r["rank"]] = r["end_ns"]
+        if r["end_ns"] > ends.get(r["step"], 0):
+            ends[r["step"]] = r["end_ns"]
+    seq = [ends[s] for s in sorted(ends)]
+    gaps = [b - a for a, b in zip(seq, seq[1:]) if b > a]
+    return last, ends, gaps
+
+
+def _progress(reader, window: Window) -> list[dict]:
+    fn = getattr(reader, "comm_progress_latest", None)
+    if fn is None:
+        return []
+    return [p for p in fn(window.job_key, until_ns=window.until_ns)
+            if p["rank"] is not None and p["rank"] >= 0 and p["end_ns"] >= window.since_ns]
+
+
+def _states(reader, window: Window, procs: dict[tuple[str, int], int], since_ns: int) -> dict[int, dict]:
+    """rank -> {"state", "since_ns"} for ranks whose process is stopped / blocked / a zombie now (the newest
+    state event of its process within [since_ns, until], not followed by process_running), or exited."""
+    out: dict[int, dict] = {}
+    fn = getattr(reader, "process_events", None)
+    if fn is not None and procs:
+        nodes = sorted({n for n, _ in procs})
+        for e in fn(since_ns=since_ns, until_ns=window.until_ns, node_ids=nodes):
+            rank = procs.get((e["node_id"], e["pid"]))
+            if rank is None:
+                continue
+            if e["kind"] == "process_running":
+                out.pop(rank, None)
+            elif e["kind"] in STATE_EVENTS:
+                out[rank] = {"state": STATE_EVENTS[e["kind"]], "since_ns": e["ts_ns"], "message": e["message"]}
+    return out
+
+
+# -- the wait-for graph ----------------------------------------------------------------------------------
+
+@dataclass
+class Graph:
+    waits: dict[int, set]               # rank -> ranks it waits for
+    waiting_in: dict[int, list[dict]]   # rank -> its pending ops (oldest first)
+    comm_stalls: dict[str, set[int]]    # comm -> ranks inside a collective every member entered
+    members: dict[str, set[int]]
+
+
+def wait_for(progress: list[dict], comm_ranks: dict[str, set[int]] | None = None) -> Graph:
+    """The wait-for graph of a job from its ranks' newest CommProgress per communicator (see the module
+    docstring). comm_ranks: members known otherwise (jobs(): comm members), joined with who reports on c."""
+    newest: dict[tuple[int, str], dict] = {}
+    for p in progress:
+        k = (p["rank"], p["comm_id"])
+        if k not in newest or p["end_ns"] >= newest[k]["end_ns"]:
+            newest[k] = p
+    members: dict[str, set[int]] = {c: set(m) for c, m in (comm_ranks or {}).items()}
+    for rank, comm in newest:
+        members.setdefault(comm, set()).add(rank)
+    waits: dict[int, set] = {}
+    waiting_in: dict[int, list[dict]] = {}
+    stalls: dict[str, set[int]] = {}
+    for (rank, comm), p in newest.items():
+        if not p["pending_op"]:
+            continue
+        waiting_in.setdefault(rank, []).append(p)
+        w = waits.setdefault(rank, set())
+        if p["pending_p2p"]:
+            if p["pending_peer"] >= 0 and p["pending_peer"] != rank:
+                w.add(p["pending_peer"])
+            continue
+        q = p["pending_seq"]
+        behind = {m for m in members.get(comm, ()) if m != rank and
+                  (newest.get((m, comm)) is None or newest[(m, comm)]["last_enqueued"] < q)}
+        if behind:
+            w |= behind
+        else:
+            stalls.setdefault(comm, set()).add(rank)
+    for ops in waiting_in.values():
+        ops.sort(key=lambda p: p["pending_since_ns"] or p["end_ns"])
+    return Graph(waits, waiting_in, stalls, members)
+
+
+def culprits(g: Graph) -> list[tuple[int, int]]:
+    """(rank, ranks waiting on it, transitively) for each sink of the graph: waited for, waiting for nobody
+    (a rank whose only pending op is a comm stall counts as waiting for nobody: the stall is reported apart).
+    Best first."""
+    waited: dict[int, set[int]] = {}
+    for r, ws in g.waits.items():
+        for w in ws:
+            waited.setdefault(w, set()).add(r)
+    sinks = [r for r in waited if not g.waits.get(r)]
+    out = []
+    for s in sinks:
+        seen, q = {s}, deque([s])
+        while q:
+            x = q.popleft()
+            for y in waited.get(x, ()):
+                if y not in seen:
+                    seen.add(y)
+                    q.append(y)
+        out.append((s, len(seen) - 1))
+    out.sort(key=lambda t: (-t[1], t[0]))
+    return out
+
+
+# -- the finding -------------------------------------------------------------------------------------------
+
+def _frames(reader, node: str, pid: int, since_ns: int, n: int) -> list[str]:
+    """The innermost frames of the process's most sampled stack in its newest stack summary ("" if none)."""
+    fn = getattr(reader, "stacks", None)
+    if fn is None or not node or not pid:
+        return []
+    try:
+        rows = fn(node_id=node, pid=pid, since_ns=since_ns, limit=8)
+    except Exception:  # a reader without stacks: the finding goes without frames
+        return []
+    best = None
+    for row in rows:  # newest first; the main thread's busiest stack of the newest interval
+        for st in row.get("stacks") or ():
+            if best is None or st["count"] > best["count"]:
+                best = st
+        if best is not None:
+            break
+    if best is None:
+        return []
+    return [f"{f[1] or f[0]} ({f[2]}:{f[3]})" for f in best["frames"][:n]]
+
+
+def rank_stacks(reader, procs: dict[tuple[str, int], int], since_ns: int, limit: int = 20_000) -> dict[int, dict]:
+    """Each rank's busiest stack in its newest stack summary since since_ns (one read for the job): rank ->
+    {"count", "frames": [[function, qualname, file, line], ...] innermost first}."""
+    fn = getattr(reader, "stacks", None)
+    if fn is None or not procs:
+        return {}
+    try:
+        rows = fn(since_ns=since_ns, limit=limit)
+    except Exception:  # a reader without stacks
+        return {}
+    best: dict[int, dict] = {}
+    newest: dict[int, int] = {}
+    for row in rows:
+        rank = procs.get((row["node_id"], row["pid"]))
+        if rank is None or row["end_ns"] < newest.get(rank, 0):
+            continue
+        for st in row.get("stacks") or ():
+            if st.get("frames") and (row["end_ns"] > newest.get(rank, 0) or st["count"] > best[rank]["count"]):
+                best[rank] = st
+                newest[rank] = row["end_ns"]
+    return best
+
+
+def _fmt(frames, n: int) -> list[str]:
+    return [f"{f[1] or f[0]} ({f[2]}:{f[3]})" for f in frames[:n]]
+
+
+def stack_outliers(stacks: dict[int, dict], n: int) -> list[tuple[int, list[str]]]:
+    """XPUTimer's stack diff: ranks keyed by their stack's innermost frame; the ranks whose key differs from a
+    majority's, with their frames (none when no key holds a majority)."""
+    if len(stacks) < 2:
+        return []
+    key = {r: tuple(st["frames"][0][:3]) for r, st in stacks.items()}
+    counts: dict[tuple, int] = {}
+    for k in key.values():
+        counts[k] = counts.get(k, 0) + 1
+    common = max(counts.items(), key=lambda kv: kv[1])[0]
+    if counts[common] * 2 <= len(key):
+        return []
+    return [(r, _fmt(stacks[r]["frames"], n)) for r in sorted(key) if key[r] != common]
+
+
+def stack_groups(stacks: dict[int, dict], n: int, groups: int = 8) -> list[dict]:
+    """Every rank's stack, grouped: the distinct stacks (innermost n frames), most ranks first."""
+    by: dict[tuple, list[int]] = {}
+    for r, st in stacks.items():
+        by.setdefault(tuple(tuple(f) for f in st["frames"][:n]), []).append(r)
+    out = sorted(by.items(), key=lambda kv: (-len(kv[1]), min(kv[1])))
+    return [{"ranks": ranges(rs), "count": len(rs), "frames": _fmt(list(k), n)} for k, rs in out[:groups]]
+
+
+def ranges(ranks) -> str:
+    """Ranks as a compact string: 0-5,7,9-12."""
+    xs = sorted(set(ranks))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step_ns: float, bound_ns: float,
+             progress: list[dict], job: dict) -> list[Finding]:
+    now = window.until_ns
+    newest_step = max(last.values(), default=0)
+    stuck = [p for p in progress if p["pending_op"] and p["pending_since_ns"] and
+             now - p["pending_since_ns"] >= bound_ns]
+    if not last or now - newest_step < bound_ns:
+        return []
+    if progress and not stuck:
+        return []  # ops complete (a long step, a checkpoint): not a hang
+    ranks = {r["rank"]: r for r in job.get("ranks", []) if r.get("rank", -1) >= 0}
+    procs = {(r["node_id"], r["pid"]): k for k, r in ranks.items() if r.get("pid")}
+    for p in progress:
+        procs.setdefault((p["node_id"], p["pid"]), p["rank"])
+    onset = min([p["pending_since_ns"] for p in stuck] or [newest_step])
+    onset = max(onset, newest_step) if stuck else newest_step
+    states = _states(reader, window, procs, max(window.since_ns, newest_step - int(bound_ns)))
+    for k, r in ranks.items():
+        if r.get("alive") is False and k not in states:
+            states[k] = {"state": "exited", "since_ns": 0, "message": ""}
+    comm_ranks = {c["comm_id"]: set(c.get("ranks") or ()) for c in job.get("comms", [])}
+    g = wait_for(progress, comm_ranks)
+    node_of = {k: r["node_id"] for k, r in ranks.items()}
+    pid_of = {k: r["pid"] for k, r in ranks.items()}
+    for p in progress:
+        node_of.setdefault(p["rank"], p["node_id"])
+        pid_of.setdefault(p["rank"], p["pid"])
+    sus: list[Suspect] = []
+    found = culprits(g)
+    total = len(set(g.waits) | {r for r, _ in found}) or 1
+    for rank, n in found[:cfg.max_suspects]:
+        st = states.get(rank)
+        frames = _frames(reader, node_of.get(rank, ""), pid_of.get(rank, 0), onset, cfg.frames)
+        mine = {}
+        for p in progress:
+            if p["rank"] == rank:
+                mine[p["comm_id"]] = {"last_enqueued": p["last_enqueued"], "last_completed": p["last_completed"],
+                                      "as_of_ns": p["end_ns"]}
+        for c, mem in g.members.items():  # its groups' members: where each stands (the sequence diff)
+            if rank in mem and c not in mine:
+                mine[c] = {"last_enqueued": None, "last_completed": None, "as_of_ns": None}
+        sus.append(Suspect("rank", str(rank), round(n / total, 4), "hang",
+                           {"node": node_of.get(rank, ""), "waiting_on_it": n,
+                            "state": st["state"] if st else ("in a collective" if rank in g.waiting_in else
+                                                              "running, in no collective"),
+                            "frames": frames, "comms": mine}))
+    stalled = sorted(g.comm_stalls.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    for comm, inside in stalled:
+        if len(sus) >= cfg.max_suspects:
+            break
+        for node in sorted({node_of.get(r, "") for r in inside} - {""}):
+            sus.append(Suspect("node", node, round(len(inside) / total / 2, 4), "network",
+                               {"comm": comm, "ranks_inside": sorted(inside)[:32],
+                                "why": "every member entered the collective and none completes"}))
+    stacks = rank_stacks(reader, procs, onset)
+    if not sus:  # no CommProgress: the stack diff, then who the process states blame
+        odd, seen = stack_outliers(stacks, cfg.frames), len(stacks)
+        if odd and len(odd) <= max(1, seen // 4):
+            for rank, frames in odd[:cfg.max_suspects]:
+                st = states.get(rank)
+                sus.append(Suspect("rank", str(rank), round(1.0 / len(odd), 4), "hang",
+                                   {"node": node_of.get(rank, ""), "state": st["state"] if st else "running",
+                                    "frames": frames, "why": f"its stack differs from the other {seen - 1} ranks'"}))
+        for rank, st in sorted(states.items()):
+            if str(rank) not in {x.id for x in sus}:
+                sus.insert(0, Suspect("rank", str(rank), 1.0, "hang", {"node": node_of.get(rank, ""),
+                                                                       "state": st["state"]}))
+        sus = sus[:cfg.max_suspects]
+    comm_hang = bool(stalled) and not found
+    seconds = (now - onset) / 1e9
+    waiting: dict[str, list[int]] = {}
+    for r, ops in g.waiting_in.items():
+        p = ops[0]
+        waiting.setdefault(f"{p['pending_op']} {p['comm_id']} "
+                           f"{'p2p ' if p['pending_p2p'] else ''}seq {p['pending_seq']}", []).append(r)
+    # each culprit's groups, member by member: who entered which seq (the evidence of the sequence diff)
+    groups: dict[str, dict[str, str]] = {}
+    newest = {(p["rank"], p["comm_id"]): p for p in progress}
+    for s_ in sus:
+        if s_.kind != "rank":
+            continue
+        for c in sorted(s_.evidence.get("comms", {}))[:16]:
+            by: dict[str, list[int]] = {}
+            for m in g.members.get(c, ()):
+                p = newest.get((m, c))
+                what = ("no progress reported" if p is None else
+                        f"waiting in {p['pending_op']} seq {p['pending_seq']}" if p["pending_op"] else
+                        f"entered up to seq {p['last_enqueued']}, nothing pending")
+                by.setdefault(what, []).append(m)
+            groups[c] = {k: ranges(v) for k, v in sorted(by.items())}
+    lead = sus[0] if sus else None
+    if lead is None:
+        who = "; no culprit: no rank reports where it waits"
+    elif lead.kind == "rank":
+        who = (f"; culprit rank {lead.id} ({lead.evidence.get('state')}"
+               + (f", in {lead.evidence['frames'][0]}" if lead.evidence.get("frames") else "")
+               + f"), {lead.evidence.get('waiting_on_it', 0)} rank(s) waiting on it")
+    else:
+        who = f"; a comm hang on {lead.evidence.get('comm')}: every member is inside it, none completes"
+    summary = (f"{'Comm' if comm_hang else 'Job'} hang: no step completed for {seconds:.0f} s "
+               f"({seconds * 1e9 / step_ns:.0f}x the step time){who}." if step_ns else
+               f"{'Comm' if comm_hang else 'Job'} hang: no step completed for {seconds:.0f} s{who}.")
+    ev = {"hang_type": "comm" if comm_hang else "non-comm", "ongoing": True, "stalled_seconds": round(seconds, 1),
+          "bound_seconds": round(bound_ns / 1e9, 1), "step_ns": int(step_ns), "last_step_ns": newest_step,
+          "waiting": {k: ranges(v) for k, v in sorted(waiting.items(), key=lambda kv: -len(kv[1]))[:32]},
+          "waiting_ranks": len(g.waiting_in), "culprit_groups": groups,
+          "process_states": {str(r): s["state"] for r, s in sorted(states.items())[:cfg.max_ranks_listed]},
+          "stacks": stack_groups(stacks, cfg.frames)}
+    sev = (now - onset) / step_ns if step_ns else 1.0
+    return [Finding(kind="hang", onset_ns=onset, last_ns=now, severity=round(max(1.0, sev), 2), summary=summary,
+                    suspects=tuple(sus), evidence=ev)]
+
+
+def _resumed(reader, window: Window, cfg: HangConfig, ends: dict[int, int], step_ns: float, bound_ns: float,
+             job: dict) -> list[Finding]:
+    """Hangs that ended lately (within 2 x resolve_after_seconds of the window's end): a gap between two
+    consecutive steps' ends longer than the bound; the culprit is taken from the progress as it stood just
+    before the job resumed. The finding is re-sent until it resolves, then left alone (history)."""
+    out = []
+    seq = sorted(ends.items())
+    recent = window.until_ns - 2 * int(cfg.resolve_after_seconds * 1e9)
+    for (s0, e0), (s1, e1) in zip(seq, seq[1:]):
+        if e1 - e0 < bound_ns or e1 < recent:  # an older one: its finding has resolved (not re-sent each pass)
+            continue
+        w = Window(window.job_key, e0, e1 - 1)  # as the window ending just before the resume saw it
+        for f in _ongoing(reader, w, cfg, {-1: e0}, step_ns, bound_ns, _progress(reader, w), job):
+            ev = {**f.evidence, "ongoing": False, "resumed_ns": e1, "resumed_at_step": s1,
+                  "stalled_seconds": round((e1 - f.onset_ns) / 1e9, 1)}
+            out.append(Finding(kind="hang", onset_ns=f.onset_ns, last_ns=e1, severity=f.severity,
+                               summary=f.summary[:-1] + f"; resumed at step {s1} after "
+                                                        f"{(e1 - f.onset_ns) / 1e9:.0f} s.",
+                               suspects=f.suspects, evidence=ev))
+    return out
+
+
+def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:
+    last, ends, gaps = _steps(reader, window)
+    if not ends:
+        return []
+    recent = gaps[-cfg.recent_steps:]
+    step_ns = float(median(recent)) if recent else 0.0
+    bound_ns = max(cfg.floor_seconds * 1e9, cfg.step_multiple * step_ns)
+    jobs = reader.jobs(window.job_key) if hasattr(reader, "jobs") else []
+    job = jobs[0] if jobs else {}
+    out = _resumed(reader, window, cfg, ends, step_ns, bound_ns, job)
+    out += _ongoing(reader, window, cfg, last, step_ns, bound_ns, _progress(reader, window), job)
+    return out
+
+
+SPEC = DetectorSpec(
+    name="hang",
+    description="a job that stopped making progress, with the culprit rank from the communicators' sequence "
+                "numbers (who never entered the collective the others wait in), its process state and stack",
+    kinds=("hang",),
+    config_class=HangConfig,
+    detect=detect,
+)

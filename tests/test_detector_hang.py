@@ -1,0 +1,124 @@
+"""The hang detector (collector/analysis/hang.py): the wait-for graph over CommProgress names the rank the others
+wait for (TP group, pipeline neighbours and other replicas' DP all-reduce, transitively), a collective every
+member entered is a comm hang, and on simulated jobs (what agents send: Steps, CommProgress, process-state
+Events; agentview) a stopped or a stuck rank is named within 20 s with its state, the finding says when the job
+resumed, and a healthy job or a long step whose ops complete is not a hang."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from steplens.collector.analysis.base import ConfigError, Window
+from steplens.collector.analysis.hang import HangConfig, culprits, detect, wait_for
+from steplens.sim.faults import parse_fault
+from steplens.sim.model import ModelConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "eval"))
+import scale  # noqa: E402
+import scoring  # noqa: E402
+
+S = 10**9
+
+
+def prog(rank, comm, enq, pending="", seq=-1, p2p=False, peer=-1, since=0, end=100 * S, node="n0"):
+    return {"node_id": node, "pid": 100 + rank, "start_ticks": 1, "job_key": "j", "rank": rank, "comm_id": comm,
+            "end_ns": end, "last_enqueued": enq, "last_started": enq, "last_completed": enq - (1 if pending else 0),
+            "pending_op": pending, "pending_seq": seq, "pending_p2p": p2p, "pending_peer": peer,
+            "pending_since_ns": since, "nranks": 0}
+
+
+def test_the_sink_of_who_waits_for_whom_is_the_culprit():
+    # rank 2 never entered tp seq 8; its TP peer 3 waits in it, rank 1 waits in a recv from 3, rank 0 in a recv
+    # from 1, ranks 4-5 (another replica) wait in the DP all-reduce seq 5 that 2 and 3 never entered
+    rows = [prog(2, "tp1", 7), prog(3, "tp1", 8, "all_reduce", 8, since=50 * S),
+            prog(1, "pp", -1, "recv", 0, True, 3, since=50 * S), prog(0, "pp", -1, "recv", 0, True, 1, since=50 * S),
+            prog(2, "dp", 4), prog(3, "dp", 4), prog(4, "dp", 5, "all_reduce", 5, since=60 * S),
+            prog(5, "dp", 5, "all_reduce", 5, since=60 * S)]
+    g = wait_for(rows)
+    assert g.waits[3] == {2} and g.waits[0] == {1} and g.waits[4] == {2, 3}
+    assert culprits(g) == [(2, 5)]
+    assert not g.comm_stalls
+
+
+def test_a_member_with_no_progress_at_all_counts_as_not_entered():
+    # a stopped rank's Flight Recorder does not answer: it is known as a member from the job's comms only
+    rows = [prog(1, "tp", 8, "all_reduce", 8, since=50 * S)]
+    assert culprits(wait_for(rows, {"tp": {0, 1}})) == [(0, 1)]
+    assert culprits(wait_for(rows)) == []  # nobody known to wait for: a comm stall
+    assert wait_for(rows).comm_stalls == {"tp": {1}}
+
+
+def test_every_member_inside_is_a_comm_hang():
+    rows = [prog(r, "dp", 9, "all_reduce", 9, since=50 * S) for r in range(4)]
+    g = wait_for(rows)
+    assert culprits(g) == [] and g.comm_stalls == {"dp": {0, 1, 2, 3}}
+
+
+def _reader(spec: str | None, mode: str = "stopped", seed: int = 3, dp: int = 8, pp: int = 4, tp: int = 2):
+    cfg = ModelConfig(dp=dp, pp=pp, tp=tp, micro_batches=8, iterations=40, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=seed)
+    cfg.net_jitter_cv = 0.02
+    faults = [parse_fault(spec, cfg.topology())] if spec else []
+    return cfg, faults, scale.MemReader(cfg, faults, progress=True, hang_mode=mode)
+
+
+@pytest.mark.parametrize("mode,state", [("stopped", "stopped"), ("stuck", "running, in no collective")])
+def test_a_hung_rank_of_a_simulated_job_is_named_with_its_state(mode, state):
+    _, faults, rd = _reader("hang:21:25:26:90", mode)
+    stop = {r["step"]: r["end_ns"] for r in rd.rows if r["rank"] == 21}[24]
+    early = detect(rd, Window(scoring.JOB, 0, stop + 10 * S), HangConfig())
+    assert early == []  # under the 15 s floor: not yet
+    (f,) = detect(rd, Window(scoring.JOB, 0, stop + 20 * S + 1), HangConfig())
+    top = f.suspects[0]
+    assert (f.kind, top.kind, top.id, top.cause) == ("hang", "rank", "21", "hang")
+    assert top.evidence["state"] == state and f.evidence["hang_type"] == "non-comm" and f.evidence["ongoing"]
+    assert top.evidence["waiting_on_it"] == 63  # everyone else, transitively
+    assert 15 <= f.evidence["stalled_seconds"] <= 21 and f.severity > 10
+    assert "culprit rank 21" in f.summary and f.evidence["waiting"]
+    # after the job resumed: the same culprit, ongoing False, with when it resumed
+    resume = max(r["end_ns"] for r in rd.rows if r["step"] == 25)
+    after = detect(rd, Window(scoring.JOB, 0, resume + 20 * S), HangConfig())
+    (g,) = [x for x in after if x.suspects[0].id == "21"]
+    assert not g.evidence["ongoing"] and g.evidence["resumed_ns"] == resume and "resumed at step 25" in g.summary
+
+
+def test_a_healthy_job_is_not_hung():
+    _, _, rd = _reader(None)
+    last = max(r["end_ns"] for r in rd.rows)
+    for k in range(0, 40, 5):
+        assert detect(rd, Window(scoring.JOB, 0, last - k * S), HangConfig()) == []
+
+
+def test_a_long_step_whose_ops_complete_is_not_a_hang():
+    # nothing pending (a checkpoint between steps): ranks report progress, none waits -> no hang
+    _, _, rd = _reader(None)
+    last = max(r["end_ns"] for r in rd.rows)
+    rd.progress = [prog(r, "dp", 5, end=last + 30 * S) | {"job_key": scoring.JOB} for r in range(4)]
+    assert detect(rd, Window(scoring.JOB, 0, last + 30 * S), HangConfig()) == []
+
+
+def test_bad_config_fails():
+    for kw in ({"floor_seconds": 0.5}, {"step_multiple": 0.0}, {"frames": 0}, {"recent_steps": 0}):
+        with pytest.raises(ConfigError):
+            HangConfig(**kw).validate()
+
+
+def test_the_stack_that_differs_from_its_group_is_named_without_comm_progress():
+    # no Flight Recorder on the job: the step gap makes the finding, XPUTimer's stack diff the culprit
+    _, _, rd = _reader(None)
+    last = max(r["end_ns"] for r in rd.rows)
+
+    def stack(rank, fn, file):
+        return {"node_id": f"sim-node-{rank // 8}", "pid": 4000 + rank % 8, "end_ns": last + 25 * S,
+                "stacks": [{"count": 40, "gil": 0, "running": 0,
+                            "frames": [[fn, fn, file, 10], ["train_step", "train_step", "train.py", 50]]}]}
+    rows = [stack(r, "wait", "torch/distributed/distributed_c10d.py") for r in range(64) if r != 9]
+    rows.append(stack(9, "acquire", "loader.py"))
+    rd.stacks = lambda node_id="", pid=0, since_ns=0, limit=200: sorted(rows, key=lambda x: -x["end_ns"])
+    (f,) = detect(rd, Window(scoring.JOB, 0, last + 30 * S), HangConfig())
+    top = f.suspects[0]
+    assert (top.id, top.cause) == ("9", "hang") and top.evidence["frames"][0] == "acquire (loader.py:10)"
+    assert "differs from the other 63" in top.evidence["why"]
