@@ -122,3 +122,70 @@ def test_the_stack_that_differs_from_its_group_is_named_without_comm_progress():
     top = f.suspects[0]
     assert (top.id, top.cause) == ("9", "hang") and top.evidence["frames"][0] == "acquire (loader.py:10)"
     assert "differs from the other 63" in top.evidence["why"]
+
+
+class _Fake:
+    """The reads hang.detect makes, from lists (a DP2 x PP2 gloo job as the testbed runs it)."""
+
+    def __init__(self, steps, progress, events=(), stacks=()):
+        self._steps, self._progress, self._events, self._stacks = steps, progress, list(events), list(stacks)
+
+    def steps(self, job_key, ranks=None, since_ns=0, limit=0, with_comms=False):
+        return [r for r in self._steps if r["end_ns"] >= since_ns]
+
+    def jobs(self, job_key=""):
+        return [{"job_key": "j", "ranks": [{"rank": r, "node_id": f"h{r}", "pid": 100 + r, "alive": True}
+                                           for r in range(4)],
+                 "comms": [{"comm_id": "pg:0", "ranks": [0, 1]}, {"comm_id": "pg:1", "ranks": [2, 3]}]}]
+
+    def comm_progress_latest(self, job_key, until_ns=0):
+        return [p for p in self._progress if p["end_ns"] <= until_ns]
+
+    def process_events(self, since_ns=0, until_ns=0, node_ids=None, kinds=None, limit=0):
+        return [e for e in self._events if since_ns <= e["ts_ns"] <= until_ns]
+
+    def stacks(self, node_id="", pid=0, since_ns=0, limit=200):
+        return [s for s in self._stacks if s["end_ns"] >= since_ns]
+
+
+def _gloo_dp2pp2(stopped: bool):
+    # rank 3 stops at 100 s: rank 2 waits in their DP all-reduce (seq 11, never entered by 3); rank 1 waits in
+    # a recv from 3 that gloo's Flight Recorder does not record, so rank 0 waits for 1 in theirs: two sinks,
+    # the wrong one first in rank order
+    steps = [{"rank": r, "step": k, "start_ns": k * S, "end_ns": (k + 1) * S} for r in range(4) for k in range(100)]
+    end = 140 * S
+    prog_rows = [prog(0, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h0"),
+                 prog(1, "pg:0", 10, end=end, node="h1"),
+                 prog(2, "pg:1", 11, "all_reduce", 11, since=100 * S, end=end, node="h2"),
+                 prog(3, "pg:1", 10, end=99 * S, node="h3")]
+    for p in prog_rows:
+        p["pid"] = 100 + p["rank"]
+
+    def st(rank, fn, file):
+        return {"node_id": f"h{rank}", "pid": 100 + rank, "end_ns": 130 * S,
+                "stacks": [{"count": 90, "gil": 0, "running": 0,
+                            "frames": [[fn, fn, file, 1], ["train", "train", "job.py", 9]]}]}
+    stacks = [st(0, "all_reduce", "torch/distributed/distributed_c10d.py"),
+              st(2, "all_reduce", "torch/distributed/distributed_c10d.py"),
+              st(1, "recv", "torch/distributed/distributed_c10d.py")]
+    events = []
+    if stopped:
+        events.append({"node_id": "h3", "ts_ns": 102 * S, "kind": "process_stopped", "pid": 103,
+                       "start_ticks": 1, "message": "rank 3 stopped", "value": 0.0})
+    else:
+        stacks.append(st(3, "hold_in_python", "job.py"))
+    return _Fake(steps, prog_rows, events, stacks), end
+
+
+@pytest.mark.parametrize("stopped", [True, False])
+def test_of_two_sinks_the_stopped_or_stuck_rank_leads_not_the_one_in_a_hidden_recv(stopped):
+    rd, end = _gloo_dp2pp2(stopped)
+    (f,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert [s.id for s in f.suspects[:2]] == ["3", "1"]
+    lead = f.suspects[0].evidence
+    if stopped:
+        assert lead["state"] == "stopped"
+    else:
+        assert lead["state"] == "running, in no collective" and lead["frames"][0].startswith("hold_in_python")
+    assert f.evidence["culprit_groups"]["pg:1"] == {"entered up to seq 10, nothing pending": "3",
+                                                    "waiting in all_reduce seq 11": "2"}

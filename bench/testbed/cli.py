@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("inject", help="apply one fault for a while and log its ground truth")
     p.add_argument("kind", choices=faults.KINDS)
-    p.add_argument("--target", default="1", help="cpu/stop/gc_storm: a rank (rank3 or 3); link/noisy: a host "
+    p.add_argument("--target", default="1", help="cpu/stop/gc_storm/hold: a rank (rank3 or 3); link/noisy: a host "
                    "(h1 or 1, or rank3 = its host); `all` for extra_sync")
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument("--rate", default="200mbit", help="link: tbf rate")

@@ -2,7 +2,7 @@
 
 Kinds (`inject(layout, kind, target, duration_seconds, ...)`; each call blocks for the duration, reverts, and
 appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <state>/ground_truth.jsonl):
-Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm; a host (`h1`, `1`, or `rank3` = the host of rank 3)
+Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm / hold; a host (`h1`, `1`, or `rank3` = the host of rank 3)
 for link / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic, not TP,
 which stays on the host's loopback path.
 - `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
@@ -11,6 +11,9 @@ which stays on the host's loopback path.
   (`cpu.cfs_quota_us`) or v2 (`cpu.max`); the cgroup is named sltb-rank<r> and removed afterwards.
 - `stop`: SIGSTOP then SIGCONT of the target rank; longer than the job's gloo timeout (30 s) kills the job.
 - `gc_storm`: control file <state>/faults/rank<r>.json read by the job each step.
+- `hold`: the target rank is stuck in Python (job.py `hold_in_python`, a sleep loop at the start of its next
+  step) while its control file says hold; the others hang in their collectives. Longer than the job's gloo
+  timeout (start_job timeout_seconds) kills the job, as `stop` does.
 - `extra_sync`: a world barrier per micro-batch on every rank (target `all`), through <state>/faults/all.json
   with a step range a few steps ahead so all ranks switch on the same step; start/end come from the step logs.
 - `noisy`: N CPU-burning processes inside the target host's namespace.
@@ -27,7 +30,7 @@ import time
 
 from . import netns
 
-KINDS = ("link", "cpu", "stop", "gc_storm", "extra_sync", "noisy")
+KINDS = ("link", "cpu", "stop", "gc_storm", "hold", "extra_sync", "noisy")
 
 
 # ---------------------------------------------------------------- step logs
@@ -108,7 +111,7 @@ def _number(target: str, prefix: str) -> int | None:
 
 
 def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
-    """The rank (cpu, stop, gc_storm) or host index (link, noisy) a target names.
+    """The rank (cpu, stop, gc_storm, hold) or host index (link, noisy) a target names.
 
     Ranks: 'rank3' or '3'; a host 'h1' only while it holds one rank (tp = 1). Hosts: 'h1' or '1', or
     'rank3' for the host that rank 3 runs on (with tp > 1 that is rank 3 // tp)."""
@@ -117,7 +120,7 @@ def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
     except RuntimeError:
         ranks = []
     host_of = {r["rank"]: int(r["host"].lstrip("h")) for r in ranks}
-    if kind in ("cpu", "stop", "gc_storm"):
+    if kind in ("cpu", "stop", "gc_storm", "hold"):
         if target.strip().startswith("h"):
             i = _number(target, "h")
             on = [r for r, h in host_of.items() if h == i]
@@ -246,7 +249,7 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         return _log(layout, entry)
 
     i = resolve_target(layout, kind, target)
-    entry["target"] = f"rank{i}" if kind in ("cpu", "stop", "gc_storm") else netns.node_id(i)
+    entry["target"] = f"rank{i}" if kind in ("cpu", "stop", "gc_storm", "hold") else netns.node_id(i)
     if kind == "link":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
         params["rate"] = rate
@@ -259,8 +262,8 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         pid = _rank_pid(layout, i)
         os.kill(pid, signal.SIGSTOP)
         undo = lambda: os.kill(pid, signal.SIGCONT)  # noqa: E731
-    elif kind == "gc_storm":
-        _control(layout, f"rank{i}.json", {"gc_storm": True})
+    elif kind in ("gc_storm", "hold"):
+        _control(layout, f"rank{i}.json", {kind: True})
         undo = lambda: _control(layout, f"rank{i}.json", None)  # noqa: E731
     else:  # noisy
         params["processes"] = processes

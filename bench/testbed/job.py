@@ -33,6 +33,12 @@ import os
 import time
 
 
+def hold_in_python(path: str, cache: dict) -> None:
+    """The `hold` fault: the rank is stuck in Python (a lock, a sleep) while its control file says hold."""
+    while _read_json(path, cache).get("hold"):
+        time.sleep(0.05)
+
+
 def _read_json(path: str, cache: dict) -> dict:
     """The control file's content, re-read only when its mtime changes (one stat per step)."""
     try:
@@ -192,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     while a.steps <= 0 or step < a.steps:
         rank_ctl = _read_json(ctl_rank, cache)
         sync_ctl = _read_json(ctl_all, cache).get("extra_sync") or {}
+        if rank_ctl.get("hold"):
+            hold_in_python(ctl_rank, cache)
+            rank_ctl = _read_json(ctl_rank, cache)
         storm = env_gc or bool(rank_ctl.get("gc_storm"))
         extra_sync = env_sync or (sync_ctl.get("start_step", -1) <= step < sync_ctl.get("end_step", -1))
         t = {"compute": 0.0, "pipe_wait": 0.0, "allreduce": 0.0, "gc": 0.0, "sync": 0.0,

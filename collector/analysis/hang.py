@@ -179,30 +179,11 @@ def culprits(g: Graph) -> list[tuple[int, int]]:
 
 # -- the finding -------------------------------------------------------------------------------------------
 
-def _frames(reader, node: str, pid: int, since_ns: int, n: int) -> list[str]:
-    """The innermost frames of the process's most sampled stack in its newest stack summary ("" if none)."""
-    fn = getattr(reader, "stacks", None)
-    if fn is None or not node or not pid:
-        return []
-    try:
-        rows = fn(node_id=node, pid=pid, since_ns=since_ns, limit=8)
-    except Exception:  # a reader without stacks: the finding goes without frames
-        return []
-    best = None
-    for row in rows:  # newest first; the main thread's busiest stack of the newest interval
-        for st in row.get("stacks") or ():
-            if best is None or st["count"] > best["count"]:
-                best = st
-        if best is not None:
-            break
-    if best is None:
-        return []
-    return [f"{f[1] or f[0]} ({f[2]}:{f[3]})" for f in best["frames"][:n]]
-
-
-def rank_stacks(reader, procs: dict[tuple[str, int], int], since_ns: int, limit: int = 20_000) -> dict[int, dict]:
-    """Each rank's busiest stack in its newest stack summary since since_ns (one read for the job): rank ->
-    {"count", "frames": [[function, qualname, file, line], ...] innermost first}."""
+def rank_stacks(reader, procs: dict[tuple[str, int], int], since_ns: int, until_ns: int = 0,
+                limit: int = 20_000) -> dict[int, dict]:
+    """Each rank's busiest stack in its newest stack summary within [since_ns, until_ns] (one read for the
+    job; until 0: no bound): rank -> {"count", "frames": [[function, qualname, file, line], ...] innermost
+    first}."""
     fn = getattr(reader, "stacks", None)
     if fn is None or not procs:
         return {}
@@ -214,13 +195,21 @@ def rank_stacks(reader, procs: dict[tuple[str, int], int], since_ns: int, limit:
     newest: dict[int, int] = {}
     for row in rows:
         rank = procs.get((row["node_id"], row["pid"]))
-        if rank is None or row["end_ns"] < newest.get(rank, 0):
+        if rank is None or row["end_ns"] < newest.get(rank, 0) or (until_ns and row["end_ns"] > until_ns):
             continue
         for st in row.get("stacks") or ():
             if st.get("frames") and (row["end_ns"] > newest.get(rank, 0) or st["count"] > best[rank]["count"]):
                 best[rank] = st
                 newest[rank] = row["end_ns"]
     return best
+
+
+COMM_FILES = ("/distributed/", "distributed_c10d", "/nccl", "/gloo")
+
+
+def in_comm(stack: dict | None, depth: int = 4) -> bool:
+    """Whether a stack is inside a communication call: one of its innermost frames is torch.distributed's."""
+    return bool(stack) and any(any(m in (f[2] or "") for m in COMM_FILES) for f in stack["frames"][:depth])
 
 
 def _fmt(frames, n: int) -> list[str]:
@@ -292,11 +281,15 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
         node_of.setdefault(p["rank"], p["node_id"])
         pid_of.setdefault(p["rank"], p["pid"])
     sus: list[Suspect] = []
-    found = culprits(g)
+    stacks = rank_stacks(reader, procs, onset, now)
+    # sinks in order: a process that is stopped / blocked / gone, then one whose stack is not inside a
+    # communication call (a recv the Flight Recorder does not record, gloo's p2p: it waits for a peer too),
+    # then the most ranks waiting on it
+    found = sorted(culprits(g), key=lambda t: (t[0] not in states, in_comm(stacks.get(t[0])), -t[1], t[0]))
     total = len(set(g.waits) | {r for r, _ in found}) or 1
     for rank, n in found[:cfg.max_suspects]:
         st = states.get(rank)
-        frames = _frames(reader, node_of.get(rank, ""), pid_of.get(rank, 0), onset, cfg.frames)
+        frames = _fmt(stacks[rank]["frames"], cfg.frames) if rank in stacks else []
         mine = {}
         for p in progress:
             if p["rank"] == rank:
@@ -308,9 +301,13 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
         sus.append(Suspect("rank", str(rank), round(n / total, 4), "hang",
                            {"node": node_of.get(rank, ""), "waiting_on_it": n,
                             "state": st["state"] if st else ("in a collective" if rank in g.waiting_in else
-                                                              "running, in no collective"),
+                                                              "in a communication call the Flight Recorder "
+                                                              "does not record" if in_comm(stacks.get(rank))
+                                                              else "running, in no collective"),
                             "frames": frames, "comms": mine}))
-    stalled = sorted(g.comm_stalls.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    # a collective every member entered and none completes: the network between them (a comm hang), named
+    # only when no rank holds the others up (a stopped rank's own pending op is not a network fault)
+    stalled = sorted(g.comm_stalls.items(), key=lambda kv: (-len(kv[1]), kv[0])) if not found else []
     for comm, inside in stalled:
         if len(sus) >= cfg.max_suspects:
             break
@@ -318,7 +315,6 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
             sus.append(Suspect("node", node, round(len(inside) / total / 2, 4), "network",
                                {"comm": comm, "ranks_inside": sorted(inside)[:32],
                                 "why": "every member entered the collective and none completes"}))
-    stacks = rank_stacks(reader, procs, onset)
     if not sus:  # no CommProgress: the stack diff, then who the process states blame
         odd, seen = stack_outliers(stacks, cfg.frames), len(stacks)
         if odd and len(odd) <= max(1, seen // 4):
