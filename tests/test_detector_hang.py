@@ -189,3 +189,17 @@ def test_of_two_sinks_the_stopped_or_stuck_rank_leads_not_the_one_in_a_hidden_re
         assert lead["state"] == "running, in no collective" and lead["frames"][0].startswith("hold_in_python")
     assert f.evidence["culprit_groups"]["pg:1"] == {"entered up to seq 10, nothing pending": "3",
                                                     "waiting in all_reduce seq 11": "2"}
+
+
+def test_through_the_store_a_stopped_rank_is_named(tmp_path):
+    # the same records through the real store (agent encoding -> StoreWriter -> SQLite -> Reader):
+    # comm_progress_latest and process_events as the collector answers them
+    cfg = ModelConfig(dp=4, pp=2, tp=2, micro_batches=8, iterations=40, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=3)
+    faults = [parse_fault("hang:6:25:26:60", cfg.topology())]
+    rd = scoring.feed(cfg, faults, str(tmp_path / "hang.db"))
+    stop = {r["step"]: r["end_ns"] for r in rd.steps(scoring.JOB, ranks=[6])}[24]
+    assert rd.comm_progress_latest(scoring.JOB, until_ns=stop + 20 * S)
+    (f,) = detect(rd, Window(scoring.JOB, 0, stop + 20 * S + 1), HangConfig())
+    top = f.suspects[0]
+    assert (top.id, top.evidence["state"]) == ("6", "stopped") and top.evidence["waiting_on_it"] == 15

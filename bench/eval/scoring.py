@@ -29,7 +29,7 @@ import random
 import tempfile
 import time
 
-from steplens.agent.records import ProcessInfo, Step
+from steplens.agent.records import CommProgress, Event, ProcessInfo, Step
 from steplens.agent.transport.codec import encode_records
 from steplens.collector.analysis import all_specs
 from steplens.collector.analysis.base import Window, no_gc
@@ -48,7 +48,7 @@ MONO_BASE = 10**12
 EXCLUDED_KINDS = ("hang",)   # another detector's (issue 13: hang detection); its findings still count as true
 VISIBLE_IMPACT = 1.1         # a fault whose job step time never reaches delta x before it is invisible to the gate
 JOB = "simjob"
-SOURCES = {Step: "flightrec", ProcessInfo: "procs"}
+SOURCES = {Step: "flightrec", ProcessInfo: "procs", CommProgress: "flightrec", Event: "procs"}
 
 
 class StoreFeed:

@@ -83,6 +83,19 @@ def _steps(reader, window: Window) -> tuple[dict[int, int], dict[int, int], list
     return last, ends, gaps
 
 
+def _step_members(reader, window: Window, newest_ns: int, span_ns: int) -> dict[str, set[int]]:
+    """Communicator members from the job's last Step records (their per-communicator summaries): a rank that
+    stopped answering still ran ops on its groups before, so it is known as a member that never entered."""
+    out: dict[str, set[int]] = {}
+    for r in reader.steps(window.job_key, since_ns=max(window.since_ns, newest_ns - span_ns), with_comms=True):
+        if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0:
+            continue
+        for c in r.get("comms") or ():
+            if c.get("op") not in ("send", "recv"):
+                out.setdefault(c["comm_id"], set()).add(r["rank"])
+    return out
+
+
 def _progress(reader, window: Window) -> list[dict]:
     fn = getattr(reader, "comm_progress_latest", None)
     if fn is None:
@@ -274,6 +287,9 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
         if r.get("alive") is False and k not in states:
             states[k] = {"state": "exited", "since_ns": 0, "message": ""}
     comm_ranks = {c["comm_id"]: set(c.get("ranks") or ()) for c in job.get("comms", [])}
+    span = max(int(3 * step_ns), 2 * 10**9)  # the last few steps of every rank
+    for c, mem in _step_members(reader, window, newest_step, span).items():  # who ran ops on which comm lately
+        comm_ranks.setdefault(c, set()).update(mem)
     g = wait_for(progress, comm_ranks)
     node_of = {k: r["node_id"] for k, r in ranks.items()}
     pid_of = {k: r["pid"] for k, r in ranks.items()}
