@@ -203,3 +203,21 @@ def test_through_the_store_a_stopped_rank_is_named(tmp_path):
     (f,) = detect(rd, Window(scoring.JOB, 0, stop + 20 * S + 1), HangConfig())
     top = f.suspects[0]
     assert (top.id, top.evidence["state"]) == ("6", "stopped") and top.evidence["waiting_on_it"] == 15
+
+
+def test_a_stalled_collective_with_only_a_hidden_recv_as_sink_is_a_comm_hang():
+    # h1's link drops everything: ranks 0 and 1 are both inside their all-reduce (seq 11), none completes;
+    # rank 3 waits in a recv from 1 (unrecorded), so rank 2 waits for 3: rank 3 is a sink, but inside a comm call
+    rd, end = _gloo_dp2pp2(False)
+    rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
+    rd._progress[1]["pid"] = 101
+    rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
+    rd._progress[3]["pid"] = 103
+    rd._stacks = [x for x in rd._stacks if x["pid"] != 103] + [
+        {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
+            ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
+    rd._stacks = [x for x in rd._stacks if x["pid"] != 101]
+    (f,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert f.evidence["hang_type"] == "comm" and f.summary.startswith("Comm hang")
+    assert [(s.kind, s.id, s.cause) for s in f.suspects] == [("node", "h0", "network"), ("node", "h1", "network"),
+                                                             ("rank", "3", "network")]

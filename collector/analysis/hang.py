@@ -15,8 +15,13 @@ diff generalized to every group at once:
   * a rank waiting in a send/recv waits for its peer;
   * a collective every member has entered and none completes is a comm hang on c: its members wait for the
     network (suspects: their nodes and NICs from the topology), not for a rank.
-Culprits are the sinks: ranks others wait for, transitively, that wait for nobody; ranked by how many ranks
-wait on them (the whole job, in a hang of one rank). Each culprit's cause comes from its process state (the
+Culprits are the sinks: ranks others wait for, transitively, that wait for nobody; a stopped / blocked / gone
+process first, then one whose stack is not inside a communication call, then by how many ranks wait on them
+(the whole job, in a hang of one rank). A sink inside a communication call the Flight Recorder does not record
+(gloo's send/recv) waits for a peer too: when every sink is such a one and a collective stalls with all its
+members inside, the hang is that comm hang (its nodes first, those sinks after). Which end of a stalled link
+is broken is not told apart (both members' nodes are named): that needs per-connection retransmits (netflows),
+not read here. Each culprit's cause comes from its process state (the
 procs source's process_stopped / process_blocked / process_zombie events, or its exit) and its Python stack
 (the newest stack summary of its process: the frames it is stuck in, in the finding). Non-comm hang: the
 culprit is a rank not inside the collective the others wait in (stopped, stuck in compute, data loading, a
@@ -303,6 +308,12 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
     # then the most ranks waiting on it
     found = sorted(culprits(g), key=lambda t: (t[0] not in states, in_comm(stacks.get(t[0])), -t[1], t[0]))
     total = len(set(g.waits) | {r for r, _ in found}) or 1
+    # a sink inside a communication call, its process fine, waits for a peer too (a recv the Flight Recorder
+    # does not record): where a collective stalls with every member inside, that stall is the hang (a comm
+    # hang), and these sinks are listed after its nodes
+    hidden = [t for t in found if t[0] not in states and in_comm(stacks.get(t[0]))]
+    if g.comm_stalls and len(hidden) == len(found):
+        found = []
     for rank, n in found[:cfg.max_suspects]:
         st = states.get(rank)
         frames = _fmt(stacks[rank]["frames"], cfg.frames) if rank in stacks else []
@@ -331,6 +342,12 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
             sus.append(Suspect("node", node, round(len(inside) / total / 2, 4), "network",
                                {"comm": comm, "ranks_inside": sorted(inside)[:32],
                                 "why": "every member entered the collective and none completes"}))
+    if stalled:
+        for rank, n in hidden[:max(0, cfg.max_suspects - len(sus))]:
+            sus.append(Suspect("rank", str(rank), round(n / total / 4, 4), "network",
+                               {"node": node_of.get(rank, ""), "waiting_on_it": n,
+                                "state": "in a communication call the Flight Recorder does not record",
+                                "frames": _fmt(stacks[rank]["frames"], cfg.frames)}))
     if not sus:  # no CommProgress: the stack diff, then who the process states blame
         odd, seen = stack_outliers(stacks, cfg.frames), len(stacks)
         if odd and len(odd) <= max(1, seen // 4):
