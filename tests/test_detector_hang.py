@@ -221,3 +221,19 @@ def test_a_stalled_collective_with_only_a_hidden_recv_as_sink_is_a_comm_hang():
     assert f.evidence["hang_type"] == "comm" and f.summary.startswith("Comm hang")
     assert [(s.kind, s.id, s.cause) for s in f.suspects] == [("node", "h0", "network"), ("node", "h1", "network"),
                                                              ("rank", "3", "network")]
+
+
+def test_a_job_whose_processes_all_exited_does_not_hang():
+    # `diagnose` long after a job ended: no step for an hour, no CommProgress (no flightrec), every rank gone
+    rd, end = _gloo_dp2pp2(True)
+    rd._progress = []
+    assert detect(rd, Window("j", 0, 3600 * S), HangConfig())  # alive: a hang (the step gap alone)
+    real = rd.jobs
+
+    def gone(job_key=""):
+        j = real(job_key)
+        for r in j[0]["ranks"]:
+            r["alive"] = False
+        return j
+    rd.jobs = gone
+    assert detect(rd, Window("j", 0, 3600 * S), HangConfig()) == []

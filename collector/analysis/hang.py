@@ -282,6 +282,8 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
     if progress and not stuck:
         return []  # ops complete (a long step, a checkpoint): not a hang
     ranks = {r["rank"]: r for r in job.get("ranks", []) if r.get("rank", -1) >= 0}
+    if ranks and all(r.get("alive") is False for r in ranks.values()):
+        return []  # every process has exited: the job ended (or died), it does not hang
     procs = {(r["node_id"], r["pid"]): k for k, r in ranks.items() if r.get("pid")}
     for p in progress:
         procs.setdefault((p["node_id"], p["pid"]), p["rank"])
