@@ -299,10 +299,8 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
         comm_ranks.setdefault(c, set()).update(mem)
     g = wait_for(progress, comm_ranks)
     node_of = {k: r["node_id"] for k, r in ranks.items()}
-    pid_of = {k: r["pid"] for k, r in ranks.items()}
     for p in progress:
         node_of.setdefault(p["rank"], p["node_id"])
-        pid_of.setdefault(p["rank"], p["pid"])
     sus: list[Suspect] = []
     stacks = rank_stacks(reader, procs, onset, now)
     # sinks in order: a process that is stopped / blocked / gone, then one whose stack is not inside a
