@@ -152,7 +152,8 @@ def _gloo_dp2pp2(stopped: bool):
     # rank 3 stops at 100 s: rank 2 waits in their DP all-reduce (seq 11, never entered by 3); rank 1 waits in
     # a recv from 3 that gloo's Flight Recorder does not record, so rank 0 waits for 1 in theirs: two sinks,
     # the wrong one first in rank order
-    steps = [{"rank": r, "step": k, "start_ns": k * S, "end_ns": (k + 1) * S} for r in range(4) for k in range(100)]
+    steps = [{"rank": r, "step": k, "start_ns": k * S, "end_ns": (k + 1) * S, "node_id": f"h{r}",
+              "evidence": "anchor", "source": "flightrec", "comms": []} for r in range(4) for k in range(100)]
     end = 140 * S
     prog_rows = [prog(0, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h0"),
                  prog(1, "pg:0", 10, end=end, node="h1"),

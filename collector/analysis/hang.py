@@ -34,8 +34,8 @@ process state, frames and where it stands on each of its communicators; its grou
 entered which seq, who waits in what: the sequence diff itself); every waiting rank grouped by the op it waits
 in; the process states; every rank's stack grouped into the distinct stacks (most ranks first).
 
-Cost: one read of the newest CommProgress per (process, comm) and of the window's Step ends; O(ranks x comms)
-for the graph.
+Cost: one read of the newest CommProgress per (process, comm); the window's Step rows as the pass's other
+detectors parsed them (irregularity.load, kept on the reader for the pass); O(ranks x comms) for the graph.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
+from steplens.collector.analysis.irregularity import IrregularityConfig, JobSteps, load
 
 STATE_EVENTS = {"process_stopped": "stopped", "process_blocked": "blocked in D state", "process_zombie": "zombie"}
 
@@ -70,34 +71,39 @@ class HangConfig(DetectorConfig):
 
 # -- reading -----------------------------------------------------------------------------------------------
 
-def _steps(reader, window: Window) -> tuple[dict[int, int], dict[int, int], list[int]]:
-    """Per rank its newest step end (cluster ns), per step number its latest end, and the gaps between
+def _steps(reader, window: Window) -> tuple[JobSteps, dict[int, int], dict[int, int], list[int]]:
+    """The window's Step rows as the other detectors of the pass read them (irregularity.load: parsed once per
+    pass), per rank its newest step end (cluster ns), per step number its latest end, and the gaps between
     consecutive steps' ends (the job's step times, ns), oldest first."""
-    rows = reader.steps(window.job_key, since_ns=window.since_ns)
+    js = load(reader, window, IrregularityConfig())
     last: dict[int, int] = {}
     ends: dict[int, int] = {}
-    for r in rows:
-        if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0:
-            continue
-        if r["end_ns"] > last.get(r["rank"], 0):
-            last[r["rank"]] = r["end_ns"]
-        if r["end_ns"] > ends.get(r["step"], 0):
-            ends[r["step"]] = r["end_ns"]
+    for rank, steps in js.rows.items():
+        for s, r in steps.items():
+            e = r["end_ns"]
+            if e > last.get(rank, 0):
+                last[rank] = e
+            if e > ends.get(s, 0):
+                ends[s] = e
     seq = [ends[s] for s in sorted(ends)]
     gaps = [b - a for a, b in zip(seq, seq[1:]) if b > a]
-    return last, ends, gaps
+    return js, last, ends, gaps
 
 
-def _step_members(reader, window: Window, newest_ns: int, span_ns: int) -> dict[str, set[int]]:
-    """Communicator members from the job's last Step records (their per-communicator summaries): a rank that
-    stopped answering still ran ops on its groups before, so it is known as a member that never entered."""
+def _step_members(js: JobSteps, lo_ns: int, hi_ns: int) -> dict[str, set[int]]:
+    """Communicator members from the ranks' Step records ending within [lo_ns, hi_ns] (their per-communicator
+    summaries): a rank that stopped answering still ran ops on its groups before, so it is known as a member
+    that never entered."""
     out: dict[str, set[int]] = {}
-    for r in reader.steps(window.job_key, since_ns=max(window.since_ns, newest_ns - span_ns), with_comms=True):
-        if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0:
-            continue
-        for c in r.get("comms") or ():
-            if c.get("op") not in ("send", "recv"):
-                out.setdefault(c["comm_id"], set()).add(r["rank"])
+    for rank, steps in js.rows.items():
+        for r in reversed(steps.values()):  # newest first (a rank's steps are kept in end order)
+            if r["end_ns"] < lo_ns:
+                break
+            if r["end_ns"] > hi_ns:
+                continue
+            for c in r.get("comms") or ():
+                if c.get("op") not in ("send", "recv"):
+                    out.setdefault(c["comm_id"], set()).add(rank)
     return out
 
 
@@ -271,8 +277,8 @@ def ranges(ranks) -> str:
     return ",".join(out)
 
 
-def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step_ns: float, bound_ns: float,
-             progress: list[dict], job: dict) -> list[Finding]:
+def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[int, int], step_ns: float,
+             bound_ns: float, progress: list[dict], job: dict) -> list[Finding]:
     now = window.until_ns
     newest_step = max(last.values(), default=0)
     stuck = [p for p in progress if p["pending_op"] and p["pending_since_ns"] and
@@ -295,7 +301,7 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
             states[k] = {"state": "exited", "since_ns": 0, "message": ""}
     comm_ranks = {c["comm_id"]: set(c.get("ranks") or ()) for c in job.get("comms", [])}
     span = max(int(3 * step_ns), 2 * 10**9)  # the last few steps of every rank
-    for c, mem in _step_members(reader, window, newest_step, span).items():  # who ran ops on which comm lately
+    for c, mem in _step_members(js, newest_step - span, window.until_ns).items():  # who ran ops on which comm
         comm_ranks.setdefault(c, set()).update(mem)
     g = wait_for(progress, comm_ranks)
     node_of = {k: r["node_id"] for k, r in ranks.items()}
@@ -406,8 +412,8 @@ def _ongoing(reader, window: Window, cfg: HangConfig, last: dict[int, int], step
                     suspects=tuple(sus), evidence=ev)]
 
 
-def _resumed(reader, window: Window, cfg: HangConfig, ends: dict[int, int], step_ns: float, bound_ns: float,
-             job: dict) -> list[Finding]:
+def _resumed(reader, window: Window, cfg: HangConfig, js: JobSteps, ends: dict[int, int], step_ns: float,
+             bound_ns: float, job: dict) -> list[Finding]:
     """Hangs that ended lately (within 2 x resolve_after_seconds of the window's end): a gap between two
     consecutive steps' ends longer than the bound; the culprit is taken from the progress as it stood just
     before the job resumed. The finding is re-sent until it resolves, then left alone (history)."""
@@ -418,7 +424,7 @@ def _resumed(reader, window: Window, cfg: HangConfig, ends: dict[int, int], step
         if e1 - e0 < bound_ns or e1 < recent:  # an older one: its finding has resolved (not re-sent each pass)
             continue
         w = Window(window.job_key, e0, e1 - 1)  # as the window ending just before the resume saw it
-        for f in _ongoing(reader, w, cfg, {-1: e0}, step_ns, bound_ns, _progress(reader, w), job):
+        for f in _ongoing(reader, w, cfg, js, {-1: e0}, step_ns, bound_ns, _progress(reader, w), job):
             ev = {**f.evidence, "ongoing": False, "resumed_ns": e1, "resumed_at_step": s1,
                   "stalled_seconds": round((e1 - f.onset_ns) / 1e9, 1)}
             out.append(Finding(kind="hang", onset_ns=f.onset_ns, last_ns=e1, severity=f.severity,
@@ -429,7 +435,7 @@ def _resumed(reader, window: Window, cfg: HangConfig, ends: dict[int, int], step
 
 
 def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:
-    last, ends, gaps = _steps(reader, window)
+    js, last, ends, gaps = _steps(reader, window)
     if not ends:
         return []
     recent = gaps[-cfg.recent_steps:]
@@ -437,8 +443,8 @@ def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:
     bound_ns = max(cfg.floor_seconds * 1e9, cfg.step_multiple * step_ns)
     jobs = reader.jobs(window.job_key) if hasattr(reader, "jobs") else []
     job = jobs[0] if jobs else {}
-    out = _resumed(reader, window, cfg, ends, step_ns, bound_ns, job)
-    out += _ongoing(reader, window, cfg, last, step_ns, bound_ns, _progress(reader, window), job)
+    out = _resumed(reader, window, cfg, js, ends, step_ns, bound_ns, job)
+    out += _ongoing(reader, window, cfg, js, last, step_ns, bound_ns, _progress(reader, window), job)
     return out
 
 
