@@ -135,3 +135,145 @@ def test_nccl_bus_id_matches_nvidia_smi_on_the_same_host():
     assert (place.host, place.pid, place.cuda_dev, place.bus_id) == ("vm", 583, 0, "60")
     smi_bus = re.search(r"Bus Id\s+:\s+(\S+)", open(SMI).read()).group(1)
     assert nccltopo.norm_bus_id(place.bus_id) == smi_bus == "00000000:00:06.0"
+
+
+# --- recorded in a later session on the same kind of H100 (README.md "Live recordings") ---------------------------
+
+def _identity_clock():
+    from steplens.agent.commlog import RealtimeClock
+    return RealtimeClock(monotonic_ns=lambda: 0, realtime_ns=lambda: 0)
+
+
+def _fr_live(n: int, ep: str = "dump_nccl_trace_json") -> bytes:
+    with gzip.open(os.path.join(REC, f"fr-live-{n}-{ep}.json.gz")) as fh:
+        return fh.read()
+
+
+def test_live_nccl_flight_recorder_polls_emit_each_op_once_with_its_cuda_event_duration():
+    """Four successive answers of a live 1-rank NCCL job's worker server, 0.5 s apart (record_fr_live.py). Each
+    holds ~7 ops whose CUDA events say completed but which the watchdog has not retired yet, without duration_ms:
+    emitting them then would lose the duration for good. They must wait for the poll that sees them retired."""
+    from steplens.agent.sources.flightrec import _Cursor, entry_to_op, new_entries, parse_dump, progress_records
+
+    # on an NCCL build fr_trace_json answers an empty document: the entries come from dump_nccl_trace_json
+    empty = json.loads(_fr_live(0, "fr_trace_json"))
+    assert "entries" not in empty and empty["pg_status"] == {} and empty["version"] == "2.10"
+    cur, emitted, withheld = _Cursor(), [], []
+    for n in range(4):
+        raw = json.loads(_fr_live(n))
+        unretired = [e for e in raw["entries"] if e["state"] == "completed" and not e["retired"]]
+        assert 5 <= len(unretired) <= 12 and all("duration_ms" not in e for e in unretired)
+        dump = parse_dump(_fr_live(n))
+        got, lost = new_entries(dump, cur, now_ns=n * 500_000_000)
+        assert lost == 0
+        emitted += got
+        withheld = unretired
+    ids = [e["record_id"] for e in emitted]
+    assert ids == list(range(len(ids))) and len(ids) >= 100            # every op once, in order, none skipped
+    ops = [entry_to_op(e, dump, _identity_clock(), pid=1) for e in emitted]
+    assert {o.timing for o in ops} == {"cuda_event"} and {o.op for o in ops} == {"all_reduce"}
+    assert all(o.bytes == 4 << 20 and 0 < o.end_mono_ns - o.start_mono_ns < 1_000_000 for o in ops)
+    # the last answer's unretired ops are held; a watchdog that never retires them gets them out untimed later
+    assert {e["record_id"] for e in withheld} <= cur.pending
+    late, _ = new_entries(dump, cur, now_ns=3 * 500_000_000 + 3_100_000_000)
+    assert {e["record_id"] for e in late} == {e["record_id"] for e in withheld}
+    assert {entry_to_op(e, dump, _identity_clock(), pid=1).timing for e in late} == {"cpu_enqueue"}
+    # progress: a completed-but-unretired op is not pending; the one still scheduled is (answer 1)
+    raw1 = json.loads(_fr_live(1))
+    scheduled = [e for e in raw1["entries"] if e["state"] == "scheduled"]
+    assert len(scheduled) == 1
+    recs, problems = progress_records(parse_dump(_fr_live(1)), _identity_clock(), scheduled[0]["time_created_ns"] + 1,
+                                      pid=1)
+    assert not problems and len(recs) == 1
+    assert recs[0].pending_seq == scheduled[0]["collective_seq_id"] == recs[0].last_enqueued
+    assert recs[0].pending_since_mono_ns == scheduled[0]["time_created_ns"]
+
+
+def _nvml_lines():
+    with open(os.path.join(REC, "nvml-h100-load.jsonl")) as fh:
+        return [json.loads(line) for line in fh]
+
+
+def test_nvml_h100_idle_and_full_load_clock_reasons():
+    """What steplens' gpu source sent from the H100 idle, under a bf16 matmul load and after (record_nvml.py),
+    with pynvml read right after each step: the facts the slow-GPU cause relies on. Under full load this card
+    runs at its 700 W limit with SW power cap (0x4) active and its SM clock ~30 % under its maximum: normal for
+    every GPU of a busy job, so a cause must compare a GPU with its peers, never with its datasheet."""
+    lines = _nvml_lines()
+    head = lines[0]
+    assert head["kind"] == "header" and head["name"] == "NVIDIA H100 80GB HBM3" and head["max_sm_mhz"] == 1980
+    phases = {line["phase"]: line["mono_ns"] for line in lines if line["kind"] == "phase"}
+    metrics = [line["fields"] for line in lines if line["kind"] == "record" and line["type"] == "Metric"]
+    raws = [line for line in lines if line["kind"] == "raw"]
+    reasons = [m for m in metrics if m["name"] == "gpu_clocks_event_reasons"]
+    assert len(reasons) == len(raws) >= 50
+    # the source's bitmask is the one pynvml read a moment later (equal but at the changes)
+    assert sum(r["value"] == x["reasons"] for r, x in zip(reasons, raws)) >= 0.9 * len(raws)
+    sm = {m["mono_ns"]: m["value"] for m in metrics if m["name"] == "gpu_sm_clock_mhz"}
+    util = {m["mono_ns"]: m["value"] for m in metrics if m["name"] == "gpu_utilization_percent"}
+    power = {m["mono_ns"]: m["value"] for m in metrics if m["name"] == "gpu_power_watts"}
+    busy = [t for t, u in util.items() if phases["load"] < t < phases["after"] and u >= 98]
+    assert len(busy) >= 20
+    for t in busy:
+        r = next(x["value"] for x in reasons if x["mono_ns"] == t)
+        assert int(r) == 0x4, hex(int(r))                                  # SW power cap, nothing else
+        assert sm[t] < 0.8 * head["max_sm_mhz"]
+    at_limit = [t for t in busy if abs(power[t] * 1000 - head["power_limit_mw"]) < 0.05 * head["power_limit_mw"]]
+    assert len(at_limit) >= 0.9 * len(busy)                                # the first second still ramps up
+    idle = [x for x in reasons if x["mono_ns"] < phases["load"] and int(x["value"]) & 0x1]
+    assert idle and all(sm[x["mono_ns"]] <= 500 for x in idle)            # idle: the clock drops to ~345 MHz
+    events = [line["fields"]["message"] for line in lines if line["kind"] == "record" and line["type"] == "Event"]
+    assert events[:3] == ["0x0 -> 0x1", "0x1 -> 0x0", "0x0 -> 0x4"]
+    with open(os.path.join(REC, "nvidia-smi-perf-load.txt")) as fh:
+        smi = fh.read()
+    assert re.search(r"SW Power Cap\s+: Active", smi) and re.search(r"HW Thermal Slowdown\s+: Not Active", smi)
+
+
+def _cupti_phases():
+    import tempfile
+
+    from steplens.agent.bootstrap import read_cupti
+    from steplens.agent.commlog import RealtimeClock
+
+    with open(os.path.join(REC, "cupti-phases.json")) as fh:
+        acc = json.load(fh)
+    ph = acc["phases"]
+    off = ph[0]["start_real_ns"] - ph[0]["start_mono_ns"]
+    end = ph[-1]["end_mono_ns"]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "1.cupti.jsonl")
+        with gzip.open(os.path.join(REC, "cupti-phases.cupti.jsonl.gz")) as src, open(path, "wb") as dst:
+            dst.write(src.read())
+        kernels, _, dropped = read_cupti(path, clock=RealtimeClock(monotonic_ns=lambda: end,
+                                                                   realtime_ns=lambda: end + off),
+                                         monotonic_ns=lambda: end + 10**9)
+    assert dropped == 0
+    return {p["phase"]: (p, [k for k in kernels if p["start_mono_ns"] <= k.start_mono_ns <= p["end_mono_ns"]])
+            for p in ph}
+
+
+def test_cupti_phases_issue_latency_and_identical_kernels():
+    """steplens' own CUPTI log of one job in three phases (record_cupti_phases.py): the same 4096^2 fp32 GEMM,
+    queued (GPU-bound), launched 3 ms apart (CPU-bound), and sharing the GPU with another process. XPUTimer's
+    metrics must tell them apart: issue latency says who waits for whom; identical kernels say the GPU is slower."""
+    from steplens.collector.analysis import kernels as km
+
+    by = _cupti_phases()
+    m = {name: km.rank_metrics(ks) for name, (_, ks) in by.items()}
+    for name, (p, ks) in by.items():
+        assert len(ks) == p["matmuls"] == 320, name                      # every kernel, in its phase
+        assert {k.name for k in ks} == {next(iter(ks)).name} and "gemm" in ks[0].name
+        assert all(k.launch_start_mono_ns and k.start_mono_ns >= k.launch_start_mono_ns for k in ks)
+    gpu, cpu, shared = m["gpu_bound"], m["cpu_bound"], m["shared"]
+    # queued: the CPU runs ahead (milliseconds); CPU-bound: the GPU waits for each launch (tens of µs)
+    assert gpu["issue_latency"]["p50_ns"] > 1_000_000 and gpu["issue_latency"]["below_50us_fraction"] < 0.2
+    assert cpu["issue_latency"]["p50_ns"] < 50_000 and cpu["issue_latency"]["below_50us_fraction"] > 0.8
+    assert km.ks_distance(km.issue_latencies(by["gpu_bound"][1]), km.issue_latencies(by["cpu_bound"][1])) > 0.7
+    name = by["gpu_bound"][1][0].name
+    d = {k: km.per_name(by[k][1])[name] for k in by}
+    # the kernel itself is as fast when the CPU is late: the GPU is not the slow part
+    assert abs(d["cpu_bound"]["p50_ns"] / d["gpu_bound"]["p50_ns"] - 1) < 0.02
+    # sharing the GPU: the same kernel's tail and mean grow (the other process's kernels run in between)
+    assert d["shared"]["mean_ns"] > 1.2 * d["gpu_bound"]["mean_ns"]
+    assert d["shared"]["p99_ns"] > 2 * d["gpu_bound"]["p99_ns"]
+    assert shared["minority_void"][0]["v_minority"] > 5 * gpu["minority_void"][0]["v_minority"]

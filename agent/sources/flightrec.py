@@ -14,7 +14,9 @@ Entries -> CommOp: collective_seq_id is the seq (it agrees across the ranks of a
 (CLOCK_REALTIME) -> issue time, timing "cpu_enqueue"; with NCCL timing (duration_ms present) the entry
 also gets start/end and timing "cuda_event". Members are filled from pg_config where the dump lists ranks
 (gloo in 2.13 does not), and for the default group ("0") from the process's WORLD_SIZE. An entry is
-emitted once, when retired or completed; entries are deduplicated per process by record_id across polls.
+emitted once, when final (retired; where the layout has no `retired`, completed: a live NCCL dump holds completed
+ops not yet retired, without their duration, for ~100 ms), or completed and still unretired RETIRE_GRACE_NS after
+first seen so; entries are deduplicated per process by record_id across polls.
 When the ring wrapped between two polls (the oldest record_id in a dump is past the last one seen + 1),
 the lost entries are counted (`lost_entries`) and reported as an Event.
 
@@ -89,6 +91,7 @@ from steplens.agent.records import CommOp, CommProgress, Event, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
+RETIRE_GRACE_NS = 3_000_000_000   # a completed op the watchdog has not retired after this is emitted untimed
 ANCHORS = "anchors"           # <pid>.anchors: the bootstrap's ring of iteration ends (steplens_anchors)
 _ANCHOR_HEAD = struct.Struct("<8sIIQI")   # magic, version, slots, start ticks, clock (steplens_anchors' layout)
 _ANCHOR_MAGIC, _ANCHOR_HEADER_BYTES, _ANCHOR_COUNT_AT = b"SLANCHR1", 64, 32
@@ -303,7 +306,18 @@ def header_anchors(doc) -> list[tuple[int, int]]:
 
 
 def entry_done(e: dict) -> bool:
+    """The op itself is over (completed, or retired by the watchdog)."""
     return bool(e.get("retired")) or e.get("state") == "completed"
+
+
+def entry_final(e: dict) -> bool:
+    """The entry will not change any more: retired, where the build retires entries. A live NCCL job's dump
+    (torch 2.11, recorded on an H100: tests/fixtures/gpu-recorded/fr-live-*) holds ops whose CUDA events already
+    say "completed" but which the watchdog has not retired yet; those lack duration_ms, which retiring adds.
+    An entry without the field (older layouts) is final when completed."""
+    if "retired" in e:
+        return bool(e["retired"])
+    return e.get("state") == "completed"
 
 
 def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks: int = 0, rank: int = -1,
@@ -408,16 +422,20 @@ def progress_records(dump: Dump, clock: RealtimeClock, mono_ns: int, pid: int, s
 class _Cursor:
     """Per-process, per-endpoint dedup state: the highest record_id seen and entries seen but not done."""
 
-    __slots__ = ("high", "pending")
+    __slots__ = ("high", "pending", "unretired")
 
     def __init__(self) -> None:
         self.high = -1
         self.pending: set[int] = set()
+        self.unretired: dict[int, int] = {}   # record_id -> when first seen completed but not retired (mono ns)
 
 
-def new_entries(dump: Dump, cur: _Cursor, final: bool = False) -> tuple[list[dict], int]:
-    """The entries of `dump` to emit now (done and not emitted before; with `final`, the process's last dump,
-    also those not done) and how many were lost to the ring wrapping since the previous dump. Updates `cur`."""
+def new_entries(dump: Dump, cur: _Cursor, final: bool = False, now_ns: int = 0,
+                retire_grace_ns: int = RETIRE_GRACE_NS) -> tuple[list[dict], int]:
+    """The entries of `dump` to emit now and how many were lost to the ring wrapping since the previous dump.
+    Emitted: final entries (entry_final) not emitted before; an op completed but left unretired for longer than
+    `retire_grace_ns` since first seen so (a stalled watchdog: emitted without its CUDA-event duration rather than
+    never); with `final`, the process's last dump, every entry not emitted yet. Updates `cur`."""
     ents = sorted((e for e in dump.entries if isinstance(e.get("record_id"), int)), key=lambda e: e["record_id"])
     if not ents:
         return [], 0
@@ -426,14 +444,21 @@ def new_entries(dump: Dump, cur: _Cursor, final: bool = False) -> tuple[list[dic
     gone_pending = {r for r in cur.pending if r < lowest}
     lost += len(gone_pending)
     cur.pending -= gone_pending
+    for r in gone_pending:
+        cur.unretired.pop(r, None)
     out = []
     for e in ents:
         rid = e["record_id"]
         if rid <= cur.high and rid not in cur.pending:
             continue
-        if final or entry_done(e):
+        ready = final or entry_final(e)
+        if not ready and entry_done(e):
+            since = cur.unretired.setdefault(rid, now_ns)
+            ready = now_ns - since > retire_grace_ns
+        if ready:
             out.append(e)
             cur.pending.discard(rid)
+            cur.unretired.pop(rid, None)
         else:
             cur.pending.add(rid)
     cur.high = max(cur.high, ents[-1]["record_id"])
@@ -653,7 +678,7 @@ class FlightrecSource(Source):
                     continue
                 raise
             self._progress_of(tgt, ep, dump, taken, progress, out)
-            entries, lost = new_entries(dump, tgt.cursors[ep])
+            entries, lost = new_entries(dump, tgt.cursors[ep], now_ns=taken)
             if lost:
                 self.lost_entries += lost
                 self._report(out, tgt.key, "ring_wrapped", f"{lost} Flight Recorder entries were overwritten "
