@@ -79,6 +79,10 @@ class CollectorExporter:
                                 "pass (max_jobs_per_cycle reached).", value=e.jobs_waiting)
         yield CounterMetricFamily("steplens_collector_analysis_store_failures", "Findings merges not committed.",
                                   value=e.store_failures)
+        yield CounterMetricFamily("steplens_collector_analysis_cause_errors", "Passes whose causes step failed "
+                                  "(the findings kept the detectors' causes).", value=e.cause_errors)
+        yield CounterMetricFamily("steplens_collector_analysis_cause_seconds", "Time spent attaching causes.",
+                                  value=e.cause_seconds)
         yield GaugeMetricFamily("steplens_collector_findings_watchers", "WatchFindings streams open.",
                                 value=e.hub.watchers)
         if self.ingest is not None:

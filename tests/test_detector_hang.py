@@ -224,6 +224,61 @@ def test_a_stalled_collective_with_only_a_hidden_recv_as_sink_is_a_comm_hang():
                                                              ("rank", "3", "network")]
 
 
+def test_a_comm_hang_names_the_host_every_stuck_connection_touches():
+    # the same comm hang with the tcpinfo source's Events: h1 (10.0.0.11) has a link dropping everything, so
+    # h1's connections to h0 and h3 and h0's and h3's to h1 are stuck retransmitting; h0's connection to h2 was
+    # stuck too but recovered. h1 is the only host at an end of every stuck one: it leads, then its NIC
+    from steplens.collector.topology import from_dict
+
+    rd, end = _gloo_dp2pp2(False)
+    rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
+    rd._progress[1]["pid"] = 101
+    rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
+    rd._progress[3]["pid"] = 103
+    rd._stacks = [x for x in rd._stacks if x["pid"] not in (101, 103)] + [
+        {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
+            ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
+
+    def ev(t, kind, src, dst):
+        return {"ts_ns": t * S, "kind": kind, "entity": f"{src}->{dst}", "message": "", "value": 0.0}
+    events = {"h0": [ev(101, "tcp_stalled", "10.0.0.10:41000", "10.0.0.11:29500"),
+                     ev(101, "tcp_stalled", "10.0.0.10:41002", "10.0.0.12:29502"),
+                     ev(104, "tcp_recovered", "10.0.0.10:41002", "10.0.0.12:29502")],
+              "h1": [ev(102, "tcp_stalled", "10.0.0.11:29500", "10.0.0.10:41000"),
+                     ev(102, "tcp_stalled", "10.0.0.11:41003", "10.0.0.13:29503")],
+              "h3": [ev(103, "tcp_stalled", "10.0.0.13:29503", "10.0.0.11:41003")]}
+    rd.node_events = lambda node, kinds, since=0, until=0, limit=0: [
+        e for e in events.get(node, []) if e["kind"] in kinds and since <= e["ts_ns"] <= until]
+    nodes = [{"id": f"h{i}", "nics": [{"id": f"h{i}.eth0", "switch": "sw", "ip": f"10.0.0.1{i}"}]} for i in range(4)]
+    topo = from_dict({"version": 1, "nodes": nodes, "switches": [{"id": "sw", "tier": "leaf"}]})
+    rd.topology = lambda: topo
+    (f,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert f.evidence["hang_type"] == "comm"
+    assert [(s.kind, s.id, s.cause) for s in f.suspects[:3]] == [("node", "h1", "network"),
+                                                                 ("nic", "h1.eth0", "network"),
+                                                                 ("node", "h0", "network")]
+    lead = f.suspects[0].evidence
+    assert lead["why"] == "each of the 4 stalled TCP connection(s) has h1 at one end"
+    assert "h1: 10.0.0.11:29500->10.0.0.10:41000" in lead["connections"]
+    # one stuck connection alone: either end could be the broken one, nothing reordered
+    events = {"h0": [ev(101, "tcp_stalled", "10.0.0.10:41000", "10.0.0.11:29500")]}
+    (g,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert [(s.kind, s.id) for s in g.suspects[:2]] == [("node", "h0"), ("node", "h1")]
+
+
+def test_a_culprit_on_a_host_whose_agent_fell_silent_leads_with_its_host():
+    # rank 3 never entered seq 11, and h3's agent has sent nothing for 40 s while the others report: what is
+    # known of rank 3 is 40 s old, the host (or its network) is the first suspect, then the rank
+    rd, end = _gloo_dp2pp2(True)
+    rd._events = []
+    rd.nodes = lambda: [{"node_id": f"h{i}", "connected": i != 3, "last_seen_ns": end - (40 * S if i == 3 else 0)}
+                        for i in range(4)]
+    (f,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert [(s.kind, s.id, s.cause) for s in f.suspects[:2]] == [("node", "h3", "unreachable"), ("rank", "3", "hang")]
+    assert f.suspects[0].evidence["why"].startswith("its agent has not been heard from for 40 s")
+    assert f.evidence["hang_type"] == "non-comm" and "node h3: its agent has not been heard" in f.summary
+
+
 def test_a_job_whose_processes_all_exited_does_not_hang():
     # `diagnose` long after a job ended: no step for an hour, no CommProgress (no flightrec), every rank gone
     rd, end = _gloo_dp2pp2(True)

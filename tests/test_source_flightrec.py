@@ -21,7 +21,7 @@ import pytest
 from conftest import REPO, free_port, wait_for
 from procutil import start_ticks
 from steplens.agent.bootstrap import site_dir
-from steplens.agent.records import CommOp, Event, ProcessInfo
+from steplens.agent.records import CommOp, Event, Metric, ProcessInfo
 from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.flightrec import (FlightrecConfig, FlightrecError, FlightrecSource, http_post_unix,
                                               parse_dump)
@@ -133,6 +133,11 @@ def _collect(src, steps=1) -> tuple[list[CommOp], list]:
     return captured, out
 
 
+def _records(out) -> list:
+    """What a step returned, less the python_gc_* Metrics every step carries for each bootstrapped process."""
+    return [r for r in out if not (isinstance(r, Metric) and r.name.startswith("python_gc_"))]
+
+
 def _by(ops, pid=None):
     groups: dict = {}
     for o in ops:
@@ -170,10 +175,13 @@ def test_gloo_job_ops_seq_counts_dedup_wrap_and_exit(tmp_path, job):
         # the summaries go upstream
         summaries = [r for r in out if type(r).__name__ == "CommSummary"]
         assert sum(s.calls for s in summaries) == 2 * (N_ALLREDUCE + N_BCAST)
+        # and each rank's Python GC time, from the bootstrap's <pid>.gc beside its socket
+        gc_time = {m.entity for m in out if isinstance(m, Metric) and m.name == "python_gc_collections_total"}
+        assert gc_time == {f"pid:{p.pid}:{start_ticks(p.pid)}" for p in procs}
 
         # a second poll with nothing new adds nothing (dedup by record id across polls)
         again, out = _collect(src)
-        assert again == [] and not out
+        assert again == [] and not _records(out)
 
         # phase 2: only the new all_reduces, seq continuing
         (job["sync"] / "go2").touch()
@@ -234,10 +242,11 @@ def test_unknown_version_is_reported_once_and_skipped(tmp_path, job):
     src = _source(tmp_path, job, procs=[p0], accepted_versions=["1.0"])
     try:
         ops, out = _collect(src)
+        out = _records(out)
         assert ops == []
         assert [e.kind for e in out] == ["flightrec_unknown_version"] and "'2.10'" in out[0].message
         ops, out = _collect(src)
-        assert ops == [] and out == []
+        assert ops == [] and _records(out) == []
     finally:
         src.stop()
 

@@ -74,6 +74,8 @@ FAULTS = {
     "gc_storm": ("rank1", 6.0, {}, {("rank", "1")}, 2),
     "noisy": ("h1", 6.0, {"processes": 2}, {("rank", "1"), ("node", "h1"), ("link", "h1.eth0")}, 0),
 }
+# the cause the finding's top suspect must carry (collector/analysis/causes.py), from the agents' own evidence
+CAUSE = {"link": "network", "cpu": "cpu-throttled", "stop": "stopped", "gc_storm": "gc", "noisy": "cpu-contention"}
 # found, but the right suspect is not always among the first two: why (the test marks these xfail when it is not)
 ATTRIBUTION_XFAIL = {
     "link": "found, but not attributed to h1: with gloo the Step records hold each rank's arrival at its DP "
@@ -195,7 +197,8 @@ def test_fault_is_found_naming_the_right_rank_or_host(bed, kind):
     t_call = time.time_ns()
     th = threading.Thread(target=run)
     th.start()
-    first = hit = None  # the first finding that began with the fault; the first that also names a right suspect
+    first = hit = caused = None  # the first finding that began with the fault; ... that also names a right
+    # suspect; ... whose top suspect carries the fault's cause
     while time.time_ns() - t_call < (DETECT_WITHIN_S + 2) * 1e9:
         for recv_ns, event, f in watch.events[seen:]:
             if event in ("opened", "updated") and f["job_key"] == bed["job"]:
@@ -203,7 +206,10 @@ def test_fault_is_found_naming_the_right_rank_or_host(bed, kind):
                     first = (recv_ns, event, f)
                 if hit is None and matches(f, t_call, t_call + int(duration * 1e9), right, top):
                     hit = (recv_ns, event, f)
-        if hit or (not th.is_alive() and "error" in box):
+                if caused is None and matches(f, t_call, t_call + int(duration * 1e9), right, 0) and \
+                        f["suspects"] and f["suspects"][0]["cause"] == CAUSE[kind]:
+                    caused = (recv_ns, event, f)
+        if (hit and caused) or (not th.is_alive() and "error" in box):
             break
         time.sleep(0.2)
     th.join(duration + 60)
@@ -215,9 +221,10 @@ def test_fault_is_found_naming_the_right_rank_or_host(bed, kind):
         "target": entry["target"], **quiet,
         "findings": [{"kind": f["kind"], "detector": f["detector"], "onset_after_fault_s":
                       round((f["onset_ns"] - entry["start_ns"]) / 1e9, 2), "severity": f["severity"],
-                      "top": [(s["kind"], s["id"], s["cause"], s["score"]) for s in f["suspects"][:3]]}
+                      "top": [(s["kind"], s["id"], s["cause"], s["score"]) for s in f["suspects"][:3]],
+                      "why": (f["suspects"][0]["evidence"].get("why") or {}).get("causes") if f["suspects"] else None}
                      for f in {f["id"]: f for f in mine}.values()]}
-    for name, got in (("detected", first), ("named", hit)):
+    for name, got in (("detected", first), ("named", hit), ("caused", caused)):
         if got:
             recv_ns, event, f = got
             rec[name] = {"after_onset_s": round((recv_ns - entry["start_ns"]) / 1e9, 2), "kind": f["kind"],
@@ -229,6 +236,8 @@ def test_fault_is_found_naming_the_right_rank_or_host(bed, kind):
     assert netns.cgroups_left() == [] and all(netns.job_alive(layout).values())
     assert first is not None, f"no finding began with the {kind} fault within {DETECT_WITHIN_S} s: {json.dumps(rec)}"
     assert (first[0] - entry["start_ns"]) / 1e9 <= DETECT_WITHIN_S
+    assert caused is not None, f"no finding of the {kind} fault whose top suspect has cause {CAUSE[kind]!r} " \
+                               f"within {DETECT_WITHIN_S} s: {json.dumps(rec)}"
     if hit is None and kind in ATTRIBUTION_XFAIL:
         pytest.xfail(ATTRIBUTION_XFAIL[kind])
     assert hit is not None, f"no finding naming {sorted(right)} in the top {top} within {DETECT_WITHIN_S} s " \

@@ -8,6 +8,8 @@ Events and the pystacks source's stack summaries.
       stopped; after SIGCONT the finding says the job resumed and resolves.
   hold rank 1 for 60 s (stuck in Python: job.py hold_in_python sleeps at the start of its step): the culprit
       rank 1 first with its frames (hold_in_python) once a stack summary of the hang is in (every 10 s).
+  drop everything on h1's link for 60 s (netem loss 100 %): a comm hang naming h1 (or its NIC) first, cause
+      network: the other hosts' TCP connections to h1 stuck retransmitting (the tcpinfo source) all touch h1.
 With gloo the Flight Recorder records no send/recv, so rank 3, waiting in a recv from rank 1, looks like a second
 sink (rank 2 waits for it in their all-reduce); the detector puts the rank that is stopped, or whose stack is not
 inside a communication call, first. Figures per run are printed (-s) and kept in RESULTS.
@@ -144,3 +146,18 @@ def test_a_rank_stuck_in_python_is_named_with_its_frames(bed):
     assert got["hit"] is not None, f"no hang finding named rank 1 with its frames: {json.dumps(got['rec'])}"
     assert (got["hit"][0] - got["entry"]["start_ns"]) / 1e9 <= FOUND_WITHIN_S
     assert got["hit"][1]["evidence"]["hang_type"] == "non-comm"
+
+
+def test_a_host_whose_link_drops_everything_is_named_in_a_comm_hang(bed):
+    # h1's link drops every packet both ways (netem loss 100 %): ranks 0/1 are stuck in their all-reduce, 3 in its
+    # recv from 1, and h1's agent cannot reach the collector either. The other agents' tcpinfo sources report
+    # their connections to h1 (10.77.0.11) stuck retransmitting: h1 is at one end of every one of them
+    def named(f):
+        top = f["suspects"][0] if f["suspects"] else {}
+        return (top.get("kind"), top.get("id")) in (("node", "h1"), ("nic", "h1.eth0")) and \
+            f["evidence"].get("hang_type") == "comm"
+    got = _hang(bed, "drop", 60.0, named)
+    assert got["first"] is not None and (got["first"][0] - got["entry"]["start_ns"]) / 1e9 <= FOUND_WITHIN_S
+    assert got["hit"] is not None, f"no comm hang finding naming h1: {json.dumps(got['rec'])}"
+    assert (got["hit"][0] - got["entry"]["start_ns"]) / 1e9 <= FOUND_WITHIN_S
+    assert got["hit"][1]["suspects"][0]["cause"] == "network"

@@ -2,10 +2,11 @@
 (`site_dir()`, the PYTHONPATH entry), the launch environment `steplens-agent env` prints
 (`launch_env()`), and the reader of the cupti records it writes (`read_cupti()`).
 
-The bootstrap itself lives in ./site (steplens_bootstrap.py, steplens_cupti.py, steplens_anchors.py: the ends of
-the job's iterations (optimizer steps and the zero_grad after them), the step segmenter's anchors, sitecustomize.py, steplens_bootstrap.pth):
-standard-library modules loaded into the user's interpreter, so they never import steplens. Nothing here runs
-in the job.
+The bootstrap itself lives in ./site (steplens_bootstrap.py, which also times the process's garbage collections
+into <runtime dir>/<pid>.gc (STEPLENS_GC, read by the flightrec source as python_gc_* metrics), steplens_cupti.py,
+steplens_anchors.py: the ends of the job's iterations (optimizer steps and the zero_grad after them), the step
+segmenter's anchors, sitecustomize.py, steplens_bootstrap.pth): standard-library modules loaded into the user's
+interpreter, so they never import steplens. Nothing here runs in the job.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def launch_env(kineto: bool = True, flightrec: bool = True, nccl_log: bool = Tru
         pp = site_dir() + (os.pathsep + pythonpath if pythonpath else "")
         env.append(("PYTHONPATH", pp, "loads the steplens bootstrap (sitecustomize.py; inert without the next line)"))
         env.append(("STEPLENS_BOOTSTRAP", "1", "turns the bootstrap on"))
-        env.append(("STEPLENS_RUNTIME_DIR", runtime_dir, "where the per-process sockets go (<pid>.sock)"))
+        env.append(("STEPLENS_RUNTIME_DIR", runtime_dir,
+                    "where the per-process sockets and GC counters go (<pid>.sock, <pid>.gc)"))
     if flightrec:
         env.append(("TORCH_FR_BUFFER_SIZE", str(fr_buffer_size), "flightrec: Flight Recorder ring (entries)"))
     if cupti:
@@ -47,14 +49,15 @@ def launch_env(kineto: bool = True, flightrec: bool = True, nccl_log: bool = Tru
     if nccl_log:
         env.append(("NCCL_DEBUG", "INFO", "nccl topology: Init COMPLETE lines (comm hash -> rank -> GPU)"))
         env.append(("NCCL_DEBUG_SUBSYS", "INIT,COLL", "nccl topology: only init and collective lines"))
-        env.append(("NCCL_DEBUG_FILE", os.path.join(nccl_log_dir, "nccl.%h.%p.log"), "nccl topology: one log per process (the directory must exist)"))
+        env.append(("NCCL_DEBUG_FILE", os.path.join(nccl_log_dir, "nccl.%h.%p.log"),
+                    "nccl topology: one log per process (the directory must exist)"))
     return env
 
 
 ATTACH_NOTES = (
     "attach at run time, no variable needed: host, procs, gpu, pystacks, sched, netflows, gpuprobes "
     "(eBPF uprobes on libnccl/libcudart), NCCL RAS (localhost:28028, NCCL >= 2.24)",
-    "need the variables at launch: kineto (KINETO_USE_DAEMON), flightrec and cupti (PYTHONPATH + "
+    "need the variables at launch: kineto (KINETO_USE_DAEMON), flightrec, Python GC time and cupti (PYTHONPATH + "
     "STEPLENS_BOOTSTRAP), NCCL topology from logs (NCCL_DEBUG*)",
 )
 

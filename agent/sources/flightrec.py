@@ -1,5 +1,6 @@
-"""flightrec: torch.distributed Flight Recorder entries of workload processes, as CommOps, and where each process
-stands on each of its process groups, as CommProgress (hang detection).
+"""flightrec: torch.distributed Flight Recorder entries of workload processes, as CommOps, where each process
+stands on each of its process groups, as CommProgress (hang detection), and the time each spent in Python's
+garbage collector (python_gc_* Metrics, see GC time below).
 
 Reads: the per-process Unix sockets `<pid>.sock` that the steplens bootstrap (agent/bootstrap/site, loaded
 with PYTHONPATH + STEPLENS_BOOTSTRAP=1) opens with torch's `_WorkerServer`, in `socket_dirs`; only pids the
@@ -67,10 +68,23 @@ the ring, not to what is new. Hence one dump per process every 5 s in sentinel m
 mode; a job that records more than TORCH_FR_BUFFER_SIZE entries between two dumps loses the oldest ones
 (counted as lost_entries, reported). bench/commops.py (2-core VM, 2-rank gloo job using both cores): the
 agent (procs + flightrec + kineto) running vs paused inside one job +1.6 % +- 1.2 % at 1 s polling and
-+0.6 % +- 2.6 % and +1.8 % +- 0.9 % (two runs) at 5 s; separate launches with and without the logger differ by -1.8 .. +3.5 % across runs,
-launch-to-launch spread being of that size: the 0.5 % goal is below what this machine can resolve.
++0.6 % +- 2.6 % and +1.8 % +- 0.9 % (two runs) at 5 s; separate launches with and without the logger differ
+by -1.8 .. +3.5 % across runs, launch-to-launch spread being of that size: the 0.5 % goal is below what this
+machine can resolve.
 Progress adds one pass over the parsed entries per dump and, in a busy job (nearly always some op in flight), one
 ~80-byte record per group per poll: with 3 groups, 8 processes and 5 s polling, ~5 records/s per node.
+
+GC time (the collector's `gc` cause): the bootstrap times every garbage collection of the process into a
+128-byte file <pid>.gc in the same directory (layout, writer and torn-copy rule in steplens_bootstrap; written in
+every bootstrapped process, also one that never opens a socket: a job without torch.distributed). Each step reads
+it for every workload process that has one (the listing of socket_dirs that finds the sockets finds it), so at
+this source's interval (5 s, 1 s in deep mode), and emits, entity pid:<pid>:<start_ticks>:
+  python_gc_seconds_total (all generations), python_gc_collections_total, python_gc_gen2_seconds_total.
+They restart with the process (a new entity). A file of another layout version, another process (start ticks
+differ: a pid reused by a process without the bootstrap) or not one at all is reported once per process
+(flightrec_bad_gc) and not read again until it is replaced; a copy torn three times is skipped for that poll. No
+file (STEPLENS_GC=0, an older bootstrap): nothing. Cost: an open, two 128-byte preads and a close per process
+per step (read_gc_file: ~2 us on the 2-core VM), and three Metrics.
 """
 
 from __future__ import annotations
@@ -87,7 +101,7 @@ from dataclasses import dataclass, field
 
 from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, RealtimeClock, dtype_bytes, normalize_op,
                                    time_problem)
-from steplens.agent.records import CommOp, CommProgress, Event, ProcessInfo
+from steplens.agent.records import CommOp, CommProgress, Event, Metric, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
@@ -97,6 +111,10 @@ _ANCHOR_HEAD = struct.Struct("<8sIIQI")   # magic, version, slots, start ticks, 
 _ANCHOR_MAGIC, _ANCHOR_HEADER_BYTES, _ANCHOR_COUNT_AT = b"SLANCHR1", 64, 32
 _ANCHOR_VERSION = 1
 EXIT_SUFFIX = ".fr-exit.json"   # <pid>-<start ticks>.fr-exit.json, written by the bootstrap at exit
+GC_SUFFIX = ".gc"               # <pid>.gc: the bootstrap's GC time counters (steplens_bootstrap's layout)
+_GC_HEAD = struct.Struct("<8sIIQ")   # magic, version, file size, start ticks
+_GC_BODY = struct.Struct("<7Q")      # collections of gen 0, 1, 2; ns in gen 0, 1, 2; end of the last
+_GC_MAGIC, _GC_VERSION, _GC_SEQ_AT, _GC_BODY_AT = b"SLGCTIM1", 1, 24, 32
 EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this long, for its exit dump
 
 
@@ -287,6 +305,36 @@ def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int,
         if num == n + 1:
             out.append((n, ns))
     return out
+
+
+def read_gc_file(path: str, start_ticks: int) -> tuple[list[int], list[int]] | None:
+    """(collections per generation 0-2, ns per generation) from a bootstrap GC counter file; None when the copy was
+    torn three times (the writer was busy: the next poll reads it). FileNotFoundError when there is none;
+    FlightrecError("bad_gc") for another layout or another process's file. steplens_bootstrap.read_gc's rule: take
+    a copy whose sequence is even and unchanged when re-read after it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        for _ in range(3):
+            data = os.pread(fd, 128, 0)
+            again = os.pread(fd, 8, _GC_SEQ_AT)
+            if len(data) < _GC_BODY_AT + _GC_BODY.size:
+                raise FlightrecError("bad_gc", f"{path}: short file ({len(data)} bytes)")
+            magic, version, _, ticks = _GC_HEAD.unpack_from(data, 0)
+            if magic != _GC_MAGIC:
+                raise FlightrecError("bad_gc", f"{path}: not a GC counter file (magic {magic!r})")
+            if version != _GC_VERSION:
+                raise FlightrecError("bad_gc", f"{path}: GC counter layout version {version}; this agent reads "
+                                     f"version {_GC_VERSION} only: a newer bootstrap?")
+            if ticks != start_ticks:
+                raise FlightrecError("bad_gc", f"{path}: written by another process (start ticks {ticks}, not "
+                                     f"{start_ticks}: pid reused)")
+            seq = data[_GC_SEQ_AT:_GC_SEQ_AT + 8]
+            if seq == again and seq[0] % 2 == 0:
+                v = _GC_BODY.unpack_from(data, _GC_BODY_AT)
+                return list(v[:3]), list(v[3:6])
+        return None
+    finally:
+        os.close(fd)
 
 
 def header_anchors(doc) -> list[tuple[int, int]]:
@@ -501,7 +549,8 @@ class _Target:
 
 class FlightrecSource(Source):
     name = "flightrec"
-    description = "torch.distributed Flight Recorder entries (seq, pg, sizes) via the bootstrap's worker-server socket"
+    description = ("torch.distributed Flight Recorder entries (seq, pg, sizes) via the bootstrap's worker-server "
+                   "socket, and Python GC time from the bootstrap's <pid>.gc")
     config_class = FlightrecConfig
 
     @classmethod
@@ -517,7 +566,7 @@ class FlightrecSource(Source):
         self.reported: set[tuple] = set()
         self.lost_entries = 0
         self.polls = 0
-        self.gone: dict[tuple[int, int], tuple[_Target, float]] = {}  # left the workloads; cursor kept for its exit dump
+        self.gone: dict[tuple[int, int], tuple[_Target, float]] = {}  # left the workloads; cursor kept for exit dump
         self.known: dict[tuple[int, int], tuple[object, float]] = {}  # ProcessInfo of workloads, last seen
         self.finished: dict[tuple[int, int], float] = {}  # exit dump read: never polled again
         self.unremovable: set[str] = set()  # exit dumps read but not deletable here: never read again
@@ -525,9 +574,12 @@ class FlightrecSource(Source):
         self.anchors_total = 0
         self.progress: dict[tuple[int, int], dict[str, tuple]] = {}  # per process, per comm: (last emitted, when)
         self.progress_total = 0
+        self.gc_bad: dict[tuple[int, int], int] = {}  # a <pid>.gc reported bad: its inode, not read again
 
-    def _sockets(self) -> dict[int, str]:
-        found: dict[int, str] = {}
+    def _runtime_files(self) -> tuple[dict[int, str], dict[int, str]]:
+        """The bootstrap's <pid>.sock and <pid>.gc files in socket_dirs, by pid (the first directory wins)."""
+        sockets: dict[int, str] = {}
+        gcs: dict[int, str] = {}
         for pattern in self.config.socket_dirs:
             for d in sorted(glob.glob(pattern)):
                 try:
@@ -537,8 +589,10 @@ class FlightrecSource(Source):
                 for n in names:
                     stem, dot, ext = n.partition(".")
                     if ext == "sock" and stem.isdigit():
-                        found.setdefault(int(stem), os.path.join(d, n))
-        return found
+                        sockets.setdefault(int(stem), os.path.join(d, n))
+                    elif ext == "gc" and stem.isdigit():
+                        gcs.setdefault(int(stem), os.path.join(d, n))
+        return sockets, gcs
 
     def _report(self, out: list, key, kind: str, message: str, once: bool = True) -> None:
         if once:
@@ -551,7 +605,7 @@ class FlightrecSource(Source):
         out: list = []
         now = time.monotonic()
         workloads = self.ctx.workloads.snapshot()
-        sockets = self._sockets()
+        sockets, gc_files = self._runtime_files()
         for key, info in workloads.items():
             self.known[key] = (info, now)
         for key in [k for k in self.targets if k not in workloads]:
@@ -585,9 +639,43 @@ class FlightrecSource(Source):
             del self.finished[key]
         for key in [k for k in self.progress if k not in self.targets]:  # exited or failed: forget
             del self.progress[key]
+        self._gc_metrics(workloads, gc_files, out)
         self.polls += 1
         out += self.log.add(ops)
         return out
+
+    def _gc_metrics(self, workloads: dict, files: dict[int, str], out: list) -> None:
+        """python_gc_* of each workload process with a <pid>.gc (see the module docstring, GC time)."""
+        for key in [k for k in self.gc_bad if k not in workloads]:
+            del self.gc_bad[key]
+        for key in workloads:
+            path = files.get(key[0])
+            if path is None:
+                continue
+            if key in self.gc_bad:
+                try:
+                    if os.stat(path).st_ino == self.gc_bad[key]:
+                        continue  # the file reported: left alone until another replaces it
+                except OSError:
+                    continue
+            try:
+                got = read_gc_file(path, key[1])
+            except FileNotFoundError:
+                continue  # the process exited since the listing
+            except (OSError, FlightrecError) as exc:
+                try:
+                    self.gc_bad[key] = os.stat(path).st_ino
+                except OSError:
+                    continue
+                self._report(out, key, "bad_gc", f"{exc}; no python_gc metrics for it")
+                continue
+            if got is None:
+                continue  # torn three times: the next poll
+            counts, ns = got
+            now, entity = self.ctx.mono_ns(), f"pid:{key[0]}:{key[1]}"
+            out.append(Metric(now, "python_gc_seconds_total", entity, sum(ns) / 1e9))
+            out.append(Metric(now, "python_gc_collections_total", entity, float(sum(counts))))
+            out.append(Metric(now, "python_gc_gen2_seconds_total", entity, ns[2] / 1e9))
 
     def _read_exit_dumps(self, out: list, now: float) -> list[CommOp]:
         """CommOps from the exit dumps present (see the module docstring); each file is deleted once read."""

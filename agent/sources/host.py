@@ -1,27 +1,55 @@
-"""host: per-node CPU, memory, network, disk and per-workload-process telemetry, polled at 1 Hz.
+"""host: per-node CPU, memory, pressure, network, disk and per-workload-process telemetry, polled at 1 Hz.
 
 Reads (all under ctx.proc_root / ctx.sys_root, so tests can point at fixture trees):
   /proc/stat (psutil.cpu_times), /proc/meminfo + /proc/vmstat (psutil.virtual_memory/swap_memory),
   /proc/net/dev (psutil.net_io_counters), /proc/loadavg, /proc/diskstats, /sys/block/<dev> (to keep whole
   disks, drop partitions), /sys/devices/system/cpu/cpuN/cpufreq/scaling_cur_freq or /proc/cpuinfo for
-  frequency, and /proc/PID/stat + /proc/PID/status for each workload process the `procs` source published.
+  frequency, /proc/pressure/{cpu,memory,io} where the kernel has PSI (decided at start: no directory, or files
+  that refuse reads with psi=0, give nothing), and, for each workload process the `procs` source published,
+  /proc/PID/stat, /proc/PID/status, /proc/PID/schedstat, /proc/PID/cgroup and its cpu cgroup's cpu.stat plus
+  cpu.max (v2) or cpu.cfs_quota_us/cpu.cfs_period_us (v1); the cgroup mounts come from /proc/self/mountinfo
+  (read at start; a mount point under /sys is taken under sys_root).
 
 Per-process figures are read straight from /proc/PID/stat and /proc/PID/status rather than through
 psutil.Process: two reads per process, and the start time in the same stat read proves the PID still
 belongs to the (pid, start_ticks) we were handed, so a reused PID is never reported as the old process.
 
+Why a rank is slow (the collector's causes): cpu-throttled, cpu-contention and gc need the evidence below.
+- process_runqueue_seconds_total: /proc/PID/schedstat's second field, ns runnable but waiting for a CPU. It is
+  the main thread's (the tgid's own task, not summed over threads: that would cost one read per thread, and a
+  torch process holds dozens); the main thread runs the training loop. A task throttled by a CPU quota stays
+  runnable, so throttled time shows here too: contention is run-queue time the throttling does not explain.
+  The `sched` eBPF source has per-thread run-queue time where eBPF runs.
+- process_cpu_throttled_{seconds,periods}_total, process_cpu_periods_total, process_cpu_quota_cores: the CPU
+  bandwidth figures of the cgroup the process is in now (/proc/PID/cgroup is re-read every step: the testbed's
+  `cpu` fault moves a rank into a new cgroup with a quota). cgroup v1 where a v1 hierarchy holds the cpu
+  controller (hybrid hosts), else v2 (`0::/path`). The counters are the cgroup's, so they restart when a process
+  changes cgroup and are shared by the processes of one cgroup; the collector treats a drop as a reset.
+  The quota is the cgroup's own (cpu.max, or cfs_quota_us/cfs_period_us; none when unlimited); a quota on an
+  ancestor (a pod-level limit above a container's) throttles in the ancestor's cpu.stat, which is not read.
+  A cgroup without the cpu controller (no throttling fields in cpu.stat), a path this mount namespace does not
+  show (another cgroup namespace, "/../x"), or a file that does not parse gives none of the four.
+- pressure_*: host-wide PSI, the time at least one task (some) or all non-idle tasks (full) were stalled.
+
 Emitted metrics (entity in brackets):
   cpu_utilization_percent, cpu_iowait_percent [cpuN] (from /proc/stat differences; none on the first step),
   cpu_frequency_mhz [cpuN], load1/load5/load15 [""],
   memory_{total,available,used,cached,buffers}_bytes, swap_{total,used}_bytes, swap_{in,out}_bytes_total [""],
+  pressure_cpu_some_seconds_total, pressure_{memory,io}_{some,full}_seconds_total [""] (PSI `total=` us / 1e6),
   network_{receive,transmit}_{bytes,packets,errors,drops}_total [nic],
   disk_{read,written}_bytes_total, disk_{reads,writes}_completed_total, disk_io_time_seconds_total [disk],
   process_cpu_seconds_total, process_cpu_percent (100 = one full core), process_resident_memory_bytes,
-  process_threads, process_{voluntary,involuntary}_context_switches_total [pid:<pid>:<start_ticks>].
+  process_threads, process_{voluntary,involuntary}_context_switches_total, process_runqueue_seconds_total,
+  process_cpu_throttled_seconds_total, process_cpu_throttled_periods_total, process_cpu_periods_total,
+  process_cpu_quota_cores (1.0 = one core) [pid:<pid>:<start_ticks>].
 
-Cost (2-core Debian 12 VM, 4 NICs, 10 block devices, no cpufreq driver so /proc/cpuinfo is parsed,
-2 workload processes; tests/test_source_host.py::test_step_cost, process_time over 100 steps):
-~0.3-0.35 ms of CPU per step, i.e. ~0.03% of a core at 1 Hz. Each workload process adds ~30-40 µs.
+Cost (2-core Debian 12 VM shared with other work, kernel 6.18, hybrid cgroups (cpu on v1), PSI on, 4 NICs, no
+cpufreq driver so /proc/cpuinfo is parsed; process_time over 7 x 100 steps, median): 0.26 ms of CPU per step
+with 2 workload processes (0.21 ms before PSI, run-queue and cgroup reads), 0.41 ms with 8 (0.32 ms before),
+i.e. ~0.03-0.04% of a core at 1 Hz. Each workload process adds ~24 us, of which 10-21 us are the run-queue and
+cgroup reads (schedstat, cgroup, cpu.stat and the quota: 5 small files on v1, 4 on v2, the cgroup's read once per
+step for the processes it holds), read with os.read rather than open().read() (a third of the cost); PSI ~14 us.
+tests/test_source_host.py::test_step_cost prints the per-step figure.
 """
 
 from __future__ import annotations
@@ -70,6 +98,8 @@ class HostSource(Source):
         self._nic_exclude = re.compile(config.nic_exclude_regex)
         self._disk_exclude = re.compile(config.disk_exclude_regex)
         self._freq_paths: list[tuple[str, str]] | None = None  # (entity, scaling_cur_freq path) or [] for cpuinfo
+        self._cgroups: CpuCgroups | None = None
+        self._psi: list[tuple[str, str]] = []  # (resource, /proc/pressure/<resource>) that read
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -90,6 +120,10 @@ class HostSource(Source):
         self._prev_cpu = None
         self._prev_proc = {}
         self._freq_paths = self._find_freq_paths()
+        self._cgroups = None
+        if self.config.processes:
+            self._cgroups = CpuCgroups.from_mountinfo(self.ctx.proc_root, self.ctx.sys_root)
+        self._psi = _psi_paths(self.ctx.proc_root)
 
     def stop(self) -> None:
         self._prev_cpu = None
@@ -105,6 +139,7 @@ class HostSource(Source):
         self._memory(now, out)
         self._network(now, out)
         self._disks(now, out)
+        self._pressure(now, out)
         if self.config.processes:
             self._processes(now, out)
         return out
@@ -126,7 +161,8 @@ class HostSource(Source):
             util = 100.0 * (total - idle) / total
             entity = f"cpu{i}"
             out.append(Metric(now, "cpu_utilization_percent", entity, min(100.0, max(0.0, util))))
-            out.append(Metric(now, "cpu_iowait_percent", entity, min(100.0, max(0.0, 100.0 * (b.iowait - a.iowait) / total))))
+            iowait = 100.0 * (b.iowait - a.iowait) / total
+            out.append(Metric(now, "cpu_iowait_percent", entity, min(100.0, max(0.0, iowait))))
 
     def _find_freq_paths(self) -> list[tuple[str, str]]:
         base = host_path(self.ctx.sys_root, "devices", "system", "cpu")
@@ -232,10 +268,30 @@ class HostSource(Source):
             out.append(Metric(now, "disk_written_bytes_total", dev, float(wsect * _SECTOR_BYTES)))
             out.append(Metric(now, "disk_io_time_seconds_total", dev, io_ms / 1000.0))
 
+    # -- pressure stall information --------------------------------------------------------------
+
+    def _pressure(self, now: int, out: list) -> None:
+        for resource, path in self._psi:
+            try:
+                text = _read_small(path)
+            except OSError:
+                continue  # found at start, unreadable now: nothing rather than an error each second
+            for line in text.split(b"\n"):
+                kind, _, rest = line.partition(b" ")
+                if (resource, kind) not in _PSI_NAMES:
+                    continue
+                for field in rest.split():
+                    if field.startswith(b"total="):
+                        try:
+                            out.append(Metric(now, _PSI_NAMES[(resource, kind)], "", int(field[6:]) / 1e6))
+                        except ValueError:
+                            pass
+
     # -- workload processes ----------------------------------------------------------------------
 
     def _processes(self, now: int, out: list) -> None:
         seen: dict[tuple[int, int], tuple[int, int]] = {}
+        cgroup_cache: dict[str, tuple | None] = {}  # this step's reads, per cgroup directory (ranks share one)
         for key in self.ctx.workloads.snapshot():
             pid, start_ticks = key
             sample = _read_process(self.ctx.proc_root, pid, start_ticks)
@@ -253,8 +309,180 @@ class HostSource(Source):
             if vol >= 0:
                 out.append(Metric(now, "process_voluntary_context_switches_total", entity, float(vol)))
                 out.append(Metric(now, "process_involuntary_context_switches_total", entity, float(invol)))
+            delay_ns = _read_run_delay_ns(self.ctx.proc_root, pid)
+            if delay_ns >= 0:
+                out.append(Metric(now, "process_runqueue_seconds_total", entity, delay_ns / 1e9))
+            if self._cgroups is not None:
+                cpu = self._cgroups.cpu_of(pid, cgroup_cache)
+                if cpu is not None:
+                    periods, throttled_periods, throttled_s, quota = cpu
+                    out.append(Metric(now, "process_cpu_throttled_seconds_total", entity, throttled_s))
+                    out.append(Metric(now, "process_cpu_throttled_periods_total", entity, float(throttled_periods)))
+                    out.append(Metric(now, "process_cpu_periods_total", entity, float(periods)))
+                    if quota is not None:
+                        out.append(Metric(now, "process_cpu_quota_cores", entity, quota))
             seen[key] = (ticks, now)
         self._prev_proc = seen
+
+
+# (resource, line) of /proc/pressure/* -> metric; the host's "cpu full" is not defined (kernel docs): left out
+_PSI_NAMES = {
+    ("cpu", b"some"): "pressure_cpu_some_seconds_total",
+    ("memory", b"some"): "pressure_memory_some_seconds_total",
+    ("memory", b"full"): "pressure_memory_full_seconds_total",
+    ("io", b"some"): "pressure_io_some_seconds_total",
+    ("io", b"full"): "pressure_io_full_seconds_total",
+}
+
+
+def _psi_paths(proc_root: str) -> list[tuple[str, str]]:
+    """The /proc/pressure files this kernel serves: none without PSI (CONFIG_PSI off: no directory; psi=0 on the
+    command line: the files exist and a read fails with EOPNOTSUPP). Decided once, at start."""
+    found = []
+    for resource in ("cpu", "memory", "io"):
+        path = host_path(proc_root, "pressure", resource)
+        try:
+            with open(path, "rb") as f:
+                f.read()
+        except OSError:
+            continue
+        found.append((resource, path))
+    return found
+
+
+def _unescape_mount(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
+
+
+class CpuCgroups:
+    """Where the cpu controller of a process's cgroup is, and its bandwidth figures.
+
+    Built once from <proc_root>/self/mountinfo: the cgroup2 mount and the cgroup v1 mount whose super options
+    name the `cpu` controller (with its root, for bind mounts of a sub-tree). A mount point under /sys is taken
+    under sys_root, so tests and containers with the host's /sys elsewhere work. Per process, /proc/PID/cgroup is
+    read every call (a process can be moved): a v1 line whose controllers include `cpu` wins, else the v2 line
+    `0::/path` (on a hybrid host the cpu controller is bound to v1 and the v2 tree has no cpu.max).
+    """
+
+    def __init__(self, proc_root: str, v2: tuple[str, str] | None, v1_cpu: tuple[str, str] | None) -> None:
+        self.proc_root = proc_root
+        self.v2 = v2          # (mount point, root within the hierarchy)
+        self.v1_cpu = v1_cpu  # same, for the v1 hierarchy that holds cpu
+
+    @classmethod
+    def from_mountinfo(cls, proc_root: str, sys_root: str) -> "CpuCgroups | None":
+        try:
+            with open(host_path(proc_root, "self", "mountinfo"), "rb") as f:
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            return None
+        v2 = v1 = None
+        for line in lines:
+            pre, sep, post = line.partition(" - ")
+            a, b = pre.split(), post.split()
+            if not sep or len(a) < 5 or len(b) < 3:
+                continue
+            root, point = _unescape_mount(a[3]), _unescape_mount(a[4])
+            if point == "/sys" or point.startswith("/sys/"):
+                point = host_path(sys_root, point[5:])
+            # the first mount of a hierarchy wins, unless a later one shows the whole tree (root "/")
+            if b[0] == "cgroup2" and (v2 is None or (root == "/" and v2[1] != "/")):
+                v2 = (point, root)
+            elif b[0] == "cgroup" and "cpu" in b[2].split(",") and (v1 is None or (root == "/" and v1[1] != "/")):
+                v1 = (point, root)
+        if v2 is None and v1 is None:
+            return None
+        return cls(proc_root, v2, v1)
+
+    def directory_of(self, pid: int) -> tuple[str, int] | None:
+        """(directory of the process's cpu cgroup, cgroup version) now, or None."""
+        try:
+            text = _read_small(os.path.join(self.proc_root, str(pid), "cgroup")).decode("utf-8", "replace")
+        except OSError:
+            return None
+        v2_path = None
+        for line in text.splitlines():
+            hier, _, rest = line.partition(":")
+            controllers, _, path = rest.partition(":")
+            if hier == "0" and not controllers:
+                v2_path = path
+            elif self.v1_cpu is not None and "cpu" in controllers.split(","):
+                where = _under(self.v1_cpu, path)
+                return (where, 1) if where else None
+        if v2_path is not None and self.v2 is not None and self.v1_cpu is None:
+            where = _under(self.v2, v2_path)
+            return (where, 2) if where else None
+        return None
+
+    def cpu_of(self, pid: int, cache: dict) -> tuple[int, int, float, float | None] | None:
+        """(periods, throttled periods, throttled seconds, quota in cores or None) of the process's cpu cgroup,
+        or None (no cpu controller there, gone, unreadable, garbage). `cache` holds reads within one step."""
+        found = self.directory_of(pid)
+        if found is None:
+            return None
+        if found[0] not in cache:
+            cache[found[0]] = read_cpu_bandwidth(*found)
+        return cache[found[0]]
+
+
+def _under(mount: tuple[str, str], path: str) -> str:
+    """The directory of cgroup `path` (as /proc/PID/cgroup writes it) below a mount (point, root); "" when the
+    mount does not show it (outside the mount's sub-tree, or outside this cgroup namespace: "/../x")."""
+    point, root = mount
+    if not path.startswith("/") or ".." in path.split("/"):
+        return ""
+    if root != "/":
+        if path != root and not path.startswith(root + "/"):
+            return ""
+        path = path[len(root):]
+    rel = path.lstrip("/")
+    return os.path.join(point, rel) if rel else point
+
+
+def read_cpu_bandwidth(directory: str, version: int) -> tuple[int, int, float, float | None] | None:
+    """(nr_periods, nr_throttled, throttled seconds, quota cores or None when unlimited) from a cgroup
+    directory's cpu.stat and cpu.max (v2) or cpu.cfs_quota_us / cpu.cfs_period_us (v1); None when cpu.stat has
+    no throttling fields (no cpu controller there) or anything does not parse."""
+    throttled_key, scale = (b"throttled_usec", 1e6) if version == 2 else (b"throttled_time", 1e9)
+    try:
+        fields = dict(line.split(b" ", 1) for line in _read_small(os.path.join(directory, "cpu.stat")).split(b"\n")
+                      if b" " in line)
+        periods, throttled, throttled_s = int(fields[b"nr_periods"]), int(fields[b"nr_throttled"]), \
+            int(fields[throttled_key]) / scale
+    except (OSError, KeyError, ValueError):
+        return None
+    if min(periods, throttled, throttled_s) < 0:
+        return None
+    quota = None
+    try:
+        if version == 2:
+            quota_s, _, period_s = _read_small(os.path.join(directory, "cpu.max")).strip().partition(b" ")
+        else:
+            quota_s = _read_small(os.path.join(directory, "cpu.cfs_quota_us")).strip()
+            period_s = _read_small(os.path.join(directory, "cpu.cfs_period_us")).strip()
+        if quota_s != b"max" and int(quota_s) >= 0 and int(period_s) > 0:  # v1 writes -1 for no limit
+            quota = int(quota_s) / int(period_s)
+    except (OSError, ValueError):
+        pass  # the bandwidth counters stand without it
+    return periods, throttled, throttled_s, quota
+
+
+def _read_run_delay_ns(proc_root: str, pid: int) -> int:
+    """ns the process's main thread waited on a run queue (/proc/PID/schedstat, 2nd field); -1 when unreadable."""
+    try:
+        return int(_read_small(os.path.join(proc_root, str(pid), "schedstat")).split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _read_small(path: str) -> bytes:
+    """A small proc/cgroup file in one read(2): a third of what open().read() costs (no buffered file object)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 65536)
+    finally:
+        os.close(fd)
 
 
 def _cpu_total(t) -> float:
@@ -267,8 +495,7 @@ def _read_process(proc_root: str, pid: int, start_ticks: int):
     """(utime+stime ticks, rss pages, threads, voluntary, involuntary) or None if gone or not the same process."""
     base = os.path.join(proc_root, str(pid))
     try:
-        with open(os.path.join(base, "stat"), "rb") as f:
-            stat = f.read()
+        stat = _read_small(os.path.join(base, "stat"))
     except OSError:
         return None
     fields = stat[stat.rfind(b")") + 2 :].split()
@@ -283,12 +510,11 @@ def _read_process(proc_root: str, pid: int, start_ticks: int):
         return None
     vol = invol = -1
     try:
-        with open(os.path.join(base, "status"), "rb") as f:
-            for line in f.read().split(b"\n")[-4:]:
-                if line.startswith(b"voluntary_ctxt_switches:"):
-                    vol = int(line.split()[1])
-                elif line.startswith(b"nonvoluntary_ctxt_switches:"):
-                    invol = int(line.split()[1])
+        for line in _read_small(os.path.join(base, "status")).split(b"\n")[-4:]:
+            if line.startswith(b"voluntary_ctxt_switches:"):
+                vol = int(line.split()[1])
+            elif line.startswith(b"nonvoluntary_ctxt_switches:"):
+                invol = int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
     return ticks, rss, threads, vol, invol

@@ -3,10 +3,13 @@
 Kinds (`inject(layout, kind, target, duration_seconds, ...)`; each call blocks for the duration, reverts, and
 appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <state>/ground_truth.jsonl):
 Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm / hold; a host (`h1`, `1`, or `rank3` = the host of rank 3)
-for link / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic, not TP,
+for link / drop / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic, not TP,
 which stays on the host's loopback path.
 - `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
   directions of its link); the qdiscs also vanish with the namespaces on `down`.
+- `drop`: netem loss 100 % on the same two egresses: the host's link drops everything, both ways (its agent's
+  connection to the collector too: the agent spools and sends when the link is back); TCP backs off while it
+  lasts, so the job resumes up to a minute or so after the link is back (the retransmission timer's backoff).
 - `cpu`: CPU quota (default 10 % of a core) for the target rank's process, cgroup v1 `cpu` controller
   (`cpu.cfs_quota_us`) or v2 (`cpu.max`); the cgroup is named sltb-rank<r> and removed afterwards.
 - `stop`: SIGSTOP then SIGCONT of the target rank; longer than the job's gloo timeout (30 s) kills the job.
@@ -30,7 +33,7 @@ import time
 
 from . import netns
 
-KINDS = ("link", "cpu", "stop", "gc_storm", "hold", "extra_sync", "noisy")
+KINDS = ("link", "drop", "cpu", "stop", "gc_storm", "hold", "extra_sync", "noisy")
 
 
 # ---------------------------------------------------------------- step logs
@@ -111,7 +114,7 @@ def _number(target: str, prefix: str) -> int | None:
 
 
 def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
-    """The rank (cpu, stop, gc_storm, hold) or host index (link, noisy) a target names.
+    """The rank (cpu, stop, gc_storm, hold) or host index (link, drop, noisy) a target names.
 
     Ranks: 'rank3' or '3'; a host 'h1' only while it holds one rank (tp = 1). Hosts: 'h1' or '1', or
     'rank3' for the host that rank 3 runs on (with tp > 1 that is rank 3 // tp)."""
@@ -147,6 +150,14 @@ def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool) -> None:
         if on:
             netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
                      "burst", "64kb", "latency", "100ms")
+        else:
+            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+
+def _netem_loss(dev_ns: list[tuple[str, str]], on: bool) -> None:
+    for ns, dev in dev_ns:
+        if on:
+            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%")
         else:
             netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
@@ -255,6 +266,11 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         params["rate"] = rate
         _tbf(devs, rate, True)
         undo = lambda: _tbf(devs, rate, False)  # noqa: E731
+    elif kind == "drop":
+        devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
+        params["loss"] = "100%"
+        _netem_loss(devs, True)
+        undo = lambda: _netem_loss(devs, False)  # noqa: E731
     elif kind == "cpu":
         params["cpu_share"] = cpu_share
         undo = _cpu_quota(_rank_pid(layout, i), i, cpu_share)

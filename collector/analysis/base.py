@@ -81,6 +81,7 @@ class AnalysisSettings:
     nice: int = 10                         # the analysis thread's niceness (Linux, best effort)
     max_jobs_per_cycle: int = 64           # jobs analysed per pass at most (the rest wait for the next pass)
     watch_queue_size: int = 1024           # findings events buffered per WatchFindings stream (oldest dropped)
+    causes: bool = True                    # attach why each leading suspect is slow (analysis/causes.py)
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from steplens.collector.analysis import causes
 from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig, DetectorSpec, Window, no_gc
 from steplens.collector.analysis.findings import Change, Finding, merge
 from steplens.collector.store import diagnosis as store
@@ -59,6 +60,17 @@ class AnalysisReader:
             raise FetchUnavailable("no agent connection to fetch CommOps from")
         self.ranks_fetched.update(ranks)
         return self._fetch(job_key, list(ranks), since_ns, until_ns, limit)
+
+    def fetch_kernels(self, job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0
+                      ) -> list[dict]:
+        """The node-local GPU kernel records (CUPTI / Kineto) of some ranks, as FetchDetail rows."""
+        if self._fetch is None:
+            raise FetchUnavailable("no agent connection to fetch kernels from")
+        self.ranks_fetched.update(ranks)
+        try:
+            return self._fetch(job_key, list(ranks), since_ns, until_ns, limit, kinds=["kernels"])
+        except TypeError as exc:  # a fetcher of CommOps only (the simulator's)
+            raise FetchUnavailable(f"this fetcher brings CommOps only ({exc})") from None
 
 
 class Histogram:
@@ -198,6 +210,8 @@ class AnalysisEngine:
         self.passes = 0
         self.jobs_waiting = 0
         self.store_failures = 0
+        self.cause_errors = 0
+        self.cause_seconds = 0.0
         self._locks: dict[str, threading.Lock] = collections.defaultdict(threading.Lock)
         self._memos: collections.OrderedDict[str, dict] = collections.OrderedDict()  # job -> per-step memo
         self._memo_lock = threading.Lock()
@@ -240,6 +254,15 @@ class AnalysisEngine:
                 st.duration.observe(st.last_duration_seconds)
                 st.findings += len(outputs.get(name, []))
                 ran.append(name)
+            if outputs and self.settings.causes:   # why each leading suspect is slow (causes.py)
+                c0 = time.perf_counter()
+                try:
+                    outputs = causes.attach(reader, job_key, outputs)
+                except Exception as exc:  # the findings still go out, with the detectors' own causes
+                    errors["causes"] = f"{type(exc).__name__}: {exc}"
+                    self.cause_errors += 1
+                    log.warning("causes failed on job %s: %s", job_key, errors["causes"])
+                self.cause_seconds += time.perf_counter() - c0
             changes: list[Change] = []
             if outputs:
                 if not data_ns:

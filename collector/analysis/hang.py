@@ -19,13 +19,13 @@ Culprits are the sinks: ranks others wait for, transitively, that wait for nobod
 process first, then one whose stack is not inside a communication call, then by how many ranks wait on them
 (the whole job, in a hang of one rank). A sink inside a communication call the Flight Recorder does not record
 (gloo's send/recv) waits for a peer too: when every sink is such a one and a collective stalls with all its
-members inside, the hang is that comm hang (its nodes first, those sinks after). Which end of a stalled link
-is broken is not told apart (both members' nodes are named): that needs per-connection retransmits (netflows),
-not read here. Each culprit's cause comes from its process state (the
-procs source's process_stopped / process_blocked / process_zombie events, or its exit) and its Python stack
-(the newest stack summary of its process: the frames it is stuck in, in the finding). Non-comm hang: the
-culprit is a rank not inside the collective the others wait in (stopped, stuck in compute, data loading, a
-lock); comm hang: every member inside it.
+members inside, the hang is that comm hang (its nodes first, those sinks after). Which host's link is broken:
+the one every TCP connection stuck retransmitting has at one end (the tcpinfo source's tcp_stalled Events of
+the stalled members' nodes); it leads, with its NICs from the topology. Each culprit's cause comes from its
+process state (the procs source's process_stopped / process_blocked / process_zombie events, or its exit) and
+its Python stack (the newest stack summary of its process: the frames it is stuck in, in the finding).
+Non-comm hang: the culprit is a rank not inside the collective the others wait in (stopped, stuck in compute,
+data loading, a lock); comm hang: every member inside it.
 
 A hang that ended inside the window (the job completed steps again after a gap longer than the bound) is
 reported with `resumed_ns` and ongoing False, so the finding says it resumed and then resolves. Evidence kept
@@ -348,6 +348,33 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
             sus.append(Suspect("node", node, round(len(inside) / total / 2, 4), "network",
                                {"comm": comm, "ranks_inside": sorted(inside)[:32],
                                 "why": "every member entered the collective and none completes"}))
+    # the network under a hang: TCP connections stuck retransmitting (tcpinfo) and hosts whose agent fell silent
+    culprit_nodes = [node_of.get(r, "") for r, _ in found if node_of.get(r)]
+    net_lead = None
+    if stalled or culprit_nodes:
+        down = unreachable_nodes(reader, now)
+        asked = set(node_of.values()) - {""} - set(down)
+        if len(asked) > 64:   # a large job: the nodes of who waits and where collectives stall
+            asked = ({node_of.get(r, "") for r in g.waits} | {node_of.get(r, "") for _, ins in stalled for r in ins}
+                     | {node_of.get(r, "") for r, _ in hidden} | set(culprit_nodes)) - {""} - set(down)
+        tcp = stalled_connections(reader, sorted(asked)[:64], onset - 30 * 10**9, now)
+        common = tcp.get("common")
+        if common and common in set(node_of.values()) and (stalled or common in culprit_nodes):
+            net_lead = (common, "network", {"why": f"each of the {tcp['count']} stalled TCP connection(s) has "
+                                            f"{common} at one end", "connections": tcp["connections"][:16]})
+        elif culprit_nodes and culprit_nodes[0] in down:
+            node = culprit_nodes[0]
+            net_lead = (node, "unreachable", {"why": f"its agent has not been heard from for "
+                                              f"{(now - down[node]) / 1e9:.0f} s while the others report: the "
+                                              "host or its network is down (what the others' data says of its "
+                                              "ranks is as of then)", "connections": tcp.get("connections", [])[:16]})
+    if net_lead:
+        node, cause, ev = net_lead
+        old = [x for x in sus if x.kind == "node" and x.id == node]
+        sus = [x for x in sus if not (x.kind == "node" and x.id == node)]
+        sus.insert(0, Suspect("node", node, 1.0, cause, {**(old[0].evidence if old else {}), **ev}))
+        for k, nic in enumerate(_nics_of(reader, node)[:2]):
+            sus.insert(1 + k, Suspect("nic", nic, 0.9, cause, {"node": node, "why": "its link to its switch"}))
     if stalled:
         for rank, n in hidden[:max(0, cfg.max_suspects - len(sus))]:
             sus.append(Suspect("rank", str(rank), round(n / total / 4, 4), "network",
@@ -367,7 +394,8 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
                 sus.insert(0, Suspect("rank", str(rank), 1.0, "hang", {"node": node_of.get(rank, ""),
                                                                        "state": st["state"]}))
         sus = sus[:cfg.max_suspects]
-    comm_hang = bool(stalled) and not found
+    sus = sus[:cfg.max_suspects]
+    comm_hang = bool(stalled) and not found or bool(net_lead) and net_lead[1] == "network"
     seconds = (now - onset) / 1e9
     waiting: dict[str, list[int]] = {}
     for r, ops in g.waiting_in.items():
@@ -396,6 +424,8 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
         who = (f"; culprit rank {lead.id} ({lead.evidence.get('state')}"
                + (f", in {lead.evidence['frames'][0]}" if lead.evidence.get("frames") else "")
                + f"), {lead.evidence.get('waiting_on_it', 0)} rank(s) waiting on it")
+    elif lead.evidence.get("connections") is not None and lead.cause in ("network", "unreachable"):
+        who = f"; {lead.kind} {lead.id}: {lead.evidence['why']}"
     else:
         who = f"; a comm hang on {lead.evidence.get('comm')}: every member is inside it, none completes"
     summary = (f"{'Comm' if comm_hang else 'Job'} hang: no step completed for {seconds:.0f} s "
@@ -432,6 +462,83 @@ def _resumed(reader, window: Window, cfg: HangConfig, js: JobSteps, ends: dict[i
                                                         f"{(e1 - f.onset_ns) / 1e9:.0f} s.",
                                suspects=f.suspects, evidence=ev))
     return out
+
+
+def _endpoint(text: str) -> tuple[str, int] | None:
+    addr, _, port = text.strip().rpartition(":")
+    return (addr.strip("[]"), int(port)) if addr and port.isdigit() else None
+
+
+def stalled_connections(reader, nodes: list[str], since_ns: int, until_ns: int) -> dict:
+    """TCP connections of the given nodes that were stuck retransmitting in [since_ns, until_ns] (the tcpinfo
+    source's tcp_stalled Events, entity "src:sport->dst:dport", not followed by tcp_recovered) and the host every
+    one of them touches, if one does: {"count", "connections": [...], "common": node id or remote address}.
+    An address is a node's when that node reported a connection from it (its own side)."""
+    fn = getattr(reader, "node_events", None)
+    if fn is None or not nodes:
+        return {}
+    conns: dict[tuple, tuple[str, tuple, tuple]] = {}
+    owner: dict[str, str] = {}
+    for node in nodes:
+        try:
+            evs = fn(node, ("tcp_stalled", "tcp_recovered"), since_ns, until_ns)
+        except Exception:  # a reader without events
+            return {}
+        for e in evs:
+            src_t, _, dst_t = (e.get("entity") or "").partition("->")
+            src, dst = _endpoint(src_t), _endpoint(dst_t)
+            if not src or not dst:
+                continue
+            owner[src[0]] = node
+            key = (node, src, dst)
+            if e["kind"] == "tcp_stalled":
+                conns[key] = (node, src, dst)
+            else:
+                conns.pop(key, None)
+    if not conns:
+        return {}
+    topo = _topology(reader)
+    if topo is not None:
+        for nic in topo.nics.values():
+            if nic.ip:
+                owner.setdefault(nic.ip, nic.node)
+    counts: dict[str, int] = {}
+    for node, _src, dst in conns.values():
+        for end in {node, owner.get(dst[0], dst[0])}:
+            counts[end] = counts.get(end, 0) + 1
+    best = max(counts.values())
+    tops = sorted(k for k, v in counts.items() if v == best)
+    out = {"count": len(conns), "connections": sorted(f"{n}: {s[0]}:{s[1]}->{d[0]}:{d[1]}"
+                                                     for n, s, d in conns.values())}
+    if best == len(conns) and len(tops) == 1:   # one connection alone: either end, not told apart
+        out["common"] = tops[0]
+    return out
+
+
+def unreachable_nodes(reader, now_ns: int, silent_ns: int = 10 * 10**9) -> dict[str, int]:
+    """Nodes whose agent is disconnected or has sent nothing for silent_ns before now: node -> last seen (ns)."""
+    fn = getattr(reader, "nodes", None)
+    if fn is None:
+        return {}
+    try:
+        rows = fn()
+    except Exception:  # a reader without agents
+        return {}
+    return {r["node_id"]: r["last_seen_ns"] for r in rows
+            if r.get("last_seen_ns") and (not r.get("connected") or r["last_seen_ns"] < now_ns - silent_ns)}
+
+
+def _topology(reader):
+    try:
+        return reader.topology()
+    except Exception:  # a reader without a topology
+        return None
+
+
+def _nics_of(reader, node: str) -> list[str]:
+    """The topology's NICs of a node (each stands for its link to its switch), where a topology is imported."""
+    topo = _topology(reader)
+    return sorted(n.id for n in topo.nics.values() if n.node == node) if topo is not None else []
 
 
 def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:

@@ -92,11 +92,12 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
 
 
 def thread_fetcher(loop, ingest, reader, clock, timeout_s: float = 60.0):
-    """A blocking fetch(job_key, ranks, since_ns, until_ns, limit) -> rows for the analysis thread, run on the
-    collector's event loop (where the agents' streams live)."""
-    def fetch(job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0) -> list[dict]:
+    """A blocking fetch(job_key, ranks, since_ns, until_ns, limit, kinds) -> rows for the analysis thread, run on
+    the collector's event loop (where the agents' streams live); kinds: ["commops"] (default) or ["kernels"]."""
+    def fetch(job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0,
+              kinds: list[str] | None = None) -> list[dict]:
         fut = asyncio.run_coroutine_threadsafe(
-            fetch_commops(ingest, reader, clock, job_key, ranks, since_ns, until_ns, limit), loop)
+            fetch_commops(ingest, reader, clock, job_key, ranks, since_ns, until_ns, limit, kinds), loop)
         return fut.result(timeout_s).rows
     return fetch
 

@@ -159,6 +159,80 @@ class DiagnosisQueries:
                         "message": message or "", "value": value or 0.0})
         return out
 
+    def node_events(self, node_id: str, kinds: tuple[str, ...], since_ns: int = 0, until_ns: int = 0,
+                    limit: int = 1000) -> list[dict]:
+        """One node's Events of the given kinds in [since_ns, until_ns] (until 0: no bound), oldest first:
+        {ts_ns, kind, entity, message, value}."""
+        cond, args = ["agent_id = ?", f"kind IN ({','.join('?' * len(kinds))})", "ts_ns >= ?"], [node_id, *kinds,
+                                                                                              since_ns]
+        if until_ns:
+            cond.append("ts_ns <= ?")
+            args.append(until_ns)
+        db = self._db()
+        try:
+            cur = db.conn.execute(f"SELECT ts_ns, kind, entity, message, value FROM events WHERE {' AND '.join(cond)}"
+                                  " ORDER BY ts_ns LIMIT ?", args + [limit])
+            return _dict_rows(cur)
+        finally:
+            db.conn.close()
+
+    def job_processes(self, job_key: str) -> list[dict]:
+        """Every process the agents reported for one job, by rank: {node_id, pid, start_ticks, rank, local_rank,
+        started_ns, exited_ns} (exited_ns 0 while alive), newest process of a rank last."""
+        db = self._db()
+        try:
+            rows = db.conn.execute("SELECT agent_id, pid, start_ticks, rank, local_rank, started_ns, exited_ns FROM"
+                                   " processes WHERE job_key=? ORDER BY rank, started_ns", (job_key,)).fetchall()
+        finally:
+            db.conn.close()
+        return [{"node_id": a, "pid": p, "start_ticks": t, "rank": r if r is not None else -1,
+                 "local_rank": lr if lr is not None else -1, "started_ns": s or 0, "exited_ns": e or 0}
+                for a, p, t, r, lr, s, e in rows]
+
+    def metric_points(self, node_id: str, names: list[str], entities: list[str] | None = None, since_ns: int = 0,
+                      until_ns: int = 0, limit: int = 100_000) -> dict[tuple[str, str], list[tuple[int, float]]]:
+        """One node's samples of the named metrics (all entities, or those listed) in [since_ns, until_ns]
+        (until 0: no bound), oldest first per series: {(name, entity): [(ts_ns, value)]}."""
+        if not names:
+            return {}
+        cond = ["s.agent_id = ?", f"s.name IN ({','.join('?' * len(names))})", "m.ts_ns >= ?"]
+        args: list = [node_id, *names, since_ns]
+        if entities is not None:
+            if not entities:
+                return {}
+            cond.append(f"s.entity IN ({','.join('?' * len(entities))})")
+            args += list(entities)
+        if until_ns:
+            cond.append("m.ts_ns <= ?")
+            args.append(until_ns)
+        db = self._db()
+        try:
+            rows = db.conn.execute(f"SELECT s.name, s.entity, m.ts_ns, m.value FROM series s JOIN metrics m ON"
+                                   f" m.series_id = s.id WHERE {' AND '.join(cond)} ORDER BY s.id, m.ts_ns LIMIT ?",
+                                   args + [limit]).fetchall()
+        finally:
+            db.conn.close()
+        out: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for name, entity, ts, value in rows:
+            out.setdefault((name, entity), []).append((ts, value))
+        return out
+
+    def conn_stats_of(self, node_id: str, since_ns: int = 0, until_ns: int = 0, limit: int = 50_000) -> list[dict]:
+        """One node's per-connection TCP figures (netflows ConnStats) whose interval ends in [since_ns, until_ns],
+        oldest first: {start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits, srtt_us, pid}."""
+        cond, args = ["agent_id = ?", "end_ns >= ?"], [node_id, since_ns]
+        if until_ns:
+            cond.append("end_ns <= ?")
+            args.append(until_ns)
+        db = self._db()
+        try:
+            cur = db.conn.execute("SELECT start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits,"
+                                  f" srtt_us, pid FROM conn_stats WHERE {' AND '.join(cond)} ORDER BY end_ns LIMIT ?",
+                                  args + [limit])
+            return _dict_rows(cur)
+        finally:
+            db.conn.close()
+
     def topology(self) -> Topology | None:
         rec = self.topology_record()
         return rec["topology"] if rec else None

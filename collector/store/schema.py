@@ -172,6 +172,11 @@ CREATE INDEX comm_progress_job ON comm_progress (job_key, end_ns);
 CREATE INDEX comm_progress_end ON comm_progress (end_ns);
 """))
 
+# why a rank is slow (analysis/causes.py) reads one node's connections over an episode
+MIGRATIONS.append((9, """
+CREATE INDEX conn_stats_agent ON conn_stats (agent_id, end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -1,0 +1,564 @@
+"""Why a suspect is slow: a cause for the leading suspects of every slowdown-type finding, from evidence the
+agents already send, each cause judged on the suspect's own figures during the episode against the same figures
+before it (its own baseline), and the GPU's against its peers'. Not a detector: the engine calls `attach` on the
+detectors' output of each pass, before the findings are merged, so the cause is part of what is stored and shown.
+
+Causes, in the order they win (the first whose rule holds is the suspect's cause; all that hold are evidence):
+  stopped          a process_stopped Event (procs: state T/t) of the rank's process in or around the episode
+  cpu-throttled    the process's cgroup throttled it (host: process_cpu_throttled_seconds_total) for at least
+                   `throttled_fraction` of the episode and `rise` x its baseline
+  gc               Python GC (bootstrap gc.callbacks: python_gc_seconds_total) took `gc_fraction` of the episode
+                   and `rise` x its baseline
+  gpu-error        an XID Event of the rank's GPU in the episode
+  gpu-throttled    the rank's GPU ran at < `gpu_clock_ratio` x its peers' SM clock (median over the episode) with a
+                   slowdown reason active (HW slowdown 0x8, SW thermal 0x20, HW thermal 0x40, HW power brake
+                   0x80, applications clocks 0x2). SW power cap (0x4) alone is not one: a real H100 under full load
+                   holds it with its clock ~30 % under the maximum (tests/fixtures/gpu-recorded/nvml-h100-load.jsonl),
+                   like every busy GPU of the job
+  gpu-slow         the same clock deficit with no reason reported; or its identical compute kernels take
+                   >= `kernel_ratio` x its peers' mean time (weighted by its time in each: XPUTimer's comparison
+                   of identical kernels, on kernel records fetched from the agents of the rank and 3 peers)
+  memory-pressure  the node's memory PSI (pressure_memory_some) at `pressure_fraction` of the episode, `rise` x
+                   baseline, or swapping in at >= `swap_in_bytes_per_s`
+  cpu-contention   the process waited on a run queue (process_runqueue_seconds_total, /proc/PID/schedstat) for
+                   `runqueue_fraction` of the episode and `rise` x its baseline (with no throttling: a quota makes
+                   run-queue waits too, and is the cause then)
+  host-bound       its GPU waits for its CPU: the share of its kernels that start < 50 µs after their launch is
+                   >= 0.5 and `issue_shift` over its peers' (XPUTimer's issue latency; a real H100 job: 12 %
+                   queued, 92 % CPU-bound, tests/fixtures/gpu-recorded/cupti-phases); a specific CPU-side cause
+                   above wins
+  network          the node's TCP connections (netflows ConnStats) retransmitted (>= `retransmits_per_s`, `rise`
+                   x baseline) or their smoothed RTT rose `srtt_rise` x and by >= `srtt_min_increase_us` over their
+                   own baseline; the evidence names the remote addresses most of the degraded connections share
+  data-loading     the share of the process's Python samples inside torch.utils.data rose by >= `frames_rise`
+Suspects that are not ranks keep the detector's cause (a link or NIC is "network" by what it is).
+
+Re-ranking: where the leading rank has no cause of its own (none, or only network: waiting is not a cause) and
+another of the examined rank suspects, scored >= `rerank_within` x the leader, has one in its own process (stopped,
+cpu-throttled, gc, gpu-*, memory-pressure, cpu-contention), that one leads: the detectors see who arrives late,
+and a rank that waits for a stopped peer arrives as late as the peer (tests/test_testbed_diagnosis.py).
+
+Kernel records are fetched once per (rank, episode onset) and kept in the job's memo across passes (an agent
+round trip; CommOps-only fetchers and agents without kernel records leave it out).
+Reads per finding, for each examined rank: its process (Reader.job_processes, once per pass), its node's metrics over
+the episode and baseline (Reader.metric_points, one indexed read per node), its node's connections
+(Reader.conn_stats_of), its process events and stack summaries. A reader without these reads (a simulator's
+in-memory reader) leaves the causes as the detectors set them. Cost: O(examined suspects x samples in
+baseline + episode); at 1 Hz metrics and a 60 s baseline, a few hundred rows per suspect.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+
+from steplens.collector.analysis.findings import Finding, Suspect
+
+EXAMINED_KINDS = ("slowdown", "degradation", "spike", "fluctuation", "network")
+LOCAL = ("stopped", "cpu-throttled", "gc", "gpu-error", "gpu-throttled", "gpu-slow", "memory-pressure",
+         "cpu-contention", "host-bound", "data-loading")
+SLOWDOWN_REASONS = {0x2: "applications_clocks", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
+                    0x80: "hw_power_brake"}
+REASON_NAMES = {0x1: "idle", 0x4: "sw_power_cap", 0x10: "sync_boost", 0x100: "display_clock", **SLOWDOWN_REASONS}
+
+PROC_METRICS = ("process_cpu_throttled_seconds_total", "process_cpu_quota_cores", "python_gc_seconds_total",
+                "python_gc_collections_total", "process_runqueue_seconds_total", "process_cpu_seconds_total")
+HOST_METRICS = ("pressure_memory_some_seconds_total", "pressure_cpu_some_seconds_total", "swap_in_bytes_total")
+GPU_METRICS = ("gpu_sm_clock_mhz", "gpu_clocks_event_reasons")
+GPU_PEERS = 8      # other GPUs of the job a suspect's GPU is compared with at most (its node's first)
+
+
+@dataclass
+class CausesConfig:
+    suspects: int = 3                     # leading suspects examined per finding
+    baseline_seconds: float = 60.0        # the suspect's own "before" ends at the onset
+    margin_seconds: float = 2.0           # around the episode: events, and samples that cover it
+    throttled_fraction: float = 0.05
+    gc_fraction: float = 0.05
+    runqueue_fraction: float = 0.10
+    pressure_fraction: float = 0.10
+    swap_in_bytes_per_s: float = 8 << 20
+    rise: float = 2.0                     # over the suspect's own baseline (plus the fraction's floor)
+    gpu_clock_ratio: float = 0.9
+    retransmits_per_s: float = 1.0
+    srtt_rise: float = 2.0
+    srtt_min_increase_us: float = 1000.0
+    frames_rise: float = 0.3
+    rerank_within: float = 0.7
+    kernel_ratio: float = 1.15            # identical kernels this much slower than the peers': gpu-slow
+    issue_shift: float = 0.3              # share of kernels issued < 50 µs before start, over the peers'
+
+
+# -- counters and series -----------------------------------------------------------------------------------------
+
+def counter_rate(points: list[tuple[int, float]], a: int, b: int) -> float | None:
+    """Increase per second of a counter over the samples that cover [a, b] (the last sample at or before a to the
+    first at or after b; a decrease is a reset: the new value counts from 0). None: fewer than two samples."""
+    if not points:
+        return None
+    lo = 0
+    for i, (t, _) in enumerate(points):
+        if t <= a:
+            lo = i
+        else:
+            break
+    hi = len(points) - 1
+    for i in range(lo, len(points)):
+        if points[i][0] >= b:
+            hi = i
+            break
+    if hi <= lo:
+        return None
+    inc = 0.0
+    for (_, v1), (_, v2) in zip(points[lo:hi], points[lo + 1:hi + 1]):
+        inc += v2 - v1 if v2 >= v1 else v2
+    dt = (points[hi][0] - points[lo][0]) / 1e9
+    return inc / dt if dt > 0 else None
+
+
+def gauge_median(points: list[tuple[int, float]], a: int, b: int) -> float | None:
+    vals = [v for t, v in points if a <= t <= b]
+    return statistics.median(vals) if vals else None
+
+
+def reasons_seen(points: list[tuple[int, float]], a: int, b: int) -> int:
+    mask = 0
+    for t, v in points:
+        if a <= t <= b:
+            mask |= int(v)
+    return mask
+
+
+def reason_names(mask: int) -> list[str]:
+    return [name for bit, name in sorted(REASON_NAMES.items()) if mask & bit]
+
+
+# -- per-pass context --------------------------------------------------------------------------------------------
+
+class _Pass:
+    """What one pass has read already: processes of the job, and per node the metric samples it needed."""
+
+    def __init__(self, reader, job_key: str, cfg: CausesConfig) -> None:
+        self.reader, self.job_key, self.cfg = reader, job_key, cfg
+        self._procs: dict[int, dict] | None = None
+        self._metrics: dict[tuple[str, int, int], dict] = {}
+        self._conns: dict[tuple[str, int, int], list[dict]] = {}
+
+    def procs(self) -> dict[int, dict]:
+        if self._procs is None:
+            self._procs = {}
+            for p in self.reader.job_processes(self.job_key):
+                if p["rank"] >= 0:
+                    self._procs[p["rank"]] = p   # newest process of a rank last
+        return self._procs
+
+    def metrics(self, node: str, a: int, b: int, names, entities) -> dict:
+        key = (node, a, b, tuple(names), tuple(entities) if entities is not None else None)
+        got = self._metrics.get(key)
+        if got is None:
+            got = self._metrics[key] = self.reader.metric_points(node, list(names), entities, a, b)
+        return got
+
+    def conns(self, node: str, a: int, b: int) -> list[dict]:
+        key = (node, a, b)
+        if key not in self._conns:
+            self._conns[key] = self.reader.conn_stats_of(node, a, b)
+        return self._conns[key]
+
+
+def _rise(during: float | None, before: float | None, floor: float, rise: float) -> bool:
+    if during is None or during < floor:
+        return False
+    return before is None or during >= rise * before + floor / 2
+
+
+# -- the rules ---------------------------------------------------------------------------------------------------
+
+def explain_rank(ps: _Pass, rank: int, onset: int, last: int) -> tuple[str, dict]:
+    """(cause, evidence) for one rank over the episode [onset, last]; ("", {...}) when no rule holds."""
+    cfg = ps.cfg
+    proc = ps.procs().get(rank)
+    if proc is None:
+        return "", {"why": "no process of this rank reported"}
+    node, pid, ticks = proc["node_id"], proc["pid"], proc["start_ticks"]
+    m = int(cfg.margin_seconds * 1e9)
+    b0 = max(0, onset - int(cfg.baseline_seconds * 1e9))
+    a, b = onset, max(last, onset + 1)
+    ev: dict = {"node": node, "pid": pid}
+    found: list[str] = []
+
+    # stopped
+    events = ps.reader.process_events(a - m, b + m, [node], ("process_stopped", "process_running"))
+    stops = [e for e in events if e["pid"] == pid and e["start_ticks"] == ticks]
+    if any(e["kind"] == "process_stopped" for e in stops) or \
+            any(e["kind"] == "process_running" and "stopped" in e["message"] for e in stops):
+        found.append("stopped")
+        ev["stopped"] = [e["message"] for e in stops][:4]
+
+    entity = f"pid:{pid}:{ticks}"
+    pm = ps.metrics(node, b0, b + m, PROC_METRICS, [entity])
+
+    def rate(name: str, lo: int, hi: int) -> float | None:
+        return counter_rate(pm.get((name, entity), []), lo, hi)
+
+    for name, cause, floor in (("process_cpu_throttled_seconds_total", "cpu-throttled", cfg.throttled_fraction),
+                               ("python_gc_seconds_total", "gc", cfg.gc_fraction),
+                               ("process_runqueue_seconds_total", "cpu-contention", cfg.runqueue_fraction)):
+        during, before = rate(name, a, b), rate(name, b0, a - m)
+        if during is None:
+            continue
+        ev[name.removesuffix("_seconds_total") + "_fraction"] = {"during": round(during, 4),
+                                                                 "before": None if before is None else round(before, 4)}
+        if _rise(during, before, floor, cfg.rise):
+            found.append(cause)
+    quota = gauge_median(pm.get(("process_cpu_quota_cores", entity), []), a, b + m)
+    if quota is not None:
+        ev["cpu_quota_cores"] = quota
+
+    # the GPU
+    if proc["local_rank"] >= 0:
+        cause, gev = _gpu(ps, rank, proc, a, b, m)
+        if gev:
+            ev["gpu"] = gev
+        if cause:
+            found.append(cause)
+
+    # its kernels against its peers' (XPUTimer's metrics), where the agents keep kernel records: GPU jobs only (its
+    # node reports its GPU), the fetch being an agent round trip
+    kcause, kev = _kernels(ps, rank, a, b) if "gpu" in ev else ("", {})
+    if kev:
+        ev["kernels"] = kev
+    if kcause:
+        found.append(kcause)
+
+    # the node: memory pressure, the network
+    hm = ps.metrics(node, b0, b + m, HOST_METRICS, [""])
+    mem = counter_rate(hm.get(("pressure_memory_some_seconds_total", ""), []), a, b)
+    mem0 = counter_rate(hm.get(("pressure_memory_some_seconds_total", ""), []), b0, a - m)
+    swap = counter_rate(hm.get(("swap_in_bytes_total", ""), []), a, b)
+    if mem is not None or swap is not None:
+        ev["memory"] = {"pressure_some_fraction": mem, "before": mem0, "swap_in_bytes_per_s": swap}
+    if _rise(mem, mem0, cfg.pressure_fraction, cfg.rise) or (swap or 0) >= cfg.swap_in_bytes_per_s:
+        found.append("memory-pressure")
+    cpu_psi = counter_rate(hm.get(("pressure_cpu_some_seconds_total", ""), []), a, b)
+    if cpu_psi is not None:
+        ev["node_cpu_pressure_fraction"] = round(cpu_psi, 4)
+
+    net = _network(ps, node, b0, a, b, m)
+    if net:
+        ev["network"] = net
+        if net.get("degraded"):
+            found.append("network")
+
+    frames = _frames(ps, node, pid, b0, a, b, m)
+    if frames:
+        ev["frames"] = frames
+        if any("torch/utils/data" in f["file"] for f in frames if f["rise"] >= cfg.frames_rise):
+            found.append("data-loading")
+
+    order = ("stopped", "cpu-throttled", "gc", "gpu-error", "gpu-throttled", "gpu-slow", "memory-pressure",
+             "cpu-contention", "host-bound", "network", "data-loading")
+    # a quota makes run-queue waits too: throttling explains them
+    found = list(dict.fromkeys(found))
+    if "cpu-throttled" in found and "cpu-contention" in found:
+        found.remove("cpu-contention")
+    found.sort(key=order.index)
+    ev["causes"] = found
+    return (found[0] if found else ""), ev
+
+
+def _gpu(ps: _Pass, rank: int, proc: dict, a: int, b: int, m: int) -> tuple[str, dict]:
+    cfg = ps.cfg
+    node, gpu = proc["node_id"], f"gpu{proc['local_rank']}"
+    gm = ps.metrics(node, a - m, b + m, GPU_METRICS, None)
+    own = gm.get(("gpu_sm_clock_mhz", gpu))
+    xids = [f"{e['message']}" for e in ps.reader.node_events(node, ("xid",), a - m, b + m) if e["entity"] == gpu]
+    if xids:
+        return "gpu-error", {"gpu": gpu, "xid": xids[:8]}
+    if not own:
+        return "", {}
+    clock = gauge_median(own, a, b)
+    if clock is None:
+        return "", {}
+    mask = reasons_seen(gm.get(("gpu_clocks_event_reasons", gpu), []), a, b)
+    peers = [gauge_median(pts, a, b) for (name, ent), pts in gm.items() if name == "gpu_sm_clock_mhz" and ent != gpu]
+    seen_nodes = {node}
+    for r, p in sorted(ps.procs().items()):
+        if len(peers) >= GPU_PEERS:
+            break
+        if r == rank or p["node_id"] in seen_nodes or p["local_rank"] < 0:
+            continue
+        seen_nodes.add(p["node_id"])
+        pm = ps.metrics(p["node_id"], a - m, b + m, GPU_METRICS, None)
+        pts = pm.get(("gpu_sm_clock_mhz", f"gpu{p['local_rank']}"))
+        if pts:
+            peers.append(gauge_median(pts, a, b))
+    peers = [x for x in peers if x]
+    ev = {"gpu": gpu, "sm_clock_mhz": clock, "reasons": reason_names(mask)}
+    if not peers:
+        return "", ev
+    ref = statistics.median(peers)
+    ev["peers_sm_clock_mhz"] = ref
+    ev["peers"] = len(peers)
+    if clock < cfg.gpu_clock_ratio * ref:
+        return ("gpu-throttled" if mask & sum(SLOWDOWN_REASONS) else "gpu-slow"), ev
+    return "", ev
+
+
+KERNEL_PEERS = 3          # ranks a suspect's kernels are compared with
+KERNEL_LIMIT = 20_000     # kernel records fetched per rank at most
+MEMO_KEY = "causes.kernels"
+
+
+def _kernel_rows(rows: list[dict]) -> dict[int, list[dict]]:
+    by: dict[int, list[dict]] = {}
+    for r in rows:
+        if r.get("kind") != "kernel" or not r.get("start_ns") or not r.get("end_ns"):
+            continue
+        by.setdefault(r.get("rank", -1), []).append(
+            {"name": r.get("name", ""), "start_mono_ns": r["start_ns"], "end_mono_ns": r["end_ns"],
+             "launch_start_mono_ns": r.get("launch_start_ns") or 0, "launch_end_mono_ns": r.get("launch_end_ns") or 0,
+             "stream": r.get("stream", 0), "device": r.get("device", 0)})
+    return by
+
+
+def compare_kernels(own: list, peers: list[list], cfg: CausesConfig) -> tuple[str, dict]:
+    """XPUTimer's cross-rank comparison for one rank: identical kernels' mean duration against the peers' (compute
+    kernels, NCCL ones left out: they wait for the others), weighted by the rank's time in each; and the share of
+    its kernels issued < 50 µs before they started against the peers' (the GPU waiting for its CPU).
+    ("gpu-slow" | "host-bound" | "", evidence)."""
+    from steplens.collector.analysis import kernels as km
+
+    mine = km.per_name([k for k in own if not km.is_comm(k["name"])])
+    theirs: dict[str, list[float]] = {}
+    for ks in peers:
+        for name, d in km.per_name([k for k in ks if not km.is_comm(k["name"])]).items():
+            if d["count"] >= 5:
+                theirs.setdefault(name, []).append(d["mean_ns"])
+    ratios, weights = [], []
+    names = {}
+    for name, d in mine.items():
+        if d["count"] < 5 or name not in theirs:
+            continue
+        ref = statistics.median(theirs[name])
+        if ref <= 0:
+            continue
+        ratios.append(d["mean_ns"] / ref)
+        weights.append(d["total_ns"])
+        names[name] = round(d["mean_ns"] / ref, 3)
+    ev: dict = {"kernels": len(own), "peer_kernels": sum(len(p) for p in peers)}
+    ratio = None
+    if ratios:
+        pairs = sorted(zip(ratios, weights))
+        half, acc = sum(weights) / 2, 0.0
+        for r, w in pairs:   # weighted median
+            acc += w
+            if acc >= half:
+                ratio = r
+                break
+        ev["identical_kernel_ratio"] = round(ratio, 3)
+        ev["names"] = dict(sorted(names.items(), key=lambda kv: -mine[kv[0]]["total_ns"])[:5])
+    own_il = km.distribution(km.issue_latencies(own, comm=False))
+    peer_il = km.distribution([x for ks in peers for x in km.issue_latencies(ks, comm=False)])
+    if own_il["count"] and peer_il["count"]:
+        ev["issue_below_50us"] = {"own": own_il["below_50us_fraction"], "peers": peer_il["below_50us_fraction"]}
+        ev["issue_p50_ns"] = {"own": own_il["p50_ns"], "peers": peer_il["p50_ns"]}
+    if ratio is not None and ratio >= cfg.kernel_ratio:
+        return "gpu-slow", ev
+    il = ev.get("issue_below_50us")
+    if il and il["own"] >= 0.5 and il["own"] - il["peers"] >= cfg.issue_shift:
+        return "host-bound", ev
+    return "", ev
+
+
+def _kernels(ps: _Pass, rank: int, a: int, b: int) -> tuple[str, dict]:
+    fetch = getattr(ps.reader, "fetch_kernels", None)
+    procs = ps.procs()
+    if fetch is None or procs.get(rank, {}).get("local_rank", -1) < 0:
+        return "", {}
+    memo = getattr(ps.reader, "step_memo", None)
+    cache = memo.setdefault(MEMO_KEY, {}) if isinstance(memo, dict) else {}
+    key = (rank, a)
+    if key in cache:
+        return cache[key]
+    others = [r for r in sorted(procs) if r != rank]
+    step = max(1, len(others) // KERNEL_PEERS)
+    peers = others[::step][:KERNEL_PEERS]
+    try:
+        rows = fetch(ps.job_key, [rank] + peers, a, b, KERNEL_LIMIT)
+        by = _kernel_rows(rows)
+        got = compare_kernels(by.get(rank, []), [by[p] for p in peers if by.get(p)], ps.cfg) \
+            if by.get(rank) and any(by.get(p) for p in peers) else ("", {})
+    except Exception as exc:  # no agent connection, a fetcher of CommOps only, an agent that did not answer
+        got = ("", {"unavailable": f"{type(exc).__name__}: {exc}"[:200]})
+    if len(cache) > 256:
+        cache.clear()
+    cache[key] = got
+    return got
+
+
+def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
+    cfg = ps.cfg
+    rows = ps.conns(node, b0, b + m)
+    if not rows:
+        return {}
+    before: dict[tuple, list[dict]] = {}
+    during: dict[tuple, list[dict]] = {}
+    for r in rows:
+        key = (r["src"], r["sport"], r["dst"], r["dport"])
+        if r["end_ns"] < a - m:
+            before.setdefault(key, []).append(r)
+        elif r["end_ns"] >= a:
+            during.setdefault(key, []).append(r)
+    if not during:
+        return {}
+    span_d = max(1e-3, (b + m - a) / 1e9)
+    span_b = max(1e-3, (a - m - b0) / 1e9)
+    retx_d = sum(r["retransmits"] or 0 for rs in during.values() for r in rs) / span_d
+    retx_b = sum(r["retransmits"] or 0 for rs in before.values() for r in rs) / span_b if before else None
+    slow, remotes = [], {}
+    for key, rs in during.items():
+        base = [r["srtt_us"] for r in before.get(key, []) if r["srtt_us"]]
+        now = [r["srtt_us"] for r in rs if r["srtt_us"]]
+        if not base or not now:
+            continue
+        s0, s1 = statistics.median(base), max(now)
+        if s1 >= cfg.srtt_rise * s0 and s1 - s0 >= cfg.srtt_min_increase_us:
+            slow.append({"conn": f"{key[0]}:{key[1]}->{key[2]}:{key[3]}", "srtt_us": s1, "before_us": s0})
+            remotes[key[2]] = remotes.get(key[2], 0) + 1
+        if sum(r["retransmits"] or 0 for r in rs):
+            remotes[key[2]] = remotes.get(key[2], 0) + 1
+    out = {"connections": len(during), "retransmits_per_s": round(retx_d, 3),
+           "retransmits_per_s_before": None if retx_b is None else round(retx_b, 3),
+           "srtt_degraded": sorted(slow, key=lambda x: -x["srtt_us"] / x["before_us"])[:8]}
+    if remotes:
+        out["remotes"] = sorted(remotes, key=lambda k: -remotes[k])[:4]
+    out["degraded"] = bool(slow) or _rise(retx_d, retx_b, cfg.retransmits_per_s, cfg.rise)
+    return out
+
+
+def _frames(ps: _Pass, node: str, pid: int, b0: int, a: int, b: int, m: int) -> list[dict]:
+    """Python functions whose share of the process's samples rose most from the baseline to the episode."""
+    rows = ps.reader.stacks(node, pid, b0, 2000)
+    if not rows:
+        return []
+    share: dict[str, dict] = {"before": {}, "during": {}}
+    totals = {"before": 0, "during": 0}
+    where: dict = {}
+    for r in rows:
+        if r["end_ns"] < a - m and r["start_ns"] >= b0:
+            part = "before"
+        elif r["start_ns"] <= b and r["end_ns"] >= a:
+            part = "during"
+        else:
+            continue
+        for st in r["stacks"] or ():   # [{"count", "frames": [[fn, qualname, file, line], ...]}]
+            count = st.get("count") or 0
+            totals[part] += count
+            names = set()
+            for fr in st.get("frames") or ():
+                name = fr[1] or fr[0]
+                names.add(name)
+                where.setdefault(name, fr[2])
+            for n in names:
+                share[part][n] = share[part].get(n, 0) + count
+    if not totals["during"]:
+        return []
+    out = []
+    for n, c in share["during"].items():
+        d = c / totals["during"]
+        p = share["before"].get(n, 0) / totals["before"] if totals["before"] else 0.0
+        if d - p >= 0.1:
+            out.append({"function": n, "file": where.get(n, ""), "during": round(d, 3), "before": round(p, 3),
+                        "rise": round(d - p, 3)})
+    return sorted(out, key=lambda x: -x["rise"])[:5]
+
+
+# -- attaching ---------------------------------------------------------------------------------------------------
+
+def _supported(reader) -> bool:
+    return all(callable(getattr(reader, n, None)) for n in
+               ("job_processes", "metric_points", "conn_stats_of", "process_events", "node_events", "stacks"))
+
+
+def explain_finding(ps: _Pass, f: Finding) -> Finding:
+    cfg = ps.cfg
+    sus = list(f.suspects)
+    changed = False
+    for i, s in enumerate(sus[:cfg.suspects]):
+        if s.kind != "rank" or not s.id.lstrip("-").isdigit():
+            continue
+        cause, ev = explain_rank(ps, int(s.id), f.onset_ns, f.last_ns)
+        if not cause and set(ev) <= {"node", "pid", "causes", "why"}:
+            continue   # nothing measured for this rank: the detector's word stands, unannotated
+        evidence = {**s.evidence, "why": ev}
+        if cause:
+            evidence["detector_cause"] = s.cause
+        sus[i] = replace(s, cause=cause or s.cause, evidence=evidence)
+        changed = True
+    if not changed:
+        return f
+    lead = sus[0]
+    if lead.kind == "rank" and lead.cause not in LOCAL:
+        for j in range(1, min(cfg.suspects, len(sus))):
+            s = sus[j]
+            if s.kind == "rank" and s.cause in LOCAL and s.score >= cfg.rerank_within * lead.score:
+                sus.insert(0, sus.pop(j))
+                break
+    summary = f.summary
+    top = sus[0]
+    if top.kind == "rank" and top.cause in LOCAL + ("network",):
+        summary = f"{summary.rstrip('.')}; {top.kind} {top.id}: {_say(top)}."
+    return replace(f, suspects=tuple(sus), summary=summary)
+
+
+def _say(s: Suspect) -> str:
+    why = s.evidence.get("why", {})
+    c = s.cause
+    if c == "stopped":
+        return "its process was stopped (" + "; ".join(why.get("stopped", [])[:1]) + ")"
+    if c == "cpu-throttled":
+        fr = why.get("process_cpu_throttled_fraction", {}).get("during")
+        q = why.get("cpu_quota_cores")
+        return f"CPU-throttled by its cgroup for {fr:.0%} of the time" + (f" (quota {q:g} cores)" if q else "")
+    if c == "gc":
+        fr = why.get("python_gc_fraction", {}).get("during")
+        return f"Python GC took {fr:.0%} of the time"
+    if c == "cpu-contention":
+        fr = why.get("process_runqueue_fraction", {}).get("during")
+        return f"waited for a CPU {fr:.0%} of the time (run queue)"
+    if c == "gpu-slow" and "identical_kernel_ratio" in why.get("kernels", {}):
+        k = why["kernels"]
+        return f"its identical kernels run {k['identical_kernel_ratio']:.2f}x its peers' time"
+    if c in ("gpu-throttled", "gpu-slow"):
+        g = why.get("gpu", {})
+        return (f"{g.get('gpu')} at {g.get('sm_clock_mhz'):.0f} MHz vs its peers' {g.get('peers_sm_clock_mhz'):.0f}"
+                + (f" ({', '.join(g.get('reasons'))})" if g.get("reasons") else ""))
+    if c == "gpu-error":
+        g = why.get("gpu", {})
+        return f"{g.get('gpu')} reported {', '.join(g.get('xid', []))}"
+    if c == "host-bound":
+        k = why.get("kernels", {}).get("issue_below_50us", {})
+        return (f"its GPU waits for its CPU ({k.get('own', 0):.0%} of its kernels start < 50 µs after their "
+                f"launch, its peers' {k.get('peers', 0):.0%})")
+    if c == "memory-pressure":
+        return "its node is under memory pressure"
+    if c == "network":
+        n = why.get("network", {})
+        rem = n.get("remotes")
+        return "its node's connections degraded" + (f" (towards {', '.join(rem)})" if rem else "")
+    if c == "data-loading":
+        return "its Python time moved into data loading"
+    return c
+
+
+def attach(reader, job_key: str, outputs: dict[str, list[Finding]], cfg: CausesConfig | None = None
+           ) -> dict[str, list[Finding]]:
+    """The detectors' output with a cause on the leading suspects of every examined finding (see the module
+    docstring). A reader without the reads needed returns the output as it is."""
+    if not _supported(reader):
+        return outputs
+    cfg = cfg or CausesConfig()
+    ps = _Pass(reader, job_key, cfg)
+    return {name: [explain_finding(ps, f) if f.kind in EXAMINED_KINDS and f.suspects else f for f in fs]
+            for name, fs in outputs.items()}
