@@ -58,7 +58,7 @@ def _gauge(name, entity, before, during, t_end=T0 + 100 * S):
     return [Metric(t, name, entity, during if ONSET <= t <= LAST else before) for t in range(T0, t_end + 1, S)]
 
 
-def _job(nodes=4, scenario="", target=1) -> dict[str, list]:
+def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45)) -> dict[str, list]:
     """A 4-rank job, rank r alone on node n<r> (pid 100 + r, GPU 0), healthy figures everywhere, and the scenario's
     evidence on the target rank or its node."""
     per: dict[str, list] = {}
@@ -68,9 +68,9 @@ def _job(nodes=4, scenario="", target=1) -> dict[str, list]:
         hit = r == target
         recs = [ProcessInfo(T0, pid, 7, job_key=JOB, rank=r, local_rank=0, world_size=nodes)]
         recs += _counter("process_cpu_seconds_total", ent, 1.0, 1.0)
-        recs += _counter("process_runqueue_seconds_total", ent, 0.01,
-                         0.45 if hit and scenario == "cpu-contention" else 0.6 if hit and scenario == "cpu-throttled"
-                         else 0.01)
+        recs += _counter("process_runqueue_seconds_total", ent, runqueue[0],
+                         runqueue[1] if hit and scenario == "cpu-contention" else 0.6 if hit and
+                         scenario == "cpu-throttled" else runqueue[0])
         recs += _counter("process_cpu_throttled_seconds_total", ent, 0.0,
                          0.8 if hit and scenario == "cpu-throttled" else 0.0)
         if hit and scenario == "cpu-throttled":
@@ -127,7 +127,7 @@ WAITING_FIRST = (Suspect("rank", "3", 1.0, "waiting"), Suspect("rank", "1", 0.9,
                                       "gpu-error", "memory-pressure", "data-loading"])
 def test_the_rank_with_a_cause_of_its_own_leads_and_carries_it(tmp_path, scenario):
     # rank 3 waits for rank 1 (it arrives as late) and leads the detector's order by a little; only rank 1's own
-    # figures changed, so rank 1 gets the cause and moves first (0.9 >= 0.7 x 1.0)
+    # figures changed, so rank 1 gets the cause and moves first (0.9 >= 0.5 x 1.0)
     rd = _write(str(tmp_path / "s.db"), _job(scenario=scenario))
     out = causes.attach(rd, JOB, {"irregularity": [_finding(*WAITING_FIRST)]})
     (f,) = out["irregularity"]
@@ -146,6 +146,16 @@ def test_throttling_explains_its_run_queue_waits(tmp_path):
     assert why["causes"] == ["cpu-throttled"] and why["cpu_quota_cores"] == 0.1
     assert why["process_cpu_throttled_fraction"]["during"] == pytest.approx(0.8, abs=0.1)
     assert "CPU-throttled by its cgroup for" in f.summary and "quota 0.1 cores" in f.summary
+
+
+@pytest.mark.parametrize("during,cause", [(0.72, "cpu-contention"), (0.56, "compute")])
+def test_contention_on_a_host_that_was_saturated_already(tmp_path, during, cause):
+    # 4 busy ranks on 2 cores: each waits for a CPU half the time at baseline; a noisy neighbour takes rank 1 to
+    # 0.72 (+0.22, 1.44x: contention), a little jitter to 0.56 (+0.06: under the 0.10 floor, nothing)
+    rd = _write(str(tmp_path / "q.db"), _job(scenario="cpu-contention", runqueue=(0.5, during)))
+    (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "1", 1.0, "compute"))]})["x"]
+    assert f.suspects[0].cause == cause
+    assert f.suspects[0].evidence["why"]["process_runqueue_fraction"]["before"] == pytest.approx(0.5, abs=0.02)
 
 
 def test_network_names_the_remote_all_slow_connections_share(tmp_path):

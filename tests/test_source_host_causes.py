@@ -314,3 +314,31 @@ def test_fixture_v1_cpu_hierarchy_hybrid_and_a_sub_tree_mount(tmp_path):
     assert {m.name: m.value for m in out if m.name.startswith("pressure_")} == {
         "pressure_cpu_some_seconds_total": 1.5, "pressure_memory_some_seconds_total": 0.00025,
         "pressure_memory_full_seconds_total": 0.000125, "pressure_io_full_seconds_total": 4.0}
+
+
+def test_cgroups_are_found_through_init_when_this_mount_namespace_has_none():
+    # `ip netns exec` (how the testbed starts its agents) mounts a fresh /sys without /sys/fs/cgroup: the
+    # hierarchies are then read through /proc/1/root, init's view, and a process's cpu cgroup is still found
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1)")
+    from steplens.agent.sources.host import CpuCgroups
+    here = CpuCgroups.from_mountinfo("/proc", "/sys")
+    if here is None:
+        pytest.skip("no cgroup hierarchy mounted on this machine")
+    code = ("import os, sys; from steplens.agent.sources.host import CpuCgroups as C; "
+            "c = C.from_mountinfo('/proc', '/sys'); "
+            "print(c.v2, c.v1_cpu, c.directory_of(int(sys.argv[1])))")
+    out = subprocess.run(["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c",
+                          f"umount -l /sys && mount -t sysfs sysfs /sys && ls /sys/fs/cgroup | wc -l && "
+                          f"{sys.executable} -c \"{code}\" {os.getpid()}"], capture_output=True, text=True)
+    if out.returncode != 0:
+        why = out.stderr.strip()[-300:]
+        if not os.access("/proc/1/root/", os.R_OK | os.X_OK) or "Permission denied" in why:
+            pytest.skip(f"init's root (/proc/1/root) is not readable here (a sandbox): {why}")
+        pytest.fail(f"no cgroup found from a namespace without /sys/fs/cgroup: {why}")
+    empty, line = out.stdout.strip().splitlines()
+    assert empty == "0"                                                  # no cgroup mount in that namespace
+    assert "/proc/1/root/sys/fs/cgroup" in line and line != "None None None"
+    want = here.directory_of(os.getpid())
+    if want is not None:
+        assert line.endswith(f"('/proc/1/root{want[0]}', {want[1]})"), (line, want)

@@ -350,6 +350,14 @@ def _psi_paths(proc_root: str) -> list[tuple[str, str]]:
     return found
 
 
+def _nonempty_dir(path: str) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except OSError:
+        return False
+
+
 def _unescape_mount(field: str) -> str:
     """mountinfo escapes space, tab, newline and backslash as \\ooo octal."""
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field) if "\\" in field else field
@@ -372,8 +380,20 @@ class CpuCgroups:
 
     @classmethod
     def from_mountinfo(cls, proc_root: str, sys_root: str) -> "CpuCgroups | None":
+        """From this process's mounts; where they hold no cgroup hierarchy (an agent started under
+        `ip netns exec`, which mounts a fresh /sys without /sys/fs/cgroup, or a container without it), from
+        init's, read through /proc/1/root (needs the host's PID namespace and root, as the agent runs)."""
+        got = cls._parse_mountinfo(proc_root, "self", lambda point: host_path(sys_root, point[5:])
+                                   if point == "/sys" or point.startswith("/sys/") else point)
+        if got is None:
+            init_root = host_path(proc_root, "1", "root")
+            got = cls._parse_mountinfo(proc_root, "1", lambda point: init_root + point)
+        return got
+
+    @classmethod
+    def _parse_mountinfo(cls, proc_root: str, whose: str, place) -> "CpuCgroups | None":
         try:
-            with open(host_path(proc_root, "self", "mountinfo"), "rb") as f:
+            with open(host_path(proc_root, whose, "mountinfo"), "rb") as f:
                 lines = f.read().decode("utf-8", "replace").splitlines()
         except OSError:
             return None
@@ -383,14 +403,17 @@ class CpuCgroups:
             a, b = pre.split(), post.split()
             if not sep or len(a) < 5 or len(b) < 3:
                 continue
-            root, point = _unescape_mount(a[3]), _unescape_mount(a[4])
-            if point == "/sys" or point.startswith("/sys/"):
-                point = host_path(sys_root, point[5:])
+            root, point = _unescape_mount(a[3]), place(_unescape_mount(a[4]))
             # the first mount of a hierarchy wins, unless a later one shows the whole tree (root "/")
             if b[0] == "cgroup2" and (v2 is None or (root == "/" and v2[1] != "/")):
                 v2 = (point, root)
             elif b[0] == "cgroup" and "cpu" in b[2].split(",") and (v1 is None or (root == "/" and v1[1] != "/")):
                 v1 = (point, root)
+        # a mount listed but out of sight (under a /sys mounted over it: an empty directory or none) is none
+        if v2 is not None and not _nonempty_dir(v2[0]):
+            v2 = None
+        if v1 is not None and not _nonempty_dir(v1[0]):
+            v1 = None
         if v2 is None and v1 is None:
             return None
         return cls(proc_root, v2, v1)

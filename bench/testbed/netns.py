@@ -208,10 +208,13 @@ def alive(entry: dict) -> bool:
 
 
 def spawn(layout: Layout, name: str, cmd: list[str], ns: str | None = None,
-          env: dict | None = None) -> subprocess.Popen:
-    """Start a detached process (own session, survives the caller), output to logs/<name>.log, and record it."""
+          env: dict | None = None, host_sys: bool = False) -> subprocess.Popen:
+    """Start a detached process (own session, survives the caller), output to logs/<name>.log, and record it.
+    host_sys: enter the namespace with nsenter, keeping the host's /sys (`ip netns exec` mounts a fresh sysfs
+    without /sys/fs/cgroup, where the agents' host source reads each rank's cgroup CPU throttling)."""
     os.makedirs(layout.path("logs"), exist_ok=True)
-    full = (["ip", "netns", "exec", ns] if ns else []) + cmd
+    enter = ["nsenter", f"--net=/run/netns/{ns}"] if host_sys else ["ip", "netns", "exec", ns]
+    full = (enter if ns else []) + cmd
     log = open(layout.path("logs", f"{name}.log"), "ab")
     p = subprocess.Popen(full, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                          env=env, start_new_session=True)
@@ -376,7 +379,7 @@ def up(layout: Layout, agents: bool = True) -> dict:
                                              layout.path("agents", f"{n}.toml"), "--collector",
                                              layout.collector_address, "--node-id", n, "--state-dir", sd,
                                              "--metrics-listen", "", "--tls-ca", ca, "--tls-cert", pki[n][0],
-                                             "--tls-key", pki[n][1]], ns=host_ns(i))
+                                             "--tls-key", pki[n][1]], ns=host_ns(i), host_sys=True)
     except BaseException:
         down(layout)
         raise

@@ -6,7 +6,7 @@ detectors' output of each pass, before the findings are merged, so the cause is 
 Causes, in the order they win (the first whose rule holds is the suspect's cause; all that hold are evidence):
   stopped          a process_stopped Event (procs: state T/t) of the rank's process in or around the episode
   cpu-throttled    the process's cgroup throttled it (host: process_cpu_throttled_seconds_total) for at least
-                   `throttled_fraction` of the episode and `rise` x its baseline
+                   `throttled_fraction` of the episode, up by as much and `rise` x on its baseline (_rise)
   gc               Python GC (bootstrap gc.callbacks: python_gc_seconds_total) took `gc_fraction` of the episode
                    and `rise` x its baseline
   gpu-error        an XID Event of the rank's GPU in the episode
@@ -78,13 +78,13 @@ class CausesConfig:
     runqueue_fraction: float = 0.10
     pressure_fraction: float = 0.10
     swap_in_bytes_per_s: float = 8 << 20
-    rise: float = 2.0                     # over the suspect's own baseline (plus the fraction's floor)
+    rise: float = 1.25                    # x the suspect's own baseline, and up by the fraction's floor
     gpu_clock_ratio: float = 0.9
     retransmits_per_s: float = 1.0
     srtt_rise: float = 2.0
     srtt_min_increase_us: float = 1000.0
     frames_rise: float = 0.3
-    rerank_within: float = 0.7
+    rerank_within: float = 0.5
     kernel_ratio: float = 1.15            # identical kernels this much slower than the peers': gpu-slow
     issue_shift: float = 0.3              # share of kernels issued < 50 µs before start, over the peers'
 
@@ -167,9 +167,12 @@ class _Pass:
 
 
 def _rise(during: float | None, before: float | None, floor: float, rise: float) -> bool:
+    """A fraction of the episode's time at least `floor`, up by at least `floor` (absolute) and `rise` x (relative)
+    on the baseline: on a saturated host a rank waits for a CPU half the time already, and a noisy neighbour
+    takes it from 0.5 to 0.7, not to 2 x."""
     if during is None or during < floor:
         return False
-    return before is None or during >= rise * before + floor / 2
+    return before is None or (during - before >= floor and during >= rise * before)
 
 
 # -- the rules ---------------------------------------------------------------------------------------------------
