@@ -30,9 +30,11 @@ def _write(path: str, per_node: dict[str, list]) -> Reader:
     got: list = []
     try:
         for seq, (node, recs) in enumerate(sorted(per_node.items()), 1):
-            recs = sorted(recs, key=lambda r: r.mono_ns)
-            job = BatchJob(node, "ab" * 8, seq, len(recs), encode_records([(SOURCE[type(r)], r) for r in recs]),
-                           recs[-1].mono_ns + 1, ClockEstimate(0, 0.0, 0, 1, 1, 5), 0, lambda *a: got.append(a))
+            recs = sorted(recs, key=lambda r: r[1].mono_ns if isinstance(r, tuple) else r.mono_ns)
+            job = BatchJob(node, "ab" * 8, seq, len(recs), encode_records(
+                [r if isinstance(r, tuple) else (SOURCE[type(r)], r) for r in recs]),
+                           (recs[-1][1] if isinstance(recs[-1], tuple) else recs[-1]).mono_ns + 1,
+                           ClockEstimate(0, 0.0, 0, 1, 1, 5), 0, lambda *a: got.append(a))
             while not w.submit(job):
                 time.sleep(0.01)
         deadline = time.monotonic() + 30
@@ -168,6 +170,18 @@ def test_network_names_the_remote_all_slow_connections_share(tmp_path):
     assert net3["remotes"] == ["10.0.0.1"] and net3["srtt_degraded"][0]["srtt_us"] == 40_000
     assert len(f.suspects[1].evidence["why"]["network"]["srtt_degraded"]) == 3
     assert "towards 10.0.0.1" in f.summary
+
+
+def test_a_connection_both_sources_report_is_read_once(tmp_path):
+    # netflows (eBPF) and tcpinfo (sock_diag) both running: the store keeps each record's source and the reader
+    # returns one source's rows per node (tcpinfo's), so 3 retransmits are 3, not 6
+    recs = []
+    for src in ("netflows", "tcpinfo"):
+        recs += [(src, ConnStats(T0 + k * S, T0 + (k - 1) * S, "10.0.0.1", 4000, "10.0.0.2", 29500, retransmits=1,
+                                 srtt_us=300)) for k in range(1, 4)]
+    rd = _write(str(tmp_path / "d.db"), {"n1": recs})
+    rows = rd.conn_stats_of("n1", 0, 0)
+    assert [r["source"] for r in rows] == ["tcpinfo"] * 3 and sum(r["retransmits"] for r in rows) == 3
 
 
 def test_healthy_figures_and_a_full_load_power_cap_give_no_cause(tmp_path):

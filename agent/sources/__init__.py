@@ -17,6 +17,7 @@ SOURCE_PATHS: dict[str, str] = {
     "gpu": "steplens.agent.sources.gpu:GpuSource",
     "pystacks": "steplens.agent.sources.pystacks:PystacksSource",
     "netflows": "steplens.agent.sources.netflows:NetflowsSource",
+    "tcpinfo": "steplens.agent.sources.tcpinfo:TcpinfoSource",
     "sched": "steplens.agent.sources.sched:SchedSource",
     "gpuprobes": "steplens.agent.sources.gpuprobes:GpuprobesSource",
     "kineto": "steplens.agent.sources.kineto:KinetoSource",

@@ -7,7 +7,8 @@ for link / drop / noisy. With TP (several ranks per host) a host's link fault sl
 which stays on the host's loopback path.
 - `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
   directions of its link); the qdiscs also vanish with the namespaces on `down`.
-- `drop`: netem loss 100 % on the same two egresses: the host's link drops everything, both ways (its agent's
+- `drop`: netem loss 100 % on the same two egresses (without sch_netem: a tc redirect of every packet into a
+  veth leading nowhere): the host's link drops everything, both ways (its agent's
   connection to the collector too: the agent spools and sends when the link is back); TCP backs off while it
   lasts, so the job resumes up to a minute or so after the link is back (the retransmission timer's backoff).
 - `cpu`: CPU quota (default 10 % of a core) for the target rank's process, cgroup v1 `cpu` controller
@@ -154,12 +155,30 @@ def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool) -> None:
             netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
 
-def _netem_loss(dev_ns: list[tuple[str, str]], on: bool) -> None:
-    for ns, dev in dev_ns:
+def _drop_all(dev_ns: list[tuple[str, str]], on: bool) -> str:
+    """Every packet leaving these devices dropped past the TCP stack, as a broken link drops it: netem loss 100 %
+    where the kernel has sch_netem, else a clsact egress filter redirecting every packet into a veth that leads
+    nowhere (a kernel without netem, like this VM's). Returns how."""
+    how = ""
+    for k, (ns, dev) in enumerate(dev_ns):
+        ip = ("ip", "netns", "exec", ns)
+        hole = f"sltbhole{k}"
         if on:
-            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%")
+            r = netns.sh(*ip, "tc", "qdisc", "replace", "dev", dev, "root", "netem", "loss", "100%", check=False)
+            if r.returncode == 0:
+                how = "netem"
+                continue
+            netns.sh(*ip, "ip", "link", "add", hole, "type", "veth", "peer", "name", hole + "p", check=False)
+            netns.sh(*ip, "ip", "link", "set", hole, "up")
+            netns.sh(*ip, "tc", "qdisc", "add", "dev", dev, "clsact")
+            netns.sh(*ip, "tc", "filter", "add", "dev", dev, "egress", "protocol", "all", "u32", "match", "u32", "0",
+                     "0", "action", "mirred", "egress", "redirect", "dev", hole)
+            how = "mirred"
         else:
-            netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            netns.sh(*ip, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            netns.sh(*ip, "tc", "qdisc", "del", "dev", dev, "clsact", check=False)
+            netns.sh(*ip, "ip", "link", "del", hole, check=False)
+    return how
 
 
 def _cgroup_v1_cpu() -> str | None:
@@ -269,8 +288,8 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
     elif kind == "drop":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
         params["loss"] = "100%"
-        _netem_loss(devs, True)
-        undo = lambda: _netem_loss(devs, False)  # noqa: E731
+        params["how"] = _drop_all(devs, True)
+        undo = lambda: _drop_all(devs, False)  # noqa: E731
     elif kind == "cpu":
         params["cpu_share"] = cpu_share
         undo = _cpu_quota(_rank_pid(layout, i), i, cpu_share)

@@ -471,7 +471,8 @@ def _endpoint(text: str) -> tuple[str, int] | None:
 
 def stalled_connections(reader, nodes: list[str], since_ns: int, until_ns: int) -> dict:
     """TCP connections of the given nodes that were stuck retransmitting in [since_ns, until_ns] (the tcpinfo
-    source's tcp_stalled Events, entity "src:sport->dst:dport", not followed by tcp_recovered) and the host every
+    source's tcp_stalled Events, entity "src:sport->dst:dport", not followed by tcp_recovered or tcp_stall_closed)
+    and the host every
     one of them touches, if one does: {"count", "connections": [...], "common": node id or remote address}.
     An address is a node's when that node reported a connection from it (its own side)."""
     fn = getattr(reader, "node_events", None)
@@ -481,7 +482,7 @@ def stalled_connections(reader, nodes: list[str], since_ns: int, until_ns: int) 
     owner: dict[str, str] = {}
     for node in nodes:
         try:
-            evs = fn(node, ("tcp_stalled", "tcp_recovered"), since_ns, until_ns)
+            evs = fn(node, ("tcp_stalled", "tcp_recovered", "tcp_stall_closed"), since_ns, until_ns)
         except Exception:  # a reader without events
             return {}
         for e in evs:

@@ -40,7 +40,7 @@ class DecodedBatch:
     gaps: list = field(default_factory=list)       # (mono_ns, source, Gap msg)
     modes: list = field(default_factory=list)      # (mono_ns, ModeChange msg)
     stacks: list = field(default_factory=list)     # (mono_ns, StackSummary msg)
-    conns: list = field(default_factory=list)      # (mono_ns, ConnStats msg)
+    conns: list = field(default_factory=list)      # (mono_ns, ConnStats msg, source: netflows | tcpinfo)
     flows: list = field(default_factory=list)      # (mono_ns, Flow msg)
     comm_summaries: list = field(default_factory=list)  # (mono_ns, source, CommSummary msg)
     comm_members: list = field(default_factory=list)    # (mono_ns, CommMember msg)
@@ -108,7 +108,10 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
             if body.start_mono_ns > mono or not body.src or not body.dst or body.sport > 65535 or body.dport > 65535:
                 rej[f"{kind} record with bad addresses, ports or times"] += 1
                 continue
-            (out.conns if kind == "conn" else out.flows).append((mono, body))
+            if kind == "conn":
+                out.conns.append((mono, body, rec.source))
+            else:
+                out.flows.append((mono, body))
         elif kind == "stacks":
             st = rec.stacks
             n_frames = len(st.frames)

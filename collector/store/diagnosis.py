@@ -218,8 +218,10 @@ class DiagnosisQueries:
         return out
 
     def conn_stats_of(self, node_id: str, since_ns: int = 0, until_ns: int = 0, limit: int = 50_000) -> list[dict]:
-        """One node's per-connection TCP figures (netflows ConnStats) whose interval ends in [since_ns, until_ns],
-        oldest first: {start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits, srtt_us, pid}."""
+        """One node's per-connection TCP figures (ConnStats) whose interval ends in [since_ns, until_ns], oldest
+        first: {start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits, srtt_us, pid, source}.
+        Where both sources report (netflows and tcpinfo), only one's rows: tcpinfo's (the kernel's own TCP
+        figures), so no connection counts twice."""
         cond, args = ["agent_id = ?", "end_ns >= ?"], [node_id, since_ns]
         if until_ns:
             cond.append("end_ns <= ?")
@@ -227,11 +229,16 @@ class DiagnosisQueries:
         db = self._db()
         try:
             cur = db.conn.execute("SELECT start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits,"
-                                  f" srtt_us, pid FROM conn_stats WHERE {' AND '.join(cond)} ORDER BY end_ns LIMIT ?",
-                                  args + [limit])
-            return _dict_rows(cur)
+                                  f" srtt_us, pid, source FROM conn_stats WHERE {' AND '.join(cond)} ORDER BY end_ns"
+                                  " LIMIT ?", args + [limit])
+            rows = _dict_rows(cur)
         finally:
             db.conn.close()
+        sources = {r["source"] for r in rows}
+        if len(sources) > 1:
+            keep = "tcpinfo" if "tcpinfo" in sources else sorted(sources)[0]
+            rows = [r for r in rows if r["source"] == keep]
+        return rows
 
     def topology(self) -> Topology | None:
         rec = self.topology_record()

@@ -177,6 +177,11 @@ MIGRATIONS.append((9, """
 CREATE INDEX conn_stats_agent ON conn_stats (agent_id, end_ns);
 """))
 
+# two agent sources report connections (netflows: eBPF; tcpinfo: sock_diag): which one, so a reader counts each once
+MIGRATIONS.append((10, """
+ALTER TABLE conn_stats ADD COLUMN source TEXT NOT NULL DEFAULT '';
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 
