@@ -3,7 +3,7 @@
 # (the device machine lent to some sessions: bench/README.md "GPU host"). Every step runs under `timeout`, with
 # its log in $OUT, so a hang shows where it hung instead of eating the whole call.
 #
-#   OUT=/tmp/out bash bench/gpu_device.sh [tests] [record] [frlive] [cupti] [live]      (default: tests record)
+#   OUT=/tmp/out bash bench/gpu_device.sh [tests] [record] [frlive] [cupti] [live] [kernel]      (default: tests record)
 #
 # Packages python3 lacks (cupti-python, sqlite-utils, lightgbm, ...) are installed from ./.whl/*.whl if present.
 set -u
@@ -69,4 +69,13 @@ case " $what " in *" cupti "*)
 
 case " $what " in *" live "*)
   run_test tests/test_gpu_live.py 330
+;; esac
+
+case " $what " in *" kernel "*)   # the kernel-facing CPU tests, on this host's kernel (netem, cgroup v2, PSI)
+  for f in tests/test_source_tcpinfo.py tests/test_source_host_causes.py tests/test_bootstrap_gc.py; do
+    t0=$SECONDS; name=$(basename "$f" .py)
+    PYTHONUNBUFFERED=1 timeout -k 10 200 .venv/bin/python -m pytest -p no:cacheprovider -v -rs "$f" >"$OUT/$name.log" 2>&1
+    echo "== $f rc=$? in $((SECONDS - t0)) s"; grep -E "PASSED|FAILED|SKIPPED|ERROR|passed|failed" "$OUT/$name.log" | tail -14
+  done
+  uname -r; (tc qdisc add dev lo root netem loss 1% && tc qdisc del dev lo root && echo netem ok) 2>&1 | tail -1
 ;; esac
