@@ -138,6 +138,7 @@ class ConnStats:
     srtt_us: int = 0
     pid: int = 0
     comm: str = ""
+    net_limited_us: int = 0   # time with data to send held back by the network (tcpinfo; 0: unknown)
 
 
 @dataclass(slots=True)

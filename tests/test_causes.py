@@ -60,7 +60,7 @@ def _gauge(name, entity, before, during, t_end=T0 + 100 * S):
     return [Metric(t, name, entity, during if ONSET <= t <= LAST else before) for t in range(T0, t_end + 1, S)]
 
 
-def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45)) -> dict[str, list]:
+def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="netflows", held=0.6) -> dict[str, list]:
     """A 4-rank job, rank r alone on node n<r> (pid 100 + r, GPU 0), healthy figures everywhere, and the scenario's
     evidence on the target rank or its node."""
     per: dict[str, list] = {}
@@ -102,8 +102,11 @@ def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45)) -> dict[str, lis
                 continue
             for t in range(T0, T0 + 101 * S, S):
                 slow = scenario == "network" and (hit or o == target) and ONSET <= t <= LAST
-                recs.append(ConnStats(t, t - S, f"10.0.0.{r}", 40000 + o, f"10.0.0.{o}", 29500, tx_bytes=10**6,
-                                      srtt_us=40_000 if slow else 200, retransmits=0, pid=pid))
+                # tcpinfo also says how long the sender was held back by the network (held x the second)
+                recs.append((conn_source, ConnStats(
+                    t, t - S, f"10.0.0.{r}", 40000 + o, f"10.0.0.{o}", 29500, tx_bytes=10**6,
+                    srtt_us=40_000 if slow else 200, retransmits=0, pid=pid,
+                    net_limited_us=int((held if slow else 0.02) * 1e6) if conn_source == "tcpinfo" else 0)))
         if scenario == "data-loading" and hit:
             frames = [("train_step", "train_step", "/job/train.py", 10),
                       ("_next_data", "_MultiProcessingDataLoaderIter._next_data",
@@ -170,6 +173,18 @@ def test_network_names_the_remote_all_slow_connections_share(tmp_path):
     assert net3["remotes"] == ["10.0.0.1"] and net3["srtt_degraded"][0]["srtt_us"] == 40_000
     assert len(f.suspects[1].evidence["why"]["network"]["srtt_degraded"]) == 3
     assert "towards 10.0.0.1" in f.summary
+
+
+@pytest.mark.parametrize("held,cause", [(0.6, "network"), (0.02, "")])
+def test_an_rtt_rise_is_the_network_only_while_the_sender_is_held_back_by_it(tmp_path, held, cause):
+    # tcpinfo rows: RTT 200 µs -> 40 ms on n1's connections; with the senders held back by the network 60 % of
+    # the time (a shaped link) that is the network; with 2 % (a slow peer's delayed ACKs) it is not
+    rd = _write(str(tmp_path / "h.db"), _job(scenario="network", conn_source="tcpinfo", held=held))
+    (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "1", 1.0, "compute"))]})["x"]
+    net = f.suspects[0].evidence["why"]["network"]
+    assert f.suspects[0].cause == (cause or "compute")
+    assert net["srtt_up_not_network_limited"] == (0 if cause else 3) and len(net["srtt_degraded"]) == (3 if cause
+                                                                                                        else 0)
 
 
 def test_a_connection_both_sources_report_is_read_once(tmp_path):

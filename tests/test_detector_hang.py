@@ -279,6 +279,31 @@ def test_a_culprit_on_a_host_whose_agent_fell_silent_leads_with_its_host():
     assert f.evidence["hang_type"] == "non-comm" and "node h3: its agent has not been heard" in f.summary
 
 
+def test_a_job_that_hung_then_died_says_so_with_its_culprit():
+    # rank 3 stopped at ~100 s; at 160 s every process exited (gloo's timeout killed the job): the finding is the
+    # hang as it stood before, with the culprit, saying the job died; one that exits right after its last step
+    # (a normal end) is no hang at all
+    rd, end = _gloo_dp2pp2(True)
+    real = rd.jobs
+
+    def died(at):
+        def jobs(job_key=""):
+            j = real(job_key)
+            for r in j[0]["ranks"]:
+                r["alive"], r["exited_ns"] = False, at + r["rank"] * S
+            return j
+        return jobs
+    rd.jobs = died(160 * S)
+    (f,) = detect(rd, Window("j", 0, 170 * S), HangConfig())
+    assert (f.suspects[0].id, f.suspects[0].evidence["state"]) == ("3", "stopped")
+    assert f.evidence["ongoing"] is False and f.evidence["died_ns"] == 160 * S and f.last_ns == 160 * S
+    assert f.summary.endswith("then the job died: its processes exited 60 s into the hang.")
+    rd.jobs = died(101 * S)
+    assert detect(rd, Window("j", 0, 170 * S), HangConfig()) == []
+    rd.jobs = died(160 * S)   # long ago: its finding has resolved, not re-sent
+    assert detect(rd, Window("j", 0, 3600 * S), HangConfig()) == []
+
+
 def test_a_job_whose_processes_all_exited_does_not_hang():
     # `diagnose` long after a job ended: no step for an hour, no CommProgress (no flightrec), every rank gone
     rd, end = _gloo_dp2pp2(True)

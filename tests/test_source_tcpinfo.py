@@ -238,7 +238,8 @@ def test_loopback_connection_between_two_workloads():
     assert mine[0].comm and mine[0].comm == theirs[0].comm  # both "python3..."
     assert mine[0].srtt_us > 0 and theirs[0].srtt_us > 0
     assert mine[0].tx_bytes == mine[0].rx_bytes == 0  # wire bytes: not visible to this source
-    assert mine[0].tx_packets > 0 and theirs[0].rx_packets > 0 and mine[0].retransmits == 0
+    # loopback retransmits too, rarely, on a loaded machine (seen: 2 of 29 segments): counted, never payload twice
+    assert mine[0].tx_packets > 0 and theirs[0].rx_packets > 0 and 0 <= mine[0].retransmits < mine[0].tx_packets
     assert mine[0].start_mono_ns == announced.mono_ns < mine[0].mono_ns
     assert {c.pid for c in _conns(records)} <= {client.pid, server.pid}  # workloads only
     assert _conns(again, sport=cport) == [] and _conns(again, sport=port) == []  # idle now

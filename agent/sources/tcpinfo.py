@@ -17,6 +17,10 @@ ConnStats(mono_ns = now, start_mono_ns = the previous reading's time) carries th
   tx_packets / rx_packets   segs_out / segs_in (32-bit counters, deltas taken modulo 2^32)
   retransmits       total_retrans (segments)
   srtt_us           tcpi_rtt, the smoothed RTT (µs) at the reading
+  net_limited_us    the interval's time with data to send held back by the network (cwnd, pacing, recovery), not
+                    by the peer's window nor the send buffer: tcpi_busy_time - rwnd_limited - sndbuf_limited
+                    (Linux 4.10+, jiffy resolution). A slow link keeps a sender network-limited; a slow peer
+                    or application does not, even when delayed ACKs inflate its RTT
   tx_bytes / rx_bytes       0: wire bytes at the device are not visible here (netflows has them)
   pid, comm         the workload process holding the socket, else 0 and ""
 A connection's first reading is emitted once with start_mono_ns = now and zero deltas (its RTT, its existence)
@@ -134,6 +138,9 @@ TCP_INFO_FIELDS: dict[str, tuple[int, str]] = {
     "bytes_received": (128, "Q"),
     "segs_out": (136, "I"),         # Linux 4.2
     "segs_in": (140, "I"),
+    "busy_time": (168, "Q"),        # Linux 4.10, µs (jiffies): time with data to send (TCP chrono), all limits
+    "rwnd_limited": (176, "Q"),     # ... of it limited by the peer's receive window
+    "sndbuf_limited": (184, "Q"),   # ... of it limited by the send buffer
     "bytes_sent": (200, "Q"),       # Linux 4.19
     "bytes_retrans": (208, "Q"),
 }
@@ -179,6 +186,9 @@ class TcpInfo(NamedTuple):
     bytes_received: int
     segs_out: int
     segs_in: int
+    busy_time: int
+    rwnd_limited: int
+    sndbuf_limited: int
     bytes_sent: int
     bytes_retrans: int
     length: int  # bytes the kernel gave; a field ending past it is absent (0)
@@ -426,14 +436,17 @@ def conn_entity(s: DiagSock) -> str:
     return f"{_endpoint(s.src, s.sport)}->{_endpoint(s.dst, s.dport)}"
 
 
-def totals_of(info: TcpInfo) -> tuple[int, int, int, int, int]:
-    """Cumulative (tx payload, rx payload, segments out, segments in, retransmitted segments) of a reading."""
+def totals_of(info: TcpInfo) -> tuple[int, int, int, int, int, int]:
+    """Cumulative (tx payload, rx payload, segments out, segments in, retransmitted segments, µs network-limited)
+    of a reading. Network-limited: time with data to send held back by neither the peer's window nor the send
+    buffer (TCP chrono "busy": cwnd, pacing, loss recovery), 0 before Linux 4.10."""
     if info.has("bytes_sent"):
         tx = info.bytes_sent - info.bytes_retrans
     else:
         tx = info.bytes_acked
     rx = info.bytes_received - (1 if info.state in FIN_RECEIVED and info.bytes_received else 0)
-    return (tx, rx, info.segs_out, info.segs_in, info.total_retrans)
+    net = max(0, info.busy_time - info.rwnd_limited - info.sndbuf_limited) if info.has("sndbuf_limited") else 0
+    return (tx, rx, info.segs_out, info.segs_in, info.total_retrans, net)
 
 
 def is_stuck(info: TcpInfo) -> bool:
@@ -444,7 +457,7 @@ def is_stuck(info: TcpInfo) -> bool:
 def _deltas(now: tuple, before: tuple) -> tuple:
     """now - before per counter: 64-bit byte counts never go back; 32-bit segment counts wrap."""
     return (max(0, now[0] - before[0]), max(0, now[1] - before[1]), (now[2] - before[2]) & 0xFFFFFFFF,
-            (now[3] - before[3]) & 0xFFFFFFFF, (now[4] - before[4]) & 0xFFFFFFFF)
+            (now[3] - before[3]) & 0xFFFFFFFF, (now[4] - before[4]) & 0xFFFFFFFF, max(0, now[5] - before[5]))
 
 
 class TcpinfoSource(Source):
@@ -573,7 +586,7 @@ class TcpinfoSource(Source):
             if prev is None:
                 conn = _Conn(now, totals, info.state, conn_entity(s))
                 if self._complete_ns is not None and key not in self._seen_prev:
-                    base, since = (0, 0, 0, 0, 0), self._complete_ns   # born since the last complete dump
+                    base, since = (0, 0, 0, 0, 0, 0), self._complete_ns   # born since the last complete dump
                     floor_ns = since
                 else:
                     base, since = totals, now
@@ -594,7 +607,7 @@ class TcpinfoSource(Source):
                 out.append(ConnStats(now, since, s.src, s.sport, s.dst, s.dport,
                                      tx_payload_bytes=d[0], rx_payload_bytes=d[1], tx_packets=d[2],
                                      rx_packets=d[3], retransmits=d[4], srtt_us=info.rtt, pid=pid,
-                                     comm=self._comms.get(pid, "") if pid else ""))
+                                     comm=self._comms.get(pid, "") if pid else "", net_limited_us=d[5]))
             conn.mono_ns, conn.totals, conn.state = now, totals, info.state
             if stuck:
                 if not stuck_prev:

@@ -116,6 +116,7 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
             c.tx_bytes, c.rx_bytes, c.tx_packets, c.rx_packets = rec.tx_bytes, rec.rx_bytes, rec.tx_packets, rec.rx_packets
             c.tx_payload_bytes, c.rx_payload_bytes = rec.tx_payload_bytes, rec.rx_payload_bytes
             c.retransmits, c.srtt_us, c.pid, c.comm = rec.retransmits, rec.srtt_us, rec.pid, rec.comm
+            c.net_limited_us = rec.net_limited_us
         elif t is r.Flow:
             f = msg.flow
             f.start_mono_ns = rec.start_mono_ns
@@ -200,7 +201,7 @@ def decode_records(payload: bytes) -> list[tuple[str, object]]:
             c = msg.conn
             rec = r.ConnStats(msg.mono_ns, c.start_mono_ns, c.src, c.sport, c.dst, c.dport, c.tx_bytes, c.rx_bytes,
                               c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
-                              c.srtt_us, c.pid, c.comm)
+                              c.srtt_us, c.pid, c.comm, c.net_limited_us)
         elif kind == "flow":
             f = msg.flow
             rec = r.Flow(msg.mono_ns, f.start_mono_ns, f.src, f.sport, f.dst, f.dport, f.bytes, f.packets, f.pid)

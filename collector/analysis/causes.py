@@ -29,7 +29,10 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
                    above wins
   network          the node's TCP connections (netflows ConnStats) retransmitted (>= `retransmits_per_s`, `rise`
                    x baseline) or their smoothed RTT rose `srtt_rise` x and by >= `srtt_min_increase_us` over their
-                   own baseline; the evidence names the remote addresses most of the degraded connections share
+                   own baseline while the sender was held back by the network (tcpinfo's net_limited_us, TCP's
+                   chrono "busy" time: >= `net_limited_fraction` of the time and up by half that; on the testbed
+                   an RTT rise alone came with every CPU fault too: delayed ACKs of a slowed peer); the evidence
+                   names the remote addresses most of the degraded connections share
   data-loading     the share of the process's Python samples inside torch.utils.data rose by >= `frames_rise`
 Suspects that are not ranks keep the detector's cause (a link or NIC is "network" by what it is).
 
@@ -83,6 +86,7 @@ class CausesConfig:
     retransmits_per_s: float = 1.0
     srtt_rise: float = 2.0
     srtt_min_increase_us: float = 1000.0
+    net_limited_fraction: float = 0.2     # ... while its sender was held back by the network this share of the time
     frames_rise: float = 0.3
     rerank_within: float = 0.5
     kernel_ratio: float = 1.15            # identical kernels this much slower than the peers': gpu-slow
@@ -419,7 +423,8 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
     span_b = max(1e-3, (a - m - b0) / 1e9)
     retx_d = sum(r["retransmits"] or 0 for rs in during.values() for r in rs) / span_d
     retx_b = sum(r["retransmits"] or 0 for rs in before.values() for r in rs) / span_b if before else None
-    slow, remotes = [], {}
+    slow, remotes, held = [], {}, 0
+    chrono = any(r["source"] == "tcpinfo" for r in rows)   # net_limited_us known (tcpinfo on Linux 4.10+)
     for key, rs in during.items():
         base = [r["srtt_us"] for r in before.get(key, []) if r["srtt_us"]]
         now = [r["srtt_us"] for r in rs if r["srtt_us"]]
@@ -427,17 +432,32 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
             continue
         s0, s1 = statistics.median(base), max(now)
         if s1 >= cfg.srtt_rise * s0 and s1 - s0 >= cfg.srtt_min_increase_us:
-            slow.append({"conn": f"{key[0]}:{key[1]}->{key[2]}:{key[3]}", "srtt_us": s1, "before_us": s0})
+            item = {"conn": f"{key[0]}:{key[1]}->{key[2]}:{key[3]}", "srtt_us": s1, "before_us": s0}
+            if chrono:
+                # an RTT that rose while the sender was not held back by the network is a slow peer or
+                # application (delayed ACKs, a starved receiver), not the link
+                nl1, nl0 = _held_fraction(rs), _held_fraction(before.get(key, []))
+                item["net_limited_fraction"] = {"during": round(nl1, 3), "before": round(nl0, 3)}
+                if not (nl1 >= cfg.net_limited_fraction and nl1 - nl0 >= cfg.net_limited_fraction / 2):
+                    held += 1
+                    continue
+            slow.append(item)
             remotes[key[2]] = remotes.get(key[2], 0) + 1
         if sum(r["retransmits"] or 0 for r in rs):
             remotes[key[2]] = remotes.get(key[2], 0) + 1
-    out = {"connections": len(during), "retransmits_per_s": round(retx_d, 3),
+    out = {"connections": len(during), "retransmits_per_s": round(retx_d, 3), "srtt_up_not_network_limited": held,
            "retransmits_per_s_before": None if retx_b is None else round(retx_b, 3),
            "srtt_degraded": sorted(slow, key=lambda x: -x["srtt_us"] / x["before_us"])[:8]}
     if remotes:
         out["remotes"] = sorted(remotes, key=lambda k: -remotes[k])[:4]
     out["degraded"] = bool(slow) or _rise(retx_d, retx_b, cfg.retransmits_per_s, cfg.rise)
     return out
+
+
+def _held_fraction(rows: list[dict]) -> float:
+    """Share of the rows' intervals the sender spent held back by the network (net_limited_us)."""
+    span = sum(max(0, r["end_ns"] - r["start_ns"]) for r in rows)
+    return min(1.0, sum(r.get("net_limited_us") or 0 for r in rows) * 1000 / span) if span else 0.0
 
 
 def _frames(ps: _Pass, node: str, pid: int, b0: int, a: int, b: int, m: int) -> list[dict]:

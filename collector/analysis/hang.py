@@ -28,11 +28,12 @@ Non-comm hang: the culprit is a rank not inside the collective the others wait i
 data loading, a lock); comm hang: every member inside it.
 
 A hang that ended inside the window (the job completed steps again after a gap longer than the bound) is
-reported with `resumed_ns` and ongoing False, so the finding says it resumed and then resolves. Evidence kept
-with the finding (it outlives the job), compact at any scale (ranks as ranges, "0-51,53-63"): per culprit its
-process state, frames and where it stands on each of its communicators; its groups member by member (who
-entered which seq, who waits in what: the sequence diff itself); every waiting rank grouped by the op it waits
-in; the process states; every rank's stack grouped into the distinct stacks (most ranks first).
+reported with `resumed_ns` and ongoing False, so the finding says it resumed and then resolves; one whose
+processes all exited after hanging (its collective timed out, or it was killed) with `died_ns`, saying it died.
+Evidence kept with the finding (it outlives the job), compact at any scale (ranks as ranges, "0-51,53-63"): per
+culprit its process state, frames and where it stands on each of its communicators; its groups member by member
+(who entered which seq, who waits in what: the sequence diff itself); every waiting rank grouped by the op it
+waits in; the process states; every rank's stack grouped into the distinct stacks (most ranks first).
 
 Cost: one read of the newest CommProgress per (process, comm); the window's Step rows as the pass's other
 detectors parsed them (irregularity.load, kept on the reader for the pass); O(ranks x comms) for the graph.
@@ -464,6 +465,31 @@ def _resumed(reader, window: Window, cfg: HangConfig, js: JobSteps, ends: dict[i
     return out
 
 
+def _died(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[int, int], step_ns: float,
+          bound_ns: float, job: dict) -> list[Finding]:
+    """A job that hung and then died: every process exited (procs), the first exit more than the bound after the
+    newest step, lately (within 2 x resolve_after_seconds of the window's end). The hang as it stood just before
+    the first exit, saying the job died (its collective timed out, or it was killed); re-sent until it resolves."""
+    ranks = [r for r in job.get("ranks", []) if r.get("rank", -1) >= 0]
+    if not ranks or not all(r.get("alive") is False and r.get("exited_ns") for r in ranks):
+        return []
+    died = min(r["exited_ns"] for r in ranks)
+    newest_step = max(last.values(), default=0)
+    if not newest_step or died - newest_step < bound_ns or died < window.until_ns - 2 * int(cfg.resolve_after_seconds
+                                                                                         * 1e9):
+        return []
+    alive = {**job, "ranks": [{**r, "alive": True} for r in job.get("ranks", [])]}   # as they were before
+    w = Window(window.job_key, window.since_ns, died - 1)
+    out = []
+    for f in _ongoing(reader, w, cfg, js, last, step_ns, bound_ns, _progress(reader, w), alive):
+        ev = {**f.evidence, "ongoing": False, "died_ns": died, "stalled_seconds": round((died - f.onset_ns) / 1e9, 1)}
+        out.append(Finding(kind="hang", onset_ns=f.onset_ns, last_ns=died, severity=f.severity,
+                           summary=f.summary[:-1] + f"; then the job died: its processes exited "
+                                                    f"{(died - f.onset_ns) / 1e9:.0f} s into the hang.",
+                           suspects=f.suspects, evidence=ev))
+    return out
+
+
 def _endpoint(text: str) -> tuple[str, int] | None:
     addr, _, port = text.strip().rpartition(":")
     return (addr.strip("[]"), int(port)) if addr and port.isdigit() else None
@@ -472,8 +498,8 @@ def _endpoint(text: str) -> tuple[str, int] | None:
 def stalled_connections(reader, nodes: list[str], since_ns: int, until_ns: int) -> dict:
     """TCP connections of the given nodes that were stuck retransmitting in [since_ns, until_ns] (the tcpinfo
     source's tcp_stalled Events, entity "src:sport->dst:dport", not followed by tcp_recovered or tcp_stall_closed)
-    and the host every
-    one of them touches, if one does: {"count", "connections": [...], "common": node id or remote address}.
+    and the host every one of them touches, if one does: {"count", "connections": [...], "common": node id or
+    remote address}.
     An address is a node's when that node reported a connection from it (its own side)."""
     fn = getattr(reader, "node_events", None)
     if fn is None or not nodes:
@@ -552,6 +578,7 @@ def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:
     jobs = reader.jobs(window.job_key) if hasattr(reader, "jobs") else []
     job = jobs[0] if jobs else {}
     out = _resumed(reader, window, cfg, js, ends, step_ns, bound_ns, job)
+    out += _died(reader, window, cfg, js, last, step_ns, bound_ns, job)
     out += _ongoing(reader, window, cfg, js, last, step_ns, bound_ns, _progress(reader, window), job)
     return out
 

@@ -219,7 +219,8 @@ class DiagnosisQueries:
 
     def conn_stats_of(self, node_id: str, since_ns: int = 0, until_ns: int = 0, limit: int = 50_000) -> list[dict]:
         """One node's per-connection TCP figures (ConnStats) whose interval ends in [since_ns, until_ns], oldest
-        first: {start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits, srtt_us, pid, source}.
+        first: {start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits, srtt_us, pid, source,
+        net_limited_us}.
         Where both sources report (netflows and tcpinfo), only one's rows: tcpinfo's (the kernel's own TCP
         figures), so no connection counts twice."""
         cond, args = ["agent_id = ?", "end_ns >= ?"], [node_id, since_ns]
@@ -229,7 +230,8 @@ class DiagnosisQueries:
         db = self._db()
         try:
             cur = db.conn.execute("SELECT start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits,"
-                                  f" srtt_us, pid, source FROM conn_stats WHERE {' AND '.join(cond)} ORDER BY end_ns"
+                                  f" srtt_us, pid, source, net_limited_us FROM conn_stats WHERE {' AND '.join(cond)}"
+                                  " ORDER BY end_ns"
                                   " LIMIT ?", args + [limit])
             rows = _dict_rows(cur)
         finally:
@@ -349,7 +351,8 @@ class DiagnosisQueries:
                                                               (p["started_ns"] or 0) >= old["_started"]):
                 j["ranks"][key] = {"rank": rank, "node_id": p["agent_id"], "pid": p["pid"],
                                    "local_rank": p["local_rank"] if p["local_rank"] is not None else -1,
-                                   "alive": alive, "source": "procs", "_started": p["started_ns"] or 0}
+                                   "alive": alive, "exited_ns": p["exited_ns"] or 0, "source": "procs",
+                                   "_started": p["started_ns"] or 0}
         for key, rows in summ.items():
             j = job(key)
             for r in rows:

@@ -182,6 +182,11 @@ MIGRATIONS.append((10, """
 ALTER TABLE conn_stats ADD COLUMN source TEXT NOT NULL DEFAULT '';
 """))
 
+# time a connection's sender was held back by the network (tcpinfo's TCP chrono figures; 0 unknown)
+MIGRATIONS.append((11, """
+ALTER TABLE conn_stats ADD COLUMN net_limited_us INTEGER NOT NULL DEFAULT 0;
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -326,11 +326,11 @@ class StoreWriter:
         if dec.conns:
             conn.executemany(
                 "INSERT INTO conn_stats(agent_id, start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes,"
-                " tx_packets, rx_packets, tx_payload_bytes, rx_payload_bytes, retransmits, srtt_us, pid, comm, source)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                " tx_packets, rx_packets, tx_payload_bytes, rx_payload_bytes, retransmits, srtt_us, pid, comm, source,"
+                " net_limited_us) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.src, c.sport, c.dst, c.dport, c.tx_bytes,
                   c.rx_bytes, c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
-                  c.srtt_us, c.pid, c.comm, src) for m, c, src in dec.conns])
+                  c.srtt_us, c.pid, c.comm, src, c.net_limited_us) for m, c, src in dec.conns])
         if dec.comm_summaries:
             conn.executemany(
                 "INSERT INTO comm_summaries(agent_id, start_ns, end_ns, pid, start_ticks, job_key, rank, comm_id, op,"

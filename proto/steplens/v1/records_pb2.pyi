@@ -188,7 +188,7 @@ class StackSummary(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., tid: _Optional[int] = ..., thread_name: _Optional[str] = ..., start_mono_ns: _Optional[int] = ..., samples: _Optional[int] = ..., errors: _Optional[int] = ..., python: _Optional[str] = ..., last_state: _Optional[str] = ..., frames: _Optional[_Iterable[_Union[StackFrame, _Mapping]]] = ..., stacks: _Optional[_Iterable[_Union[StackCount, _Mapping]]] = ...) -> None: ...
 
 class ConnStats(_message.Message):
-    __slots__ = ("start_mono_ns", "src", "sport", "dst", "dport", "tx_bytes", "rx_bytes", "tx_packets", "rx_packets", "tx_payload_bytes", "rx_payload_bytes", "retransmits", "srtt_us", "pid", "comm")
+    __slots__ = ("start_mono_ns", "src", "sport", "dst", "dport", "tx_bytes", "rx_bytes", "tx_packets", "rx_packets", "tx_payload_bytes", "rx_payload_bytes", "retransmits", "srtt_us", "pid", "comm", "net_limited_us")
     START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SRC_FIELD_NUMBER: _ClassVar[int]
     SPORT_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class ConnStats(_message.Message):
     SRTT_US_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     COMM_FIELD_NUMBER: _ClassVar[int]
+    NET_LIMITED_US_FIELD_NUMBER: _ClassVar[int]
     start_mono_ns: int
     src: str
     sport: int
@@ -219,7 +220,8 @@ class ConnStats(_message.Message):
     srtt_us: int
     pid: int
     comm: str
-    def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., tx_bytes: _Optional[int] = ..., rx_bytes: _Optional[int] = ..., tx_packets: _Optional[int] = ..., rx_packets: _Optional[int] = ..., tx_payload_bytes: _Optional[int] = ..., rx_payload_bytes: _Optional[int] = ..., retransmits: _Optional[int] = ..., srtt_us: _Optional[int] = ..., pid: _Optional[int] = ..., comm: _Optional[str] = ...) -> None: ...
+    net_limited_us: int
+    def __init__(self, start_mono_ns: _Optional[int] = ..., src: _Optional[str] = ..., sport: _Optional[int] = ..., dst: _Optional[str] = ..., dport: _Optional[int] = ..., tx_bytes: _Optional[int] = ..., rx_bytes: _Optional[int] = ..., tx_packets: _Optional[int] = ..., rx_packets: _Optional[int] = ..., tx_payload_bytes: _Optional[int] = ..., rx_payload_bytes: _Optional[int] = ..., retransmits: _Optional[int] = ..., srtt_us: _Optional[int] = ..., pid: _Optional[int] = ..., comm: _Optional[str] = ..., net_limited_us: _Optional[int] = ...) -> None: ...
 
 class Flow(_message.Message):
     __slots__ = ("start_mono_ns", "src", "sport", "dst", "dport", "bytes", "packets", "pid")
