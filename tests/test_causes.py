@@ -143,6 +143,16 @@ def test_the_rank_with_a_cause_of_its_own_leads_and_carries_it(tmp_path, scenari
     assert f.summary.startswith("The job slowed 1.60x; rank 1: ")
 
 
+def test_a_stopped_rank_no_detector_named_is_added_first(tmp_path):
+    # the stop landed while rank 1 was inside its all-reduce: the detectors saw ranks 3 and 0 arrive late, not 1
+    rd = _write(str(tmp_path / "a.db"), _job(scenario="stopped"))
+    f = _finding(Suspect("rank", "3", 0.26, "waiting"), Suspect("rank", "0", 0.25, "waiting"))
+    (g,) = causes.attach(rd, JOB, {"x": [f]})["x"]
+    assert [(s.id, s.cause) for s in g.suspects] == [("1", "stopped"), ("3", "waiting"), ("0", "waiting")]
+    assert g.suspects[0].score == 0.26 and g.suspects[0].evidence["added_by"].startswith("causes:")
+    assert "rank 1: its process was stopped (rank 1 stopped (state T))" in g.summary
+
+
 def test_throttling_explains_its_run_queue_waits(tmp_path):
     # a quota makes the throttled task wait too (runqueue 0.6 s/s here): the cause is the quota, not contention
     rd = _write(str(tmp_path / "t.db"), _job(scenario="cpu-throttled"))

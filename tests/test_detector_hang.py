@@ -304,6 +304,24 @@ def test_a_job_that_hung_then_died_says_so_with_its_culprit():
     assert detect(rd, Window("j", 0, 3600 * S), HangConfig()) == []
 
 
+def test_a_dead_member_of_a_stalled_collective_is_the_culprit_not_the_network():
+    # the comm hang of the test above, then rank 1's process died (a zombie): its last CommProgress says it is
+    # inside the all-reduce, but that is stale; it holds rank 0 up, the hang is no longer the network's
+    rd, end = _gloo_dp2pp2(False)
+    rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
+    rd._progress[1]["pid"] = 101
+    rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
+    rd._progress[3]["pid"] = 103
+    rd._stacks = [x for x in rd._stacks if x["pid"] not in (101, 103)] + [
+        {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
+            ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
+    rd._events = [{"node_id": "h1", "ts_ns": 120 * S, "kind": "process_zombie", "pid": 101, "start_ticks": 1,
+                   "message": "rank 1 zombie", "value": 0.0}]
+    (f,) = detect(rd, Window("j", 0, end), HangConfig())
+    assert (f.suspects[0].kind, f.suspects[0].id, f.suspects[0].evidence["state"]) == ("rank", "1", "zombie")
+    assert f.evidence["hang_type"] == "non-comm"
+
+
 def test_a_job_whose_processes_all_exited_does_not_hang():
     # `diagnose` long after a job ended: no step for an hour, no CommProgress (no flightrec), every rank gone
     rd, end = _gloo_dp2pp2(True)

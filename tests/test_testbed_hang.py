@@ -164,8 +164,16 @@ def test_a_host_whose_link_drops_everything_is_named_in_a_comm_hang(bed):
     assert got["hit"] is not None, f"no comm hang finding naming h1: {json.dumps(got['rec'])}"
     assert (got["hit"][0] - got["entry"]["start_ns"]) / 1e9 <= FOUND_WITHIN_S
     assert got["hit"][1]["suspects"][0]["cause"] == "network"
-    ev = got["last"]["evidence"]
     if got["rec"]["job_alive_after"]:
-        assert got["resolved"] is not None and ev.get("resumed_ns"), json.dumps(got["rec"])
+        assert got["resolved"] is not None and got["last"]["evidence"].get("resumed_ns"), json.dumps(got["rec"])
     else:
-        assert ev.get("died_ns") and "then the job died" in got["last"]["summary"], json.dumps(got["rec"])
+        # gloo's keepalive gave up on h1 (seen: ranks 1 and 3 exit ~80 s in, 0 and 2 wait on): the hang goes on,
+        # now held by the dead ranks, not by the network
+        def dead_lead(f):
+            top = f["suspects"][0] if f["suspects"] else {}
+            return top.get("kind") == "rank" and top.get("evidence", {}).get("state") in ("exited", "zombie")
+        later = wait_for(lambda: [f for f in open_findings(bed["layout"]) if f["detector"] == "hang" and
+                                  (dead_lead(f) or f["evidence"].get("died_ns"))], 60, interval=2,
+                         what="a hang finding led by a dead rank, or saying the job died")
+        got["rec"]["after_death"] = [f["summary"] for f in later]
+        print(f"drop after death: {json.dumps(got['rec']['after_death'])}")

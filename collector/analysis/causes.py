@@ -36,6 +36,8 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
   data-loading     the share of the process's Python samples inside torch.utils.data rose by >= `frames_rise`
 Suspects that are not ranks keep the detector's cause (a link or NIC is "network" by what it is).
 
+A rank whose process was stopped during the episode but that no detector named (a stop landing while it is inside
+a collective makes no arrival late) is added as the first suspect.
 Re-ranking: where the leading rank has no cause of its own (none, or only network: waiting is not a cause) and
 another of the examined rank suspects, scored >= `rerank_within` x the leader, has one in its own process (stopped,
 cpu-throttled, gc, gpu-*, memory-pressure, cpu-contention), that one leads: the detectors see who arrives late,
@@ -84,6 +86,8 @@ class CausesConfig:
     rise: float = 1.25                    # x the suspect's own baseline, and up by the fraction's floor
     gpu_clock_ratio: float = 0.9
     retransmits_per_s: float = 1.0
+    retransmits_min: int = 5              # ... and at least this many in the episode
+    retransmit_share: float = 0.01        # ... and this share of the segments sent (where the source counts them)
     srtt_rise: float = 2.0
     srtt_min_increase_us: float = 1000.0
     net_limited_fraction: float = 0.2     # ... while its sender was held back by the network this share of the time
@@ -421,7 +425,9 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
         return {}
     span_d = max(1e-3, (b + m - a) / 1e9)
     span_b = max(1e-3, (a - m - b0) / 1e9)
-    retx_d = sum(r["retransmits"] or 0 for rs in during.values() for r in rs) / span_d
+    retx_n = sum(r["retransmits"] or 0 for rs in during.values() for r in rs)
+    sent = sum(r.get("tx_packets") or 0 for rs in during.values() for r in rs)
+    retx_d = retx_n / span_d
     retx_b = sum(r["retransmits"] or 0 for rs in before.values() for r in rs) / span_b if before else None
     slow, remotes, held = [], {}, 0
     chrono = any(r["source"] == "tcpinfo" for r in rows)   # net_limited_us known (tcpinfo on Linux 4.10+)
@@ -450,7 +456,10 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
            "srtt_degraded": sorted(slow, key=lambda x: -x["srtt_us"] / x["before_us"])[:8]}
     if remotes:
         out["remotes"] = sorted(remotes, key=lambda k: -remotes[k])[:4]
-    out["degraded"] = bool(slow) or _rise(retx_d, retx_b, cfg.retransmits_per_s, cfg.rise)
+    # retransmits: a loss rate, not a few tail-loss probes (a loaded host's low-RTT links retransmit a little)
+    lossy = retx_n >= cfg.retransmits_min and (not sent or retx_n >= cfg.retransmit_share * sent)
+    out["retransmitted_share"] = round(retx_n / sent, 4) if sent else None
+    out["degraded"] = bool(slow) or (lossy and _rise(retx_d, retx_b, cfg.retransmits_per_s, cfg.rise))
     return out
 
 
@@ -504,10 +513,33 @@ def _supported(reader) -> bool:
                ("job_processes", "metric_points", "conn_stats_of", "process_events", "node_events", "stacks"))
 
 
+def stopped_ranks(ps: _Pass, a: int, b: int) -> dict[int, list[str]]:
+    """Ranks of the job whose process was stopped (procs: state T/t) in [a, b]: rank -> the Events' messages."""
+    by_proc = {(p["node_id"], p["pid"], p["start_ticks"]): r for r, p in ps.procs().items()}
+    if not by_proc:
+        return {}
+    out: dict[int, list[str]] = {}
+    for e in ps.reader.process_events(a, b, None, ("process_stopped", "process_running")):
+        r = by_proc.get((e["node_id"], e["pid"], e["start_ticks"]))
+        if r is not None and (e["kind"] == "process_stopped" or "stopped" in e["message"]):
+            out.setdefault(r, []).append(e["message"])
+    return out
+
+
 def explain_finding(ps: _Pass, f: Finding) -> Finding:
     cfg = ps.cfg
     sus = list(f.suspects)
     changed = False
+    # a rank stopped during the episode explains it even where no arrival of it was late (a stop that lands
+    # while it is inside a collective holds the others there with it): it is added, first
+    m = int(cfg.margin_seconds * 1e9)
+    named = {s.id for s in sus if s.kind == "rank"}
+    for r, msgs in sorted(stopped_ranks(ps, f.onset_ns - m, f.last_ns + m).items()):
+        if str(r) not in named:
+            node = ps.procs()[r]["node_id"]
+            sus.insert(0, Suspect("rank", str(r), max((s.score for s in sus), default=1.0), "stopped",
+                                  {"node": node, "added_by": "causes: its process was stopped in the episode"}))
+            changed = True
     for i, s in enumerate(sus[:cfg.suspects]):
         if s.kind != "rank" or not s.id.lstrip("-").isdigit():
             continue

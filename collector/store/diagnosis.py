@@ -229,10 +229,9 @@ class DiagnosisQueries:
             args.append(until_ns)
         db = self._db()
         try:
-            cur = db.conn.execute("SELECT start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, retransmits,"
-                                  f" srtt_us, pid, source, net_limited_us FROM conn_stats WHERE {' AND '.join(cond)}"
-                                  " ORDER BY end_ns"
-                                  " LIMIT ?", args + [limit])
+            cur = db.conn.execute("SELECT start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes, tx_packets,"
+                                  " retransmits, srtt_us, pid, source, net_limited_us FROM conn_stats"
+                                  f" WHERE {' AND '.join(cond)} ORDER BY end_ns LIMIT ?", args + [limit])
             rows = _dict_rows(cur)
         finally:
             db.conn.close()
