@@ -8,8 +8,12 @@ Events and the pystacks source's stack summaries.
       stopped; after SIGCONT the finding says the job resumed and resolves.
   hold rank 1 for 60 s (stuck in Python: job.py hold_in_python sleeps at the start of its step): the culprit
       rank 1 first with its frames (hold_in_python) once a stack summary of the hang is in (every 10 s).
-  drop everything on h1's link for 60 s (netem loss 100 %): a comm hang naming h1 (or its NIC) first, cause
-      network: the other hosts' TCP connections to h1 stuck retransmitting (the tcpinfo source) all touch h1.
+  drop everything on h1's link for 60 s (netem loss 100 %, or a tc redirect into a dead veth on a kernel without
+      netem, like this VM's): a comm hang naming h1 (or its NIC) first, cause network: the other hosts' TCP
+      connections to h1 stuck retransmitting (the tcpinfo source) all touch h1. Gloo's keepalive then kills
+      ranks 1 and 3 (~80 s in); the hang goes on, led by the dead rank.
+Measured 2026-11-24 (this VM, redirect): stop named at 16.3 s, resolved 16.7 s after SIGCONT; hold named at
+16.3 s with hold_in_python; drop named h1 (comm, network) at 16.2 s, then led by the zombie rank 1.
 With gloo the Flight Recorder records no send/recv, so rank 3, waiting in a recv from rank 1, looks like a second
 sink (rank 2 waits for it in their all-reduce); the detector puts the rank that is stopped, or whose stack is not
 inside a communication call, first. Figures per run are printed (-s) and kept in RESULTS.
