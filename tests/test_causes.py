@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from steplens.agent.records import ConnStats, Event, Metric, ProcessInfo, StackSummary
+from steplens.agent.records import ConnStats, Event, Metric, ProcessInfo, StackSummary, Step
 from steplens.agent.transport.codec import encode_records
 from steplens.collector.analysis import causes
 from steplens.collector.analysis.findings import Finding, Suspect
@@ -21,7 +21,8 @@ S = 10**9
 T0 = 5_000 * S            # agent monotonic time of the first sample (cluster time = the same: offset 0)
 ONSET, LAST = T0 + 70 * S, T0 + 90 * S
 JOB = "job-causes"
-SOURCE = {Metric: "host", Event: "procs", ConnStats: "netflows", StackSummary: "pystacks", ProcessInfo: "procs"}
+SOURCE = {Metric: "host", Event: "procs", ConnStats: "netflows", StackSummary: "pystacks", ProcessInfo: "procs",
+          Step: "flightrec"}
 
 
 def _write(path: str, per_node: dict[str, list]) -> Reader:
@@ -265,7 +266,11 @@ def test_kernels_against_the_peers_on_a_real_h100_recording(tmp_path, phase, cau
     def fetch(job_key, ranks, since_ns, until_ns, limit=0):
         asked.append(sorted(ranks))
         return [dict(r, rank=rank) for rank in ranks for r in rows[phase if rank == 1 else "gpu_bound"]]
-    rd = _write(str(tmp_path / "k.db"), _job(scenario=""))
+    per = _job(scenario="")
+    for r in range(4):   # a step a second, so the irregularity memo below has steps to prune
+        per[f"n{r}"] += [Step(T0 + (k + 1) * S, 100 + r, 7, JOB, r, k, T0 + k * S, T0 + (k + 1) * S - S // 10,
+                              "anchor", 0, 1) for k in range(100)]
+    rd = _write(str(tmp_path / "k.db"), per)
     rd.fetch_kernels = fetch
     rd.step_memo = {}
     f = _finding(Suspect("rank", "1", 1.0, "compute"))
@@ -279,3 +284,9 @@ def test_kernels_against_the_peers_on_a_real_h100_recording(tmp_path, phase, cau
     assert asked == [[0, 1, 2, 3]]
     causes.attach(rd, JOB, {"x": [f]})          # the next pass: the same episode, from the memo, no new fetch
     assert len(asked) == 1
+    # the memo is the engine's per-job one, which irregularity prunes by step number: the key must not break it
+    from steplens.collector.analysis import irregularity
+    from steplens.collector.analysis.base import Window
+    rd.step_memo[("x", 3)] = (None, None)       # a step that left the window: pruned; the causes key stays
+    js = irregularity.load(rd, Window(JOB, T0 + 10 * S, T0 + 200 * S), irregularity.IrregularityConfig())
+    assert js.numbers and ("x", 3) not in rd.step_memo and causes.MEMO_KEY in rd.step_memo

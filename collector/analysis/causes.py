@@ -318,7 +318,7 @@ def _gpu(ps: _Pass, rank: int, proc: dict, a: int, b: int, m: int) -> tuple[str,
 
 KERNEL_PEERS = 3          # ranks a suspect's kernels are compared with
 KERNEL_LIMIT = 20_000     # kernel records fetched per rank at most
-MEMO_KEY = "causes.kernels"
+MEMO_KEY = ("causes", "kernels")   # in the engine's per-job memo, beside irregularity's (name, step) keys
 
 
 def _kernel_rows(rows: list[dict]) -> dict[int, list[dict]]:

@@ -218,7 +218,8 @@ def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
         js.memo = memo
         if js.numbers:
             first = js.numbers[0]
-            for k in [k for k in memo if k[1] < first]:  # steps that left the window
+            # steps that left the window (other users of the memo keep keys of their own shape)
+            for k in [k for k in memo if type(k) is tuple and len(k) == 2 and type(k[1]) is int and k[1] < first]:
                 del memo[k]
     try:
         reader._steps_memo = (key, js)
