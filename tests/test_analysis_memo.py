@@ -78,6 +78,8 @@ def test_a_step_whose_rows_change_is_recomputed_and_old_steps_are_forgotten(tmp_
     ends = sorted({r["end_ns"] for r in rows if r["rank"] == 0})
 
     class Edited:  # the store's rows, one step of one rank replaced (a late, corrected row)
+        steps_after = None   # rows edited in steps(): no incremental read past them (test_steps_incremental.py)
+
         def __init__(self, edit):
             self.edit = edit
 

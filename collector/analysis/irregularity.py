@@ -228,8 +228,34 @@ def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
     return js
 
 
+ROWS_KEY = ("irregularity", "rows")   # the job's Step rows kept in the engine's per-job memo between passes
+
+
+def _rows(reader, window: Window) -> list[dict]:
+    """The window's Step rows. With the engine's per-job memo and a store that reads incrementally
+    (Reader.steps_after), the rows are kept between passes and each pass reads only what was stored since the
+    last one: no row limit cuts a large job's window (8,192 ranks x 60 steps is ~500k rows; Reader.steps keeps the
+    newest 200k), and a pass costs what arrived. Otherwise one read of the window (Reader.steps)."""
+    memo = getattr(reader, "step_memo", None)
+    after = getattr(reader, "steps_after", None)
+    if not isinstance(memo, dict) or not callable(after):
+        return reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
+    cache = memo.get(ROWS_KEY)
+    if cache is None or window.since_ns < cache["since"]:   # first pass, or a window reaching further back
+        cache = memo[ROWS_KEY] = {"since": window.since_ns, "rowid": 0, "rows": {}}
+    new, cache["rowid"] = after(window.job_key, cache["rowid"], since_ns=cache["since"])
+    rows = cache["rows"]
+    for r in new:   # a row sent again for the same step replaces the one before
+        rows[(r["rank"], r["evidence"], r.get("source", ""), r["step"])] = r
+    if window.since_ns > cache["since"]:   # the window moved on: forget what left it
+        cache["since"] = window.since_ns
+        for k in [k for k, r in rows.items() if r["end_ns"] < window.since_ns]:
+            del rows[k]
+    return sorted(rows.values(), key=lambda r: r["end_ns"])
+
+
 def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
-    rows = reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
+    rows = _rows(reader, window)
     series: dict[int, dict[tuple, list[dict]]] = {}
     for r in rows:
         if r["end_ns"] > window.until_ns or r["rank"] is None or r["rank"] < 0 or r["step"] < 0:

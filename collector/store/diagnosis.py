@@ -305,6 +305,28 @@ class DiagnosisQueries:
         rows.reverse()
         return rows
 
+    def steps_after(self, job_key: str, after_rowid: int, since_ns: int = 0, limit: int = 2_000_000
+                    ) -> tuple[list[dict], int]:
+        """The job's Step rows stored after `after_rowid` (an incremental read: what arrived since the previous
+        call, late rows of old steps included) whose step ended at or after since_ns, in storage order, with
+        their comms; and the rowid to pass next time (the last one read: a read cut by `limit` goes on there)."""
+        db = self._db()
+        try:
+            cur = db.conn.execute("SELECT rowid AS _rowid, * FROM steps WHERE rowid > ? AND job_key = ? AND"
+                                  " end_ns >= ? ORDER BY rowid LIMIT ?", (after_rowid, job_key, since_ns, limit))
+            rows = _dict_rows(cur)
+            if len(rows) < limit:   # read to the end: next time from the table's end (rows of other jobs too)
+                top = db.conn.execute("SELECT MAX(rowid) FROM steps").fetchone()[0] or 0
+            else:
+                top = rows[-1]["_rowid"]
+        finally:
+            db.conn.close()
+        for r in rows:
+            r["node_id"] = r.pop("agent_id")
+            r["comms"] = json.loads(r.pop("comms_json"))
+            del r["_rowid"]
+        return rows, max(top, after_rowid)
+
     def jobs(self, job_key: str = "") -> list[dict]:
         """Every job known from processes (job key, rank, world size) or comm summaries, with its ranks,
         nodes and communicators (members from NCCL topology records and from who ran ops on which comm)."""

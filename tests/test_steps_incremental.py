@@ -1,0 +1,111 @@
+"""The analysis loop's Step rows kept between passes (irregularity._rows with Reader.steps_after), through a real
+store: each pass reads only what was stored since the last one, yet sees exactly the rows a full read of its window
+sees (late rows of old steps and rows sent again included), and no row limit cuts a large job's window."""
+
+from __future__ import annotations
+
+import time
+
+from steplens.agent.records import Step
+from steplens.agent.transport.codec import encode_records
+from steplens.collector.analysis import irregularity
+from steplens.collector.analysis.base import Window
+from steplens.collector.ingest.clock import ClockEstimate
+from steplens.collector.store.queries import Reader
+from steplens.collector.store.writer import BatchJob, StoreWriter
+
+S = 10**9
+T0 = 1_000 * S
+JOB = "job-inc"
+
+
+class _Feed:
+    def __init__(self, path: str) -> None:
+        self.path, self.seq = path, 0
+
+    def add(self, node: str, steps: list[Step]) -> None:
+        w = StoreWriter(self.path)
+        w.start()
+        got: list = []
+        try:
+            self.seq += 1
+            job = BatchJob(node, "cd" * 8, self.seq, len(steps), encode_records([("flightrec", s) for s in steps]),
+                           max(s.mono_ns for s in steps) + 1, ClockEstimate(0, 0.0, 0, 1, 1, 5), 0,
+                           lambda *a: got.append(a))
+            while not w.submit(job):
+                time.sleep(0.01)
+            deadline = time.monotonic() + 30
+            while not got and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            w.stop()
+        assert got
+
+
+def _steps(ranks, first: int, last: int, slow: dict | None = None) -> list[Step]:
+    out = []
+    for k in range(first, last):
+        for r in ranks:
+            d = (slow or {}).get((r, k), 0.1)
+            out.append(Step(T0 + k * S + int(d * S), 100 + r, 7, JOB, r, k, T0 + k * S, T0 + k * S + int(d * S),
+                            "anchor", 0, 1))
+    return out
+
+
+class _Memo:
+    """What the engine hands a detector: the store's reads plus the job's memo."""
+
+    def __init__(self, reader: Reader) -> None:
+        self._r, self.step_memo = reader, {}
+        self.after_calls = 0
+
+    def steps(self, *a, **k):
+        return self._r.steps(*a, **k)
+
+    def steps_after(self, *a, **k):
+        self.after_calls += 1
+        rows, top = self._r.steps_after(*a, **k)
+        self.read = len(rows)
+        return rows, top
+
+
+def _view(js) -> list:
+    return [(n, x, e, s) for n, x, e, s in zip(js.numbers, js.x_ns, js.end_ns, js.start_ns)]
+
+
+def test_passes_read_only_what_arrived_and_see_what_a_full_read_sees(tmp_path):
+    path = str(tmp_path / "inc.db")
+    feed, rd = _Feed(path), Reader(path)
+    inc = _Memo(rd)
+    feed.add("n0", _steps([0, 1], 0, 30))
+    feed.add("n1", _steps([2, 3], 0, 30))
+    w1 = Window(JOB, T0, T0 + 40 * S)
+    js = irregularity._load(inc, w1, irregularity.IrregularityConfig())
+    assert inc.read == 120 and len(js.numbers) == 30
+    # the next pass: 10 new steps, a late row of old step 5 for rank 3 (sent again: slower), and nothing else
+    feed.add("n0", _steps([0, 1], 30, 40))
+    feed.add("n1", _steps([2, 3], 30, 40) + _steps([3], 5, 6, slow={(3, 5): 0.5}))
+    w2 = Window(JOB, T0 + 3 * S, T0 + 50 * S)
+    js2 = irregularity._load(inc, w2, irregularity.IrregularityConfig())
+    assert inc.read == 41                                     # only what was stored since the first pass
+    cold = irregularity._load(rd, w2, irregularity.IrregularityConfig())   # a plain reader: one full read
+    assert _view(js2) == _view(cold) and js2.numbers[0] >= 3
+    assert js2.x_ns[js2.numbers.index(5)] == int(0.5 * S)     # the row sent again replaced the first
+    # a window reaching further back than the kept rows: read again in full
+    w0 = Window(JOB, T0, T0 + 50 * S)
+    assert _view(irregularity._load(inc, w0, irregularity.IrregularityConfig())) == \
+        _view(irregularity._load(rd, w0, irregularity.IrregularityConfig()))
+
+
+def test_no_row_limit_cuts_the_window(tmp_path, monkeypatch):
+    # Reader.steps keeps the newest `limit` rows (200k by default: ~24 steps of an 8,192-rank job); scaled down
+    # here to 100 rows of a 4-rank job, the full read loses the window's oldest steps, the incremental one not
+    path = str(tmp_path / "cut.db")
+    feed, rd = _Feed(path), Reader(path)
+    feed.add("n0", _steps([0, 1, 2, 3], 0, 60))
+    real = Reader.steps
+    monkeypatch.setattr(Reader, "steps", lambda self, *a, **k: real(self, *a, **{**k, "limit": 100}))
+    w = Window(JOB, T0, T0 + 70 * S)
+    cut = irregularity._load(rd, w, irregularity.IrregularityConfig())
+    inc = irregularity._load(_Memo(rd), w, irregularity.IrregularityConfig())
+    assert len(cut.numbers) == 25 and inc.numbers == list(range(60))
