@@ -118,6 +118,7 @@ bench: install $(TORCH_STAMP)
 	$(PY) bench/sim_speed.py
 	$(PY) bench/commops.py
 	$(PY) bench/gpu_traces.py
+	$(PY) bench/steps_read.py
 	@if [ "$$(id -u)" = 0 ]; then $(PY) bench/ebpf.py; else echo "skipping bench/ebpf.py: needs root (eBPF)"; fi
 
 # the detectors' scores (bench/README.md "eval"): named scenarios and EVAL_RANDOM random ones (64-512 GPUs,
