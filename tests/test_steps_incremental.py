@@ -109,3 +109,24 @@ def test_no_row_limit_cuts_the_window(tmp_path, monkeypatch):
     cut = irregularity._load(rd, w, irregularity.IrregularityConfig())
     inc = irregularity._load(_Memo(rd), w, irregularity.IrregularityConfig())
     assert len(cut.numbers) == 25 and inc.numbers == list(range(60))
+
+
+def test_the_engine_keeps_memos_within_a_row_budget(monkeypatch):
+    # the kept rows of the least recently analysed jobs go first once all jobs' rows pass MEMO_ROWS; the job being
+    # analysed keeps its own whatever its size
+    from steplens.collector.analysis import engine as eng
+    monkeypatch.setattr(eng, "MEMO_ROWS", 100)
+    e = eng.AnalysisEngine(reader=None, writer=None, detectors={})
+
+    def fill(job, n):
+        e._memo(job)[irregularity.ROWS_KEY] = {"since": 0, "rowid": 0, "rows": dict.fromkeys(range(n))}
+    fill("a", 60)
+    fill("b", 30)
+    assert list(e._memos) == ["a", "b"]
+    e._memo("a")                    # a analysed again: b is now the oldest; 90 rows fit
+    fill("c", 50)                   # 140 > 100: b goes (oldest), then 110 > 100: a goes; c stays
+    e._memo("c")
+    assert list(e._memos) == ["c"]
+    fill("d", 500)
+    e._memo("d")                    # alone over the budget: kept (it is the job being analysed), c goes
+    assert list(e._memos) == ["d"]

@@ -34,7 +34,14 @@ from steplens.collector.store.writer import StoreJob
 log = logging.getLogger("steplens.collector.analysis")
 
 MEMO_JOBS = 64   # jobs whose per-step results are kept between passes (each: its window's steps, compact)
+MEMO_ROWS = 2_000_000   # Step rows kept across all jobs' memos at most (irregularity._rows; ~330k for a 4,096-GPU
+                        # job's 60 s window): the least recently analysed jobs' memos go first
 DURATION_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+def _memo_rows(memo: dict) -> int:
+    cache = memo.get(("irregularity", "rows"))
+    return len(cache["rows"]) if cache else 0
 
 
 class FetchUnavailable(RuntimeError):
@@ -289,6 +296,13 @@ class AnalysisEngine:
             self._memos[job_key] = memo = {} if memo is None else memo
             while len(self._memos) > MEMO_JOBS:
                 self._memos.popitem(last=False)
+            rows = {k: _memo_rows(m) for k, m in self._memos.items()}
+            total = sum(rows.values())
+            for k in list(self._memos):
+                if total <= MEMO_ROWS or k == job_key:
+                    break
+                total -= rows[k]
+                del self._memos[k]
         return memo
 
     @staticmethod
