@@ -130,3 +130,50 @@ def test_the_engine_keeps_memos_within_a_row_budget(monkeypatch):
     fill("d", 500)
     e._memo("d")                    # alone over the budget: kept (it is the job being analysed), c goes
     assert list(e._memos) == ["d"]
+
+
+def test_a_row_committed_during_the_read_is_not_skipped(tmp_path, monkeypatch):
+    # the writer commits while a pass reads: a row stored between the read's statements must come in the next pass
+    path = str(tmp_path / "race.db")
+    feed, rd = _Feed(path), Reader(path)
+    feed.add("n0", _steps([0, 1], 0, 10))
+    real_db = Reader._db
+    state = {"armed": True}
+
+    def racing_db(self):
+        db = real_db(self)
+        if state["armed"]:
+            conn, executed = db.conn, []
+
+            class Conn:  # after the read's first statement, another batch lands
+                def execute(self, sql, *a):
+                    out = conn.execute(sql, *a)
+                    executed.append(sql)
+                    if len(executed) == 1 and state["armed"]:
+                        state["armed"] = False
+                        rows = _Rows(list(out))
+                        rows.desc = out.description
+                        feed.add("n0", _steps([0, 1], 10, 12))
+                        return rows
+                    return out
+
+                def close(self):
+                    conn.close()
+            db = type("Db", (), {"conn": Conn()})()
+        return db
+
+    class _Rows(list):
+        def fetchone(self):
+            return self[0] if self else None
+
+        def fetchall(self):
+            return list(self)
+
+        @property
+        def description(self):
+            return self.desc
+    monkeypatch.setattr(Reader, "_db", racing_db)
+    first, top = rd.steps_after(JOB, 0, 0)
+    monkeypatch.setattr(Reader, "_db", real_db)
+    second, _ = rd.steps_after(JOB, top, 0)
+    assert {(r["rank"], r["step"]) for r in first + second} == {(r, k) for r in (0, 1) for k in range(12)}

@@ -312,12 +312,14 @@ class DiagnosisQueries:
         their comms; and the rowid to pass next time (the last one read: a read cut by `limit` goes on there)."""
         db = self._db()
         try:
-            cur = db.conn.execute("SELECT rowid AS _rowid, * FROM steps WHERE rowid > ? AND job_key = ? AND"
-                                  " end_ns >= ? ORDER BY rowid LIMIT ?", (after_rowid, job_key, since_ns, limit))
+            # the table's end first, then the rows up to it: a row committed between the two reads is past `top`
+            # and comes next time (the other order would skip it for good)
+            top = db.conn.execute("SELECT MAX(rowid) FROM steps").fetchone()[0] or 0
+            cur = db.conn.execute("SELECT rowid AS _rowid, * FROM steps WHERE rowid > ? AND rowid <= ? AND"
+                                  " job_key = ? AND end_ns >= ? ORDER BY rowid LIMIT ?",
+                                  (after_rowid, top, job_key, since_ns, limit))
             rows = _dict_rows(cur)
-            if len(rows) < limit:   # read to the end: next time from the table's end (rows of other jobs too)
-                top = db.conn.execute("SELECT MAX(rowid) FROM steps").fetchone()[0] or 0
-            else:
+            if len(rows) >= limit:   # cut: go on after the last row read
                 top = rows[-1]["_rowid"]
         finally:
             db.conn.close()
