@@ -198,6 +198,20 @@ def test_an_rtt_rise_is_the_network_only_while_the_sender_is_held_back_by_it(tmp
                                                                                                         else 0)
 
 
+def test_a_rank_whose_connections_degraded_leads_one_that_only_waits(tmp_path):
+    # the shaped link is n1's; rank 3 (n3, which only receives from n1 here: no cause measured) leads the
+    # detector's order; rank 1, with network, scored >= 0.5 x, goes first; a leader with network itself stays
+    per = _job(scenario="network", conn_source="tcpinfo")
+    for r in per["n3"]:   # n3's own connections look healthy (it receives; its sender is idle)
+        c = r[1] if isinstance(r, tuple) else None
+        if isinstance(c, ConnStats):
+            c.srtt_us, c.net_limited_us = 200, 0
+    rd = _write(str(tmp_path / "w.db"), per)
+    (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "3", 0.14, "waiting"),
+                                                  Suspect("rank", "1", 0.08, "compute"))]})["x"]
+    assert [(s.id, s.cause) for s in f.suspects] == [("1", "network"), ("3", "waiting")]
+
+
 def test_a_connection_both_sources_report_is_read_once(tmp_path):
     # netflows (eBPF) and tcpinfo (sock_diag) both running: the store keeps each record's source and the reader
     # returns one source's rows per node (tcpinfo's), so 3 retransmits are 3, not 6

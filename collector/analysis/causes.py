@@ -41,7 +41,9 @@ a collective makes no arrival late) is added as the first suspect.
 Re-ranking: where the leading rank has no cause of its own (none, or only network: waiting is not a cause) and
 another of the examined rank suspects, scored >= `rerank_within` x the leader, has one in its own process (stopped,
 cpu-throttled, gc, gpu-*, memory-pressure, cpu-contention), that one leads: the detectors see who arrives late,
-and a rank that waits for a stopped peer arrives as late as the peer (tests/test_testbed_diagnosis.py).
+and a rank that waits for a stopped peer arrives as late as the peer (tests/test_testbed_diagnosis.py). Where the
+leader has no cause at all, a rank with `network` (its connections degraded) leads likewise: on the testbed a link
+fault's waiting rank came first with nothing measured against it, the rank behind the shaped link second.
 
 Kernel records are fetched once per (rank, episode onset) and kept in the job's memo across passes (an agent
 round trip; CommOps-only fetchers and agents without kernel records leave it out).
@@ -555,9 +557,13 @@ def explain_finding(ps: _Pass, f: Finding) -> Finding:
         return f
     lead = sus[0]
     if lead.kind == "rank" and lead.cause not in LOCAL:
+        # a rank with a cause of its own goes ahead of one without; where the leader has no cause at all (it
+        # only waits), a rank whose connections are degraded (network) does too
+        bare = lead.cause not in LOCAL + ("network",)
         for j in range(1, min(cfg.suspects, len(sus))):
             s = sus[j]
-            if s.kind == "rank" and s.cause in LOCAL and s.score >= cfg.rerank_within * lead.score:
+            if s.kind == "rank" and (s.cause in LOCAL or bare and s.cause == "network") and \
+                    s.score >= cfg.rerank_within * lead.score:
                 sus.insert(0, sus.pop(j))
                 break
     summary = f.summary
