@@ -66,6 +66,7 @@ class _Memo:
         self.after_calls += 1
         rows, top = self._r.steps_after(*a, **k)
         self.read = len(rows)
+        self.total = getattr(self, "total", 0) + len(rows)
         return rows, top
 
 
@@ -177,3 +178,25 @@ def test_a_row_committed_during_the_read_is_not_skipped(tmp_path, monkeypatch):
     monkeypatch.setattr(Reader, "_db", real_db)
     second, _ = rd.steps_after(JOB, top, 0)
     assert {(r["rank"], r["step"]) for r in first + second} == {(r, k) for r in (0, 1) for k in range(12)}
+
+
+def test_a_short_and_a_long_window_in_one_pass_share_the_kept_rows(tmp_path):
+    # irregularity's window (40 s) and the hang detector's (300 s) in the same pass, pass after pass: each sees what
+    # a full read of its window sees, and after the first pass the store is asked only for what arrived
+    path = str(tmp_path / "alt.db")
+    feed, rd = _Feed(path), Reader(path)
+    inc = _Memo(rd)
+    cfg = irregularity.IrregularityConfig()
+    arrived = 0
+    for k in range(0, 90, 3):
+        steps = _steps([0, 1, 2, 3], k, k + 3, {(1, j): 0.1 + 0.01 * (j % 7) for j in range(k, k + 3)})
+        feed.add("n0", steps)
+        arrived += len(steps)
+        before = getattr(inc, "total", 0)
+        until = T0 + (k + 3) * S
+        for win in (40, 300):
+            w = Window(JOB, max(0, until - win * S), until + 1)
+            assert _view(irregularity._load(inc, w, cfg)) == _view(irregularity._load(rd, w, cfg)), (k, win)
+        if k:
+            assert inc.total - before == len(steps)      # only the new rows: no re-read for the longer window
+    assert inc.total == arrived

@@ -235,23 +235,36 @@ def _rows(reader, window: Window) -> list[dict]:
     """The window's Step rows. With the engine's per-job memo and a store that reads incrementally
     (Reader.steps_after), the rows are kept between passes and each pass reads only what was stored since the
     last one: no row limit cuts a large job's window (8,192 ranks x 60 steps is ~500k rows; Reader.steps keeps the
-    newest 200k), and a pass costs what arrived. Otherwise one read of the window (Reader.steps)."""
+    newest 200k), and a pass costs what arrived. The kept rows cover the widest window asked for lately (the hang
+    detector reads a longer one than irregularity in the same pass): a window reaching further back reads only
+    the older part, once. Otherwise one read of the window (Reader.steps)."""
     memo = getattr(reader, "step_memo", None)
     after = getattr(reader, "steps_after", None)
     if not isinstance(memo, dict) or not callable(after):
         return reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
     cache = memo.get(ROWS_KEY)
-    if cache is None or window.since_ns < cache["since"]:   # first pass, or a window reaching further back
-        cache = memo[ROWS_KEY] = {"since": window.since_ns, "rowid": 0, "rows": {}}
-    new, cache["rowid"] = after(window.job_key, cache["rowid"], since_ns=cache["since"])
+    if cache is None:
+        new, top = after(window.job_key, 0, since_ns=window.since_ns)
+        cache = memo[ROWS_KEY] = {"since": window.since_ns, "rowid": top, "rows": {}, "asked": deque(maxlen=32)}
+    else:
+        new = []
+        if window.since_ns < cache["since"]:   # further back than kept: the older part, as of the kept rowid
+            older, _ = after(window.job_key, 0, since_ns=window.since_ns, before_ns=cache["since"],
+                             upto_rowid=cache["rowid"])
+            new += older
+            cache["since"] = window.since_ns
+        more, cache["rowid"] = after(window.job_key, cache["rowid"], since_ns=cache["since"])
+        new += more
     rows = cache["rows"]
-    for r in new:   # a row sent again for the same step replaces the one before
+    for r in new:   # in storage order: a row sent again for the same step replaces the one before
         rows[(r["rank"], r["evidence"], r.get("source", ""), r["step"])] = r
-    if window.since_ns > cache["since"]:   # the window moved on: forget what left it
-        cache["since"] = window.since_ns
-        for k in [k for k, r in rows.items() if r["end_ns"] < window.since_ns]:
+    cache["asked"].append(window.since_ns)
+    floor = min(cache["asked"])
+    if floor > cache["since"]:   # no window lately reaches back so far: forget what left them all
+        cache["since"] = floor
+        for k in [k for k, r in rows.items() if r["end_ns"] < floor]:
             del rows[k]
-    return sorted(rows.values(), key=lambda r: r["end_ns"])
+    return sorted((r for r in rows.values() if r["end_ns"] >= window.since_ns), key=lambda r: r["end_ns"])
 
 
 def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:

@@ -305,19 +305,25 @@ class DiagnosisQueries:
         rows.reverse()
         return rows
 
-    def steps_after(self, job_key: str, after_rowid: int, since_ns: int = 0, limit: int = 2_000_000
-                    ) -> tuple[list[dict], int]:
+    def steps_after(self, job_key: str, after_rowid: int, since_ns: int = 0, limit: int = 2_000_000,
+                    before_ns: int = 0, upto_rowid: int = 0) -> tuple[list[dict], int]:
         """The job's Step rows stored after `after_rowid` (an incremental read: what arrived since the previous
-        call, late rows of old steps included) whose step ended at or after since_ns, in storage order, with
-        their comms; and the rowid to pass next time (the last one read: a read cut by `limit` goes on there)."""
+        call, late rows of old steps included) whose step ended in [since_ns, before_ns) (before 0: no bound), in
+        storage order, with their comms; and the rowid to pass next time. The table's end is read first and the
+        rows up to it (upto_rowid: up to that one instead), so a row committed during the read comes next time; a
+        read cut by `limit` goes on after its last row. after_rowid 0 reads through the (job_key, end_ns) index."""
         db = self._db()
         try:
-            # the table's end first, then the rows up to it: a row committed between the two reads is past `top`
-            # and comes next time (the other order would skip it for good)
-            top = db.conn.execute("SELECT MAX(rowid) FROM steps").fetchone()[0] or 0
-            cur = db.conn.execute("SELECT rowid AS _rowid, * FROM steps WHERE rowid > ? AND rowid <= ? AND"
-                                  " job_key = ? AND end_ns >= ? ORDER BY rowid LIMIT ?",
-                                  (after_rowid, top, job_key, since_ns, limit))
+            top = upto_rowid or db.conn.execute("SELECT MAX(rowid) FROM steps").fetchone()[0] or 0
+            cond, args = ["job_key = ?", "end_ns >= ?", "rowid <= ?"], [job_key, since_ns, top]
+            if after_rowid:
+                cond.append("rowid > ?")
+                args.append(after_rowid)
+            if before_ns:
+                cond.append("end_ns < ?")
+                args.append(before_ns)
+            cur = db.conn.execute(f"SELECT rowid AS _rowid, * FROM steps WHERE {' AND '.join(cond)} ORDER BY rowid"
+                                  " LIMIT ?", args + [limit])
             rows = _dict_rows(cur)
             if len(rows) >= limit:   # cut: go on after the last row read
                 top = rows[-1]["_rowid"]
