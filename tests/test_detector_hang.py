@@ -206,18 +206,24 @@ def test_through_the_store_a_stopped_rank_is_named(tmp_path):
     assert (top.id, top.evidence["state"]) == ("6", "stopped") and top.evidence["waiting_on_it"] == 15
 
 
-def test_a_stalled_collective_with_only_a_hidden_recv_as_sink_is_a_comm_hang():
-    # h1's link drops everything: ranks 0 and 1 are both inside their all-reduce (seq 11), none completes;
-    # rank 3 waits in a recv from 1 (unrecorded), so rank 2 waits for 3: rank 3 is a sink, but inside a comm call
+def _comm_hang():
+    """h1's link drops everything: ranks 0 and 1 are both inside their all-reduce (seq 11), none completes; rank 3
+    waits in a recv from 1 (unrecorded, its stack inside a comm call), so rank 2 waits for 3."""
     rd, end = _gloo_dp2pp2(False)
     rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
     rd._progress[1]["pid"] = 101
     rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
     rd._progress[3]["pid"] = 103
-    rd._stacks = [x for x in rd._stacks if x["pid"] != 103] + [
+    rd._stacks = [x for x in rd._stacks if x["pid"] not in (101, 103)] + [
         {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
             ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
-    rd._stacks = [x for x in rd._stacks if x["pid"] != 101]
+    return rd, end
+
+
+def test_a_stalled_collective_with_only_a_hidden_recv_as_sink_is_a_comm_hang():
+    # h1's link drops everything: ranks 0 and 1 are both inside their all-reduce (seq 11), none completes;
+    # rank 3 waits in a recv from 1 (unrecorded), so rank 2 waits for 3: rank 3 is a sink, but inside a comm call
+    rd, end = _comm_hang()
     (f,) = detect(rd, Window("j", 0, end), HangConfig())
     assert f.evidence["hang_type"] == "comm" and f.summary.startswith("Comm hang")
     assert [(s.kind, s.id, s.cause) for s in f.suspects] == [("node", "h0", "network"), ("node", "h1", "network"),
@@ -230,14 +236,7 @@ def test_a_comm_hang_names_the_host_every_stuck_connection_touches():
     # stuck too but recovered. h1 is the only host at an end of every stuck one: it leads, then its NIC
     from steplens.collector.topology import from_dict
 
-    rd, end = _gloo_dp2pp2(False)
-    rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
-    rd._progress[1]["pid"] = 101
-    rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
-    rd._progress[3]["pid"] = 103
-    rd._stacks = [x for x in rd._stacks if x["pid"] not in (101, 103)] + [
-        {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
-            ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
+    rd, end = _comm_hang()
 
     def ev(t, kind, src, dst):
         return {"ts_ns": t * S, "kind": kind, "entity": f"{src}->{dst}", "message": "", "value": 0.0}
@@ -307,14 +306,7 @@ def test_a_job_that_hung_then_died_says_so_with_its_culprit():
 def test_a_dead_member_of_a_stalled_collective_is_the_culprit_not_the_network():
     # the comm hang of the test above, then rank 1's process died (a zombie): its last CommProgress says it is
     # inside the all-reduce, but that is stale; it holds rank 0 up, the hang is no longer the network's
-    rd, end = _gloo_dp2pp2(False)
-    rd._progress[1] = prog(1, "pg:0", 11, "all_reduce", 11, since=100 * S, end=end, node="h1")
-    rd._progress[1]["pid"] = 101
-    rd._progress[3] = prog(3, "pg:1", 10, end=end, node="h3")
-    rd._progress[3]["pid"] = 103
-    rd._stacks = [x for x in rd._stacks if x["pid"] not in (101, 103)] + [
-        {"node_id": "h3", "pid": 103, "end_ns": 130 * S, "stacks": [{"count": 90, "gil": 0, "running": 0, "frames": [
-            ["recv", "recv", "torch/distributed/distributed_c10d.py", 1], ["train", "train", "job.py", 9]]}]}]
+    rd, end = _comm_hang()
     rd._events = [{"node_id": "h1", "ts_ns": 120 * S, "kind": "process_zombie", "pid": 101, "start_ticks": 1,
                    "message": "rank 1 zombie", "value": 0.0}]
     (f,) = detect(rd, Window("j", 0, end), HangConfig())

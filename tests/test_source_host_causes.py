@@ -12,27 +12,18 @@ import sys
 import time
 import uuid
 
-import psutil
 import pytest
 
 from procutil import start_ticks as _start_ticks
 
-from steplens.agent.records import Metric, ProcessInfo
+from steplens.agent.records import ProcessInfo
 from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.host import HostConfig, HostSource
 
 BUSY = [sys.executable, "-c", "while True: pass"]
 
 
-@pytest.fixture(autouse=True)
-def _restore_procfs_path():
-    saved = psutil.PROCFS_PATH
-    yield
-    psutil.PROCFS_PATH = saved
-
-
-def _by(records, name):
-    return {m.entity: m.value for m in records if isinstance(m, Metric) and m.name == name}
+from test_source_host import _by, _restore_procfs_path  # noqa: E402,F401  (the fixture is autouse there)
 
 
 def _watching(procs, **ctx_kw) -> HostSource:

@@ -320,11 +320,10 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
     # hang), and these sinks are listed after its nodes
     hidden = [t for t in found if t[0] not in states and in_comm(stacks.get(t[0]))]
     if g.comm_stalls and len(hidden) == len(found):
-        found = []
         # ... unless a member of a stalled collective is stopped, blocked or gone: what it last reported (inside
-        # the collective) is stale, and it holds the others up, not the network
+        # the collective) is stale, and it holds the others up, not the network (n: the members it holds)
         gone = sorted({r for inside in g.comm_stalls.values() for r in inside if r in states})
-        found = [(r, sum(1 for c, ins in g.comm_stalls.items() if r in ins for x in ins if x != r)) for r in gone]
+        found = [(r, sum(len(ins) - 1 for ins in g.comm_stalls.values() if r in ins)) for r in gone]
     for rank, n in found[:cfg.max_suspects]:
         st = states.get(rank)
         frames = _fmt(stacks[rank]["frames"], cfg.frames) if rank in stacks else []
