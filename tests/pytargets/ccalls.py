@@ -39,7 +39,9 @@ def compare(a, b):
 
 
 def qsort_callback():
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    # PyDLL keeps the GIL through qsort, so the callback runs at once (under CDLL it queued for the GIL on every
+    # call and ran ~1 µs per switch interval: 42k samples on a loaded CI host never caught it)
+    libc = ctypes.PyDLL(ctypes.util.find_library("c"))
     cmp = CMP(compare)
     init = list(range(4096, 0, -1))
     arr = (ctypes.c_int * len(init))()
