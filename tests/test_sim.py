@@ -153,6 +153,57 @@ def test_congested_switch_hits_exactly_its_flows():
     assert all(fc[4] == fb[4] for r in clear for fb, fc in r)
 
 
+def test_dp_buckets_split_ring_flows():
+    """dp_bucket_bytes: a ring hop carries one flow per DDP bucket (1 MiB, then dp_bucket_bytes each, the rest
+    last), of different sizes, summing to the single flow's bytes, back to back over the all-reduce's window;
+    the expert rings the same; the model's timing is unchanged; 0 gives one flow per hop, as before."""
+    from bench.sim.output import Rows
+    mib = 1 << 20
+    kw = dict(dp=4, pp=2, tp=2, micro_batches=4, iterations=3, gpus_per_node=2, nodes_per_leaf=2, spines=2,
+              grad_bytes=100 * mib, net_jitter_cv=0.02, seed=5)
+    one, bkt = ModelConfig(**kw), ModelConfig(**kw, dp_bucket_bytes=25 * mib)
+    assert one.dp_buckets(100 * mib) == [100 * mib]
+    assert bkt.dp_buckets(100 * mib) == [mib, 25 * mib, 25 * mib, 25 * mib, 24 * mib]
+    assert bkt.dp_buckets(76 * mib) == [mib, 25 * mib, 25 * mib, 25 * mib] and bkt.dp_buckets(mib // 2) == [mib // 2]
+    assert "dp_bucket_bytes" not in one.to_json() and bkt.to_json()["dp_bucket_bytes"] == 25 * mib
+
+    def run(cfg):
+        its = []
+        simulate(cfg, [], sink=its.append)
+        return its[1], list(Rows(cfg).flows(its[1]))
+    it, flows1 = run(one)
+    itb, flowsb = run(bkt)
+    assert (itb.start, itb.end, itb.ar_ns) == (it.start, it.end, it.ar_ns)   # timing untouched
+
+    def check_pair(flows, a, b, single_bytes, win_start, win_ns):
+        """the flows a -> b: >= 2 sizes, bytes summing to one flow's, tiling [win_start, win_start + win_ns]"""
+        got = sorted(f for f in flows if f[1:3] == (a, b))
+        assert len({f[3] for f in got}) >= 2
+        assert abs(sum(f[3] for f in got) - single_bytes) <= len(got)
+        assert got[0][0] == one.base_ns + round(win_start)
+        for f, g in zip(got, got[1:]):
+            assert abs(f[0] + round(f[4] * 1e9) - g[0]) <= 2
+        assert abs(got[-1][0] - one.base_ns + got[-1][4] * 1e9 - (win_start + win_ns)) <= 1
+        assert sum(f[4] for f in got) == pytest.approx(win_ns / 1e9, rel=1e-9)
+
+    # ranks 0 = (s0, d0, t0) on node 0 and 2 = (s0, d1, t0) on node 1: a DP ring hop and nothing else
+    single = [f for f in flows1 if f[1:3] == (0, 2)]
+    assert single == [(one.base_ns + round(it.last_b[0]), 0, 2, int(1.5 * 100 * mib), it.ar_ns[0][0] / 1e9,
+                       one.topology().path(0, 2))]
+    check_pair(flowsb, 0, 2, single[0][3], it.last_b[0], it.ar_ns[0][0])
+    dp_bytes = {int(1.5 * 100 * mib), int(1.5 * mib), int(1.5 * 25 * mib), int(1.5 * 24 * mib)}
+    assert [f for f in flows1 if f[3] not in dp_bytes] == [f for f in flowsb if f[3] not in dp_bytes]
+    # expert ring of ranks 0 and 2 (DP ring 0-1-2-3, all-to-alls {0, 1} and {2, 3}): after the dense all-reduce
+    kw = dict(dp=4, pp=1, tp=1, ep=2, layers_per_stage=2, moe_every=2, micro_batches=2, iterations=3,
+              gpus_per_node=1, nodes_per_leaf=4, spines=2, grad_bytes=100 * mib, seed=5)
+    one, bkt = ModelConfig(**kw), ModelConfig(**kw, dp_bucket_bytes=25 * mib)
+    it, flows1 = run(one)
+    _, flowsb = run(bkt)
+    single = [f for f in flows1 if f[1:3] == (0, 2)]
+    assert len(single) == 1 and single[0][3] == 50 * mib
+    check_pair(flowsb, 0, 2, 50 * mib, it.last_b[0] + it.ar_ns[0][0], it.ear_ns[0][0])
+
+
 def test_faults_parse_and_validate():
     topo = ModelConfig(dp=4, pp=2, tp=2, gpus_per_node=2).topology()
     assert parse_fault("slow_link:3:0:5", topo).link == "n1.nic1"

@@ -24,6 +24,7 @@ DP and PP peers as before. Gradients: the dense share (1 - expert_grad_share) of
 all-reduced over all DP replicas as before, then the expert share over the DP/E replicas that hold the same
 experts (d = j, j+E, j+2E, ... for EP index j) on the same stream. With ep == 1 there are no MoE layers and
 none of this runs: results are bit-identical to the dense model.
+DDP buckets (dp_bucket_bytes > 0) change only the flow rows (output.py), never this timing.
 So one slow device shows up as waiting on every rank that depends on it. Cost: O(P * 2M) list operations
 of length DP per iteration plus O(ranks) for the per-rank jitter and bookkeeping: ~1-2 µs per
 rank-iteration on this machine. Per-rank detail (ops, flows) is handed to a sink per iteration and never
@@ -76,6 +77,9 @@ class ModelConfig:
     moe_mlp_share: float = 0.6       # share of an MoE layer's compute in its expert MLP (between the all-to-alls)
     a2a_bytes: int = 8 << 20         # per rank per all-to-all (dispatch or combine), split evenly over E peers
     expert_grad_share: float = 0.5   # share of grad_bytes that are expert weights (all-reduced over DP/E ranks)
+    dp_bucket_bytes: int = 0         # > 0: gradients all-reduce in DDP buckets (1 MiB first, then this size, the
+                                     # remainder last), one flow per bucket per ring hop; 0 = one flow per hop.
+                                     # Flow rows only: the model times each all-reduce as a whole either way
     collective_timeout_s: float = 600.0
     base_ns: int = 1_767_225_600_000_000_000  # cluster time of the job start (2026-01-01T00:00:00Z)
     seed: int = 0
@@ -105,6 +109,8 @@ class ModelConfig:
         for name in ("jitter_cv", "net_jitter_cv"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"{name} must be in [0, 1)")
+        if self.dp_bucket_bytes < 0:
+            raise ValueError("dp_bucket_bytes must be >= 0")
         if self.ep < 1:
             raise ValueError("ep must be >= 1")
         if self.dp % self.ep:
@@ -136,7 +142,19 @@ class ModelConfig:
         if self.ep == 1:  # a dense job's config reads as before EP existed
             for k in EP_FIELDS:
                 del d[k]
+        if not self.dp_bucket_bytes:  # nor does one without DDP buckets
+            del d["dp_bucket_bytes"]
         return d
+
+    def dp_buckets(self, total_bytes: int) -> list[int]:
+        """The buckets an all-reduce of total_bytes runs in, in order: [total_bytes] when dp_bucket_bytes == 0;
+        else DDP's small first bucket (min(1 MiB, total)), then dp_bucket_bytes each, the remainder last (no
+        bucket of 0 bytes, so none at all for 0 bytes)."""
+        if not self.dp_bucket_bytes:
+            return [total_bytes]
+        first = min(FIRST_BUCKET_BYTES, total_bytes)
+        full, rest = divmod(total_bytes - first, self.dp_bucket_bytes)
+        return [b for b in [first] + [self.dp_bucket_bytes] * full + [rest] if b > 0]
 
     # -- expert parallelism -------------------------------------------------------------------
     def moe_layers(self) -> list[int]:
@@ -189,6 +207,8 @@ class ModelConfig:
         dense = int(round(self.grad_bytes * (1.0 - self.expert_grad_share)))
         return dense, self.grad_bytes - dense
 
+
+FIRST_BUCKET_BYTES = 1 << 20  # DDP's first bucket (torch's _DEFAULT_FIRST_BUCKET_BYTES): small, to start early
 
 EP_FIELDS = ("ep", "layers_per_stage", "moe_every", "moe_fraction", "moe_mlp_share", "a2a_bytes",
              "expert_grad_share")

@@ -12,7 +12,9 @@ Communicator ids: `tp.s<s>.d<d>`, `pp.s<a>-<b>.d<d>.t<t>`, `dp.s<s>.t<t>`; with 
 `ep.s<s>.e<e>.t<t>` (op all_to_all, one per dispatch / combine per MoE layer per micro-batch, forward and
 backward) and `edp.s<s>.t<t>.x<j>` (the expert-gradient all_reduce over the DP/EP ranks holding expert
 shard j); flows of an all-to-all go from every member to every other one (a2a_bytes / E each) over the
-collective's time, like the DP ring's hops.
+collective's time, like the DP ring's hops. With dp_bucket_bytes > 0 a DP or expert ring carries one flow per
+DDP bucket per hop (ModelConfig.dp_buckets), the buckets back to back over the all-reduce's time, each taking
+its share of the bytes of it.
 Cost: JSON text is built with f-strings (~1 µs per row); a 64-GPU x 20-iteration run writes ~100k rows.
 """
 
@@ -57,6 +59,9 @@ class Rows:
         self.sec_next: list[int] | None = None  # per rank: next whole second (cluster) to sample telemetry
         self._pair_net: dict | None = None      # network faults the cached pair times were computed under
         self._pair_s: dict[tuple[int, int], float] = {}
+        # built on first use: per all-reduce kind, its bucket plan and per ring its hops across the network
+        self._dp_plan = self._edp_plan = None
+        self._dp_hops = self._edp_hops = None
         if cfg.ep > 1:
             E = cfg.ep
             self.seg = dict(zip("FB", cfg.ep_segments()))
@@ -193,42 +198,79 @@ class Rows:
     # -- flows (inter-node traffic only: NVLink is invisible to the network) ----------------------
     def flows(self, it: Iteration) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
         """(start_ns, src rank, dst rank, bytes, duration_s, switches)."""
+        for s in range(self.cfg.pp):
+            for _kind, rows in self.stage_flows(it, s):
+                yield from rows
+
+    def stage_flows(self, it: Iteration, s: int) -> list[tuple[str, Iterator]]:
+        """Stage s's flows by the traffic that carries them, in flows()' order: ("pp", its pipeline sends),
+        ("ep", its all-to-alls), ("dp", its DP rings), ("edp", its expert rings); kinds the job lacks left out."""
+        cfg = self.cfg
+        out = [("pp", self._pp_flows(it, s))]
+        if cfg.ep > 1:
+            out.append(("ep", self._a2a_flows(it, s)))
+        if cfg.dp > 1:
+            out.append(("dp", self._dp_flows(it, s)))
+        if cfg.ep > 1 and cfg.dp > cfg.ep:
+            out.append(("edp", self._edp_flows(it, s)))
+        return out
+
+    def _pp_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
+        """Stage s's sends to its next (forward) or previous (backward) stage, leaving at each op's end."""
         cfg, net = self.cfg, self.net
         D, P, T = cfg.dp, cfg.pp, cfg.tp
         act_bits = cfg.activation_bytes * 8e9
         if it.net != self._pair_net:
             self._pair_net, self._pair_s = dict(it.net), {}
         pair_s = self._pair_s
-        ep = cfg.ep > 1
-        for s in range(P):
-            for kind, m, posted, start, end in it.ops[s]:
-                nxt = s + 1 if kind == "F" else s - 1
-                if not 0 <= nxt < P:
-                    continue
-                for d in range(D):
-                    for t in range(T):
-                        a, b = cfg.rank(s, d, t), cfg.rank(nxt, d, t)
-                        path = net.path(a, b)
-                        if path:
-                            key = (a, b)
-                            dur = pair_s.get(key)
-                            if dur is None:
-                                dur = pair_s[key] = (net.p2p_lat + act_bits / net.pair_bps(a, b, it.net)) / 1e9
-                            yield (self.ns(end[d]), a, b, cfg.activation_bytes, dur, path)
-            if ep:
-                yield from self._a2a_flows(it, s)
-            if D > 1:
-                nbytes = int(2 * (D - 1) / D * (self.dense_bytes if ep else cfg.grad_bytes))
+        for kind, m, posted, start, end in it.ops[s]:
+            nxt = s + 1 if kind == "F" else s - 1
+            if not 0 <= nxt < P:
+                continue
+            for d in range(D):
                 for t in range(T):
-                    dur = it.ar_ns[s][t] / 1e9
-                    st = self.ns(it.last_b[s])
-                    for d in range(D):
-                        a, b = cfg.rank(s, d, t), cfg.rank(s, (d + 1) % D, t)
-                        path = net.path(a, b)
-                        if path:
-                            yield (st, a, b, nbytes, dur, path)
-            if ep and D > cfg.ep:
-                yield from self._edp_flows(it, s)
+                    a, b = cfg.rank(s, d, t), cfg.rank(nxt, d, t)
+                    path = net.path(a, b)
+                    if path:
+                        key = (a, b)
+                        dur = pair_s.get(key)
+                        if dur is None:
+                            dur = pair_s[key] = (net.p2p_lat + act_bits / net.pair_bps(a, b, it.net)) / 1e9
+                        yield (self.ns(end[d]), a, b, cfg.activation_bytes, dur, path)
+
+    def _ring_hops(self, members: list[int]) -> list[tuple[int, int, tuple[str, ...]]]:
+        """A ring's hops that cross the network: (src, dst, switches)."""
+        n = len(members)
+        hops = [(a, members[(i + 1) % n]) for i, a in enumerate(members)]
+        return [(a, b, self.net.path(a, b)) for a, b in hops if self.net.path(a, b)]
+
+    def _bucket_plan(self, total_bytes: int, n: int) -> list[tuple[float, float, int]]:
+        """Per bucket of an all-reduce of total_bytes over a ring of n ranks: (share of the all-reduce's time
+        before it, its share, bytes of one ring hop's flow). The buckets run back to back, each taking its
+        share of bytes of the time; one bucket (dp_bucket_bytes == 0) is the whole window."""
+        sizes = self.cfg.dp_buckets(total_bytes)
+        if len(sizes) == 1:
+            return [(0.0, 1.0, int(2 * (n - 1) / n * total_bytes))]
+        plan, done = [], 0
+        for b in sizes:
+            plan.append((done / total_bytes, b / total_bytes, int(2 * (n - 1) / n * b)))
+            done += b
+        return plan
+
+    def _dp_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
+        """Stage s's DP ring all-reduces: per bucket, a flow per ring hop across the network."""
+        cfg = self.cfg
+        if self._dp_plan is None:
+            self._dp_plan = self._bucket_plan(self.net.dense_bytes, cfg.dp)
+            self._dp_hops = [[self._ring_hops([cfg.rank(ss, d, t) for d in range(cfg.dp)]) for t in range(cfg.tp)]
+                             for ss in range(cfg.pp)]
+        lb = it.last_b[s]
+        for t, hops in enumerate(self._dp_hops[s]):
+            ar = it.ar_ns[s][t]
+            for before, share, nbytes in self._dp_plan:
+                st, dur = self.ns(lb + ar * before), ar * share / 1e9
+                for a, b, path in hops:
+                    yield (st, a, b, nbytes, dur, path)
 
     def _a2a_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
         """Every all-to-all of stage s: a flow from each member to each other member across the network,
@@ -250,21 +292,22 @@ class Rows:
                             yield (st_ns, a, b, nb, dur, path)
 
     def _edp_flows(self, it: Iteration, s: int) -> Iterator[tuple[int, int, int, int, float, tuple[str, ...]]]:
-        cfg, net = self.cfg, self.net
+        """Stage s's expert-gradient rings, after its dense all-reduce: per bucket, a flow per hop."""
+        cfg = self.cfg
         E, T = cfg.ep, cfg.tp
+        if self._edp_plan is None:
+            self._edp_plan = self._bucket_plan(self.expert_bytes, cfg.dp // E)
+            self._edp_hops = [[self._ring_hops(self.net.edp_members(ss, x)) for x in range(T * E)]
+                              for ss in range(cfg.pp)]
         for t in range(T):
-            st = it.last_b[s] + it.ar_ns[s][t]
+            lb = it.last_b[s] + it.ar_ns[s][t]
             for j in range(E):
                 x = t * E + j
-                members = net.edp_members(s, x)
-                n = len(members)
-                nbytes = int(2 * (n - 1) / n * self.expert_bytes)
-                dur = it.ear_ns[s][x] / 1e9
-                for i, a in enumerate(members):
-                    b = members[(i + 1) % n]
-                    path = net.path(a, b)
-                    if path:
-                        yield (self.ns(st), a, b, nbytes, dur, path)
+                ear = it.ear_ns[s][x]
+                for before, share, nbytes in self._edp_plan:
+                    st, dur = self.ns(lb + ear * before), ear * share / 1e9
+                    for a, b, path in self._edp_hops[s][x]:
+                        yield (st, a, b, nbytes, dur, path)
 
     # -- telemetry: one sample per GPU per whole second of cluster time ----------------------------
     def telemetry(self, it: Iteration) -> Iterator[tuple[int, int, float, float, float]]:

@@ -12,6 +12,7 @@ import importlib
 
 DETECTORS: dict[str, str] = {
     "commtime": "steplens.collector.analysis.commtime:SPEC",
+    "flows": "steplens.collector.analysis.flows:SPEC",
     "hang": "steplens.collector.analysis.hang:SPEC",
     "irregularity": "steplens.collector.analysis.irregularity:SPEC",
     "lateness": "steplens.collector.analysis.lateness:SPEC",

@@ -82,6 +82,8 @@ class AnalysisSettings:
     max_jobs_per_cycle: int = 64           # jobs analysed per pass at most (the rest wait for the next pass)
     watch_queue_size: int = 1024           # findings events buffered per WatchFindings stream (oldest dropped)
     causes: bool = True                    # attach why each leading suspect is slow (analysis/causes.py)
+    flows_interval_seconds: float = 30.0   # the black-box flow analysis (flowjobs.py) reruns this often at most
+    flows_window_seconds: float = 60.0     # ... over this much of the newest flows (LLMPrism's one minute)
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:
@@ -90,6 +92,8 @@ class AnalysisSettings:
             raise ConfigError(f"max_cpu_fraction must be within 0.01..1, got {self.max_cpu_fraction}")
         if not 0 <= self.nice <= 19:
             raise ConfigError(f"nice must be within 0..19, got {self.nice}")
+        if not 1 <= self.flows_interval_seconds <= 3600 or not 5 <= self.flows_window_seconds <= 3600:
+            raise ConfigError("flows_interval_seconds must be within 1..3600 and flows_window_seconds within 5..3600")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
             raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
 

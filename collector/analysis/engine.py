@@ -53,11 +53,18 @@ class AnalysisReader:
     fetching of node-local CommOps from the ranks a search visits; counts what was fetched. step_memo: the
     job's per-step results kept across passes (irregularity.per_step; the engine keeps one per job)."""
 
-    def __init__(self, reader, fetch: Callable | None = None, step_memo: dict | None = None) -> None:
+    def __init__(self, reader, fetch: Callable | None = None, step_memo: dict | None = None,
+                 flowview=None) -> None:
         self._reader = reader
         self._fetch = fetch
         self.step_memo = step_memo
+        self.flowview = flowview
         self.ranks_fetched: set[int] = set()
+
+    def flow_snapshot(self, until_ns: int = 0):
+        """The black-box flow analysis (flowjobs.FlowView) of the newest flows up to until_ns; None without
+        flows or without the flows detector."""
+        return self.flowview.snapshot(self._reader, until_ns) if self.flowview is not None else None
 
     def __getattr__(self, name):
         return getattr(self._reader, name)
@@ -207,6 +214,11 @@ class AnalysisEngine:
             cfg.validate()
         self.now_ns = now_ns
         self.fetch = fetch
+        self.flowview = None
+        if "flows" in self.detectors and self.configs["flows"].enabled:
+            from steplens.collector.analysis.flowjobs import FlowView
+            self.flowview = FlowView(self.settings.flows_window_seconds, self.settings.flows_interval_seconds)
+        self._flow_mark = 0
         self.hub = FindingsHub(self.settings.watch_queue_size)
         self.stats = {n: DetectorStats() for n in self.detectors}
         self.cycle = Histogram()
@@ -229,20 +241,21 @@ class AnalysisEngine:
 
     # -- on demand and from the loop --------------------------------------------------------------
     def run_job(self, job_key: str, since_ns: int = 0, until_ns: int = 0, confirm: bool = False,
-                data_ns: int = 0, timeout: float = 60.0) -> RunResult:
+                data_ns: int = 0, timeout: float = 60.0, only: tuple[str, ...] = ()) -> RunResult:
         """Run every enabled detector on one job. until_ns: window end (default now); since_ns: window start
         (default: each detector's window_seconds before until_ns); confirm: open findings at once (`diagnose`);
-        data_ns: newest data time of the job (resolution clock; default read from the store)."""
+        data_ns: newest data time of the job (resolution clock; default read from the store); only: these
+        detectors only (a job known from its flows alone has nothing the others read)."""
         t0 = time.perf_counter()
         until = until_ns or self.now_ns()
         outputs: dict[str, list[Finding]] = {}
         errors: dict[str, str] = {}
         ran = []
         with self._locks[job_key], no_gc():
-            reader = AnalysisReader(self.reader, self.fetch, self._memo(job_key))
+            reader = AnalysisReader(self.reader, self.fetch, self._memo(job_key), self.flowview)
             for name, spec in self.detectors.items():
                 cfg = self.configs[name]
-                if not cfg.enabled:
+                if not cfg.enabled or (only and name not in only):
                     continue
                 since = since_ns or max(0, until - int(cfg.window_seconds * 1e9))
                 st = self.stats[name]
@@ -388,7 +401,39 @@ class AnalysisEngine:
             self.jobs_analysed += 1
             self.lag.observe(max(0.0, (self.now_ns() - mark) / 1e9))
             ran += 1
-            f = self.settings.max_cpu_fraction
-            if f < 1.0 and cpu > 0:
-                self._stop.wait(cpu * (1.0 / f - 1.0))
+            self._duty(cpu)
+        return ran + self._flow_pass()
+
+    def _duty(self, cpu: float) -> None:
+        f = self.settings.max_cpu_fraction
+        if f < 1.0 and cpu > 0:
+            self._stop.wait(cpu * (1.0 / f - 1.0))
+
+    def _flow_pass(self) -> int:
+        """The jobs the flows alone show (flowjobs.FlowView), each run through the flows detector, when flows
+        arrived and the last flow analysis is flows_interval_seconds of data time old; jobs matched to one known
+        from its processes are analysed with it (the flows detector finds them by the match)."""
+        if self.flowview is None or self._stop.is_set():
+            return 0
+        c0 = time.thread_time()
+        rowid, newest = self.reader.flow_watermark()
+        if not rowid or rowid == self._flow_mark:
+            return 0
+        snap = self.flowview.snapshot(self.reader, newest)
+        if snap is None or snap.until_ns < newest - self.flowview.refresh_ns:
+            return 0
+        self._flow_mark = rowid
+        matched = set(snap.matched.values())
+        ran = 0
+        for fj in snap.jobs:
+            if fj.key in matched or self._stop.is_set():
+                continue
+            try:
+                self.run_job(fj.key, until_ns=snap.until_ns, data_ns=snap.until_ns, only=("flows",))
+            except Exception as exc:
+                log.error("flow analysis of job %s failed: %s", fj.key, exc)
+            ran += 1
+        cpu = time.thread_time() - c0
+        self.cpu_seconds += cpu
+        self._duty(cpu)
         return ran

@@ -1,5 +1,6 @@
-"""The operators' diagnosis commands (`steplens jobs|findings|diagnose|topology`, `steplens import topology`),
-a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, ImportTopology and GetTopology.
+"""The operators' diagnosis commands (`steplens jobs|findings|diagnose|timeline|topology`, `steplens import
+topology`), a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, Timeline,
+ImportTopology and GetTopology.
 
 register() adds them to the `steplens` parser built in ops.py. JSON output: a finding is
 {id, job_key, kind, detector, status, onset_ns, last_ns, resolved_ns, severity, peak_severity, summary,
@@ -118,21 +119,49 @@ def cmd_jobs(stub, args) -> int:
             "baseline_step_seconds": j.baseline_step_seconds if j.HasField("baseline_step_seconds") else None,
             "step_source": j.step_source or None, "steps": j.steps,
             "first_seen_ns": j.first_seen_ns, "last_seen_ns": j.last_seen_ns,
-            "open_findings": [finding_json(f) for f in j.open_findings]})
+            "open_findings": [finding_json(f) for f in j.open_findings],
+            "source": j.source or "procs", "endpoints": list(j.endpoints), "flow_sources": list(j.flow_sources),
+            "pairs": [{"a": p.a, "b": p.b, "type": p.type} for p in j.pairs]})
     if args.json:
         print(json.dumps(jobs, indent=2))
         return 0
     if not jobs:
-        print("no jobs known (workload processes with a job key: `steplens procs`)")
+        print("no jobs known (workload processes with a job key: `steplens procs`; flows: `steplens flows`)")
         return 0
     rows = []
     for j in jobs:
         ranks = sorted(r["rank"] for r in j["ranks"] if r["rank"] >= 0)
-        rows.append([j["job_key"], f"{len(ranks)}/{j['world_size'] if j['world_size'] >= 0 else '?'}",
-                     len(j["nodes"]), len(j["comms"]), _fmt_seconds(j["step_seconds"]),
+        kinds = {}
+        for p in j["pairs"]:
+            kinds[p["type"]] = kinds.get(p["type"], 0) + 1
+        rows.append([j["job_key"], j["source"], f"{len(ranks)}/{j['world_size'] if j['world_size'] >= 0 else '?'}",
+                     len(j["nodes"]), len(j["endpoints"]) or "-", len(j["comms"]),
+                     " ".join(f"{k}:{v}" for k, v in sorted(kinds.items())) or "-", _fmt_seconds(j["step_seconds"]),
                      _fmt_seconds(j["baseline_step_seconds"]), len(j["open_findings"]),
                      "alive" if j["alive"] else "-", _ago(j["last_seen_ns"])])
-    print(_table(rows, ["JOB", "RANKS", "NODES", "COMMS", "STEP", "BASELINE", "OPEN FINDINGS", "STATE", "LAST"]))
+    print(_table(rows, ["JOB", "SOURCE", "RANKS", "NODES", "ENDPOINTS", "COMMS", "PAIRS", "STEP", "BASELINE",
+                        "OPEN FINDINGS", "STATE", "LAST"]))
+    return 0
+
+
+def cmd_timeline(stub, args) -> int:
+    from steplens.collector.cli.ops import _table
+    reply = stub.Timeline(cpb.TimelineRequest(job_key=args.job, since_ns=_since_ns(args.since)),
+                          timeout=args.timeout + 30)
+    rows = [{"endpoint": s.endpoint, "rank": s.rank if s.rank >= 0 else None, "step": s.step,
+             "start_ns": s.start_ns, "end_ns": s.end_ns, "step_seconds": (s.end_ns - s.start_ns) / 1e9}
+            for s in reply.steps]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"job {reply.job_key} ({reply.source}; flows from {', '.join(reply.flow_sources) or '?'}): "
+          f"{len({r['endpoint'] for r in rows})} endpoints, {len({r['step'] for r in rows})} steps")
+    if not rows:
+        print("no step boundaries (no DP traffic recognized in the window)")
+        return 0
+    out = [[r["endpoint"], "-" if r["rank"] is None else r["rank"], r["step"], r["start_ns"], r["end_ns"],
+            f"{r['step_seconds']:.4f}s"] for r in rows[-args.limit:]]
+    print(_table(out, ["ENDPOINT", "RANK", "STEP", "START_NS", "END_NS", "STEP TIME"]))
     return 0
 
 
@@ -195,6 +224,13 @@ def register(sub) -> None:
     sp.add_argument("--since", default="10m", help="window: the last DURATION of data (default 10m)")
     sp.add_argument("--json", action="store_true", help="one JSON list of the findings of this run")
     sp.set_defaults(func=cmd_diagnose)
+    sp = sub.add_parser("timeline", help="per-rank step start/end of a job, reconstructed from its network flows "
+                                         "(each step ends with its DP traffic)")
+    sp.add_argument("job", help="a job recognized from flows (flows-...) or a job matched to one (see `steplens jobs`)")
+    sp.add_argument("--since", default="", help="window: the last DURATION (default: the flow analysis's window)")
+    sp.add_argument("--limit", type=int, default=200, help="rows printed at most (not with --json)")
+    sp.add_argument("--json", action="store_true", help="one JSON list of {endpoint, rank, step, start_ns, end_ns}")
+    sp.set_defaults(func=cmd_timeline)
     sp = sub.add_parser("topology", help="the physical topology the collector holds (imported from a file)")
     sp.add_argument("--json", action="store_true", help="summary plus the whole document")
     sp.set_defaults(func=cmd_topology)

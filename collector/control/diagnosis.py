@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 
 import grpc
 
@@ -40,16 +41,86 @@ def _topology_reply(rec: dict | None, with_doc: bool) -> cpb.TopologyReply:
                              topology_json=json.dumps(rec["topology"].to_dict()) if with_doc else "")
 
 
+def _flow_steps(fj) -> dict:
+    """step_seconds (median of the newest 3 steps), baseline (median of all), steps, from a flow job's timeline."""
+    per: dict[int, list[int]] = {}
+    for steps in fj.timeline.values():
+        for k, a, b in steps:
+            per.setdefault(k, []).append(b - a)
+    ks = sorted(per)
+    med = [statistics.median(per[k]) / 1e9 for k in ks]
+    return {"step_seconds": statistics.median(med[-3:]) if med else None,
+            "baseline_step_seconds": statistics.median(med) if len(med) >= 5 else None,
+            "step_source": "flows" if med else None, "steps": len(ks)}
+
+
+def rank_of_endpoints(fj, job: dict | None, topo) -> dict[str, int]:
+    """Endpoint address -> global rank for a flow job matched to a procs job: the address's NIC in the topology
+    names a node and GPU; the rank on that node with that local rank (or the node's only rank)."""
+    if not job or topo is None:
+        return {}
+    on_node: dict[str, list[dict]] = {}
+    for r in job["ranks"]:
+        if r["rank"] >= 0:
+            on_node.setdefault(r["node_id"], []).append(r)
+    gpu_of_nic = {g.nic: g.index for g in topo.gpus.values()}
+    out = {}
+    for ip in fj.endpoints:
+        nic = next((n for n in topo.nics.values() if n.ip == ip), None)
+        ranks = on_node.get(nic.node, []) if nic else []
+        if len(ranks) == 1:
+            out[ip] = ranks[0]["rank"]
+        elif ranks and nic.id in gpu_of_nic:
+            hit = [r for r in ranks if r["local_rank"] == gpu_of_nic[nic.id]]
+            if len(hit) == 1:
+                out[ip] = hit[0]["rank"]
+    return out
+
+
 class DiagnosisControl:
     engine = None  # AnalysisEngine, set by the collector
+    _own_flowview = None
+
+    def _flowview(self):
+        """The engine's flow analysis (flowjobs.FlowView), or one of Control's own where the flows detector is
+        off (jobs from flows are listed either way)."""
+        view = getattr(self.engine, "flowview", None)
+        if view is None:
+            if self._own_flowview is None:
+                from steplens.collector.analysis.flowjobs import FlowView
+                self._own_flowview = FlowView()
+            view = self._own_flowview
+        return view
 
     def _jobs(self, job_key: str) -> list[dict]:
-        jobs = self.reader.jobs(job_key)
+        jobs = [dict(j, source="procs", endpoints=[], pairs=[], flow_sources=[]) for j in self.reader.jobs(job_key)]
+        snap = self._flowview().snapshot(self.reader)
         open_by_job: dict[str, list[Finding]] = {}
         for f in self.reader.findings(job_key=job_key, open_only=True, limit=10000):
             open_by_job.setdefault(f.job_key, []).append(f)
         for j in jobs:
             j.update(step_times(self.reader, j["job_key"]).to_json())
+        if snap is not None:
+            matched = snap.matched
+            for j in jobs:
+                fj = snap.job(matched.get(j["job_key"], ""))
+                if fj is not None:
+                    j.update(source="both", endpoints=fj.endpoints, flow_sources=snap.sources,
+                             pairs=[{"a": a, "b": b, "type": t} for (a, b), t in sorted(fj.pairs.items())])
+            taken = set(matched.values())
+            for fj in snap.jobs:
+                if fj.key in taken or (job_key and fj.key != job_key):
+                    continue
+                idx = fj.flow_index
+                fw = snap.flows
+                job = {"job_key": fj.key, "world_size": -1, "ranks": [], "nodes": fj.servers, "comms": [],
+                       "alive": True, "first_seen_ns": int(fw.start[idx].min()) if len(idx) else 0,
+                       "last_seen_ns": int(fw.end[idx].max()) if len(idx) else 0, "source": "flows",
+                       "endpoints": fj.endpoints, "flow_sources": snap.sources,
+                       "pairs": [{"a": a, "b": b, "type": t} for (a, b), t in sorted(fj.pairs.items())]}
+                job.update(_flow_steps(fj))
+                jobs.append(job)
+        for j in jobs:
             j["open_findings"] = open_by_job.get(j["job_key"], [])
         return jobs
 
@@ -60,7 +131,9 @@ class DiagnosisControl:
         for j in jobs:
             pj = out.jobs.add(job_key=j["job_key"], world_size=j["world_size"], nodes=j["nodes"], alive=j["alive"],
                               first_seen_ns=j["first_seen_ns"], last_seen_ns=j["last_seen_ns"],
-                              step_source=j["step_source"] or "", steps=j["steps"])
+                              step_source=j["step_source"] or "", steps=j["steps"], source=j["source"],
+                              endpoints=j["endpoints"], flow_sources=j["flow_sources"])
+            pj.pairs.extend(cpb.JobPair(a=p["a"], b=p["b"], type=p["type"]) for p in j["pairs"])
             if j["step_seconds"] is not None:
                 pj.step_seconds = j["step_seconds"]
             if j["baseline_step_seconds"] is not None:
@@ -75,6 +148,44 @@ class DiagnosisControl:
             pj.open_findings.extend(finding_pb(f) for f in j["open_findings"])
         return out
 
+    def _timeline(self, job_key: str, since_ns: int, until_ns: int):
+        snap = self._flowview().snapshot(self.reader, until_ns, since_ns)
+        if snap is None:
+            return None, None, {}
+        fj = snap.job(job_key)
+        source = "flows"
+        if fj is None and job_key in snap.matched:
+            fj, source = snap.job(snap.matched[job_key]), "both"
+        if fj is None:
+            return snap, None, {"known": [j.key for j in snap.jobs[:20]] + list(snap.matched)[:20]}
+        ranks = {}
+        if source == "both":
+            known = self.reader.jobs(job_key)
+            ranks = rank_of_endpoints(fj, known[0] if known else None, self.reader.topology())
+        return snap, fj, {"source": source, "ranks": ranks}
+
+    async def Timeline(self, request, context):
+        await self._auth(context)
+        if not request.job_key:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens jobs`)")
+        if request.since_ns and request.until_ns and request.since_ns >= request.until_ns:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since_ns must be before until_ns")
+        snap, fj, info = await asyncio.to_thread(self._timeline, request.job_key, request.since_ns, request.until_ns)
+        if snap is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no flows stored in that window (is the netflows source "
+                                "up, or were switch flows imported? `steplens flows`)")
+        if fj is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no job {request.job_key!r} is recognized from the flows of that window; jobs: "
+                                f"{', '.join(info['known']) or 'none'}")
+        out = cpb.TimelineReply(job_key=fj.key, source=info["source"], flow_sources=snap.sources,
+                                since_ns=snap.since_ns, until_ns=snap.until_ns)
+        ranks = info["ranks"]
+        for ip in sorted(fj.timeline):
+            for k, a, b in fj.timeline[ip]:
+                out.steps.add(endpoint=ip, rank=ranks.get(ip, -1), step=k, start_ns=a, end_ns=b)
+        return out
+
     async def ListFindings(self, request, context):
         await self._auth(context)
         rows = await asyncio.to_thread(self.reader.findings, request.job_key, request.since_ns, request.open_only,
@@ -86,16 +197,22 @@ class DiagnosisControl:
         if not request.job_key:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens jobs`)")
         known = await asyncio.to_thread(self.reader.jobs, request.job_key)
+        only: tuple[str, ...] = ()
         if not known:
-            jobs = await asyncio.to_thread(self.reader.jobs)
-            await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"no job {request.job_key!r} is known; jobs: "
-                                f"{', '.join(j['job_key'] for j in jobs[:20]) or 'none'}")
+            snap = await asyncio.to_thread(self._flowview().snapshot, self.reader)
+            if snap is not None and snap.job(request.job_key) is not None:
+                only = ("flows",)   # a job the flows alone show: nothing else has data on it
+            else:
+                jobs = [j["job_key"] for j in await asyncio.to_thread(self.reader.jobs)]
+                jobs += [j.key for j in snap.jobs] if snap is not None else []
+                await context.abort(grpc.StatusCode.NOT_FOUND,
+                                    f"no job {request.job_key!r} is known; jobs: {', '.join(jobs[:20]) or 'none'}")
         now = self.clock.now_ns()
         if request.since_ns > now:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "since_ns is in the future")
         try:
-            res = await asyncio.to_thread(self.engine.run_job, request.job_key, request.since_ns, now, True)
+            res = await asyncio.to_thread(self.engine.run_job, request.job_key, request.since_ns, now, True,
+                                          0, 60.0, only)
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return cpb.DiagnoseReply(findings=[finding_pb(f) for f in res.findings], detectors=res.detectors,

@@ -241,6 +241,27 @@ class DiagnosisQueries:
             rows = [r for r in rows if r["source"] == keep]
         return rows
 
+    def flow_rows(self, since_ns: int, until_ns: int, limit: int = 5_000_000) -> list[tuple]:
+        """Every flow starting in [since_ns, until_ns) as (start_ns, end_ns, src, dst, bytes, switches_json,
+        origin) tuples, oldest first (the black-box analysis's window: flowjobs.FlowWindow.from_rows). The
+        (end_ns) index bounds the scan; a flow ends after it starts, so end_ns >= since_ns holds for all."""
+        db = self._db()
+        try:
+            return db.conn.execute("SELECT start_ns, end_ns, src, dst, bytes, switches, origin FROM flows"
+                                   " WHERE end_ns >= ? AND start_ns >= ? AND start_ns < ? ORDER BY start_ns LIMIT ?",
+                                   (since_ns, since_ns, until_ns, limit)).fetchall()
+        finally:
+            db.conn.close()
+
+    def flow_watermark(self) -> tuple[int, int]:
+        """(highest rowid, newest end_ns) of the flows table: whether flows arrived since a snapshot."""
+        db = self._db()
+        try:
+            row = db.conn.execute("SELECT MAX(rowid), MAX(end_ns) FROM flows").fetchone()
+            return int(row[0] or 0), int(row[1] or 0)
+        finally:
+            db.conn.close()
+
     def topology(self) -> Topology | None:
         rec = self.topology_record()
         return rec["topology"] if rec else None

@@ -600,7 +600,7 @@ class JobComm(_message.Message):
     def __init__(self, comm_id: _Optional[str] = ..., nranks: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., ops: _Optional[_Iterable[str]] = ..., via: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("job_key", "world_size", "ranks", "nodes", "comms", "alive", "first_seen_ns", "last_seen_ns", "step_seconds", "baseline_step_seconds", "step_source", "steps", "open_findings")
+    __slots__ = ("job_key", "world_size", "ranks", "nodes", "comms", "alive", "first_seen_ns", "last_seen_ns", "step_seconds", "baseline_step_seconds", "step_source", "steps", "open_findings", "source", "endpoints", "pairs", "flow_sources")
     JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
@@ -614,6 +614,10 @@ class Job(_message.Message):
     STEP_SOURCE_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     OPEN_FINDINGS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SOURCES_FIELD_NUMBER: _ClassVar[int]
     job_key: str
     world_size: int
     ranks: _containers.RepeatedCompositeFieldContainer[JobRank]
@@ -627,13 +631,67 @@ class Job(_message.Message):
     step_source: str
     steps: int
     open_findings: _containers.RepeatedCompositeFieldContainer[Finding]
-    def __init__(self, job_key: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[JobRank, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., comms: _Optional[_Iterable[_Union[JobComm, _Mapping]]] = ..., alive: _Optional[bool] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., step_seconds: _Optional[float] = ..., baseline_step_seconds: _Optional[float] = ..., step_source: _Optional[str] = ..., steps: _Optional[int] = ..., open_findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ...) -> None: ...
+    source: str
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    pairs: _containers.RepeatedCompositeFieldContainer[JobPair]
+    flow_sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, job_key: _Optional[str] = ..., world_size: _Optional[int] = ..., ranks: _Optional[_Iterable[_Union[JobRank, _Mapping]]] = ..., nodes: _Optional[_Iterable[str]] = ..., comms: _Optional[_Iterable[_Union[JobComm, _Mapping]]] = ..., alive: _Optional[bool] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., step_seconds: _Optional[float] = ..., baseline_step_seconds: _Optional[float] = ..., step_source: _Optional[str] = ..., steps: _Optional[int] = ..., open_findings: _Optional[_Iterable[_Union[Finding, _Mapping]]] = ..., source: _Optional[str] = ..., endpoints: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[JobPair, _Mapping]]] = ..., flow_sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class JobPair(_message.Message):
+    __slots__ = ("a", "b", "type")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    type: str
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., type: _Optional[str] = ...) -> None: ...
 
 class JobsRequest(_message.Message):
     __slots__ = ("job_key",)
     JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     job_key: str
     def __init__(self, job_key: _Optional[str] = ...) -> None: ...
+
+class TimelineRequest(_message.Message):
+    __slots__ = ("job_key", "since_ns", "until_ns")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    since_ns: int
+    until_ns: int
+    def __init__(self, job_key: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ...) -> None: ...
+
+class TimelineStep(_message.Message):
+    __slots__ = ("endpoint", "rank", "step", "start_ns", "end_ns")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    START_NS_FIELD_NUMBER: _ClassVar[int]
+    END_NS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    rank: int
+    step: int
+    start_ns: int
+    end_ns: int
+    def __init__(self, endpoint: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., start_ns: _Optional[int] = ..., end_ns: _Optional[int] = ...) -> None: ...
+
+class TimelineReply(_message.Message):
+    __slots__ = ("job_key", "source", "flow_sources", "since_ns", "until_ns", "steps")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    FLOW_SOURCES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    source: str
+    flow_sources: _containers.RepeatedScalarFieldContainer[str]
+    since_ns: int
+    until_ns: int
+    steps: _containers.RepeatedCompositeFieldContainer[TimelineStep]
+    def __init__(self, job_key: _Optional[str] = ..., source: _Optional[str] = ..., flow_sources: _Optional[_Iterable[str]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[TimelineStep, _Mapping]]] = ...) -> None: ...
 
 class JobList(_message.Message):
     __slots__ = ("jobs",)

@@ -99,6 +99,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.JobsRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.JobList.FromString,
                 _registered_method=True)
+        self.Timeline = channel.unary_unary(
+                '/steplens.v1.Control/Timeline',
+                request_serializer=steplens_dot_v1_dot_control__pb2.TimelineRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.TimelineReply.FromString,
+                _registered_method=True)
         self.ListFindings = channel.unary_unary(
                 '/steplens.v1.Control/ListFindings',
                 request_serializer=steplens_dot_v1_dot_control__pb2.FindingsRequest.SerializeToString,
@@ -207,6 +212,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Timeline(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListFindings(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -304,6 +315,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.ListJobs,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.JobsRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.JobList.SerializeToString,
+            ),
+            'Timeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.Timeline,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.TimelineRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.TimelineReply.SerializeToString,
             ),
             'ListFindings': grpc.unary_unary_rpc_method_handler(
                     servicer.ListFindings,
@@ -682,6 +698,33 @@ class Control:
             '/steplens.v1.Control/ListJobs',
             steplens_dot_v1_dot_control__pb2.JobsRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.JobList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Timeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/Timeline',
+            steplens_dot_v1_dot_control__pb2.TimelineRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.TimelineReply.FromString,
             options,
             channel_credentials,
             insecure,
