@@ -7,6 +7,7 @@ collector in-process or as a child process.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -74,7 +75,11 @@ class Collector:
         self.ingest = IngestService(self.writer, self.clock, ingest_settings)
         self.control = ControlService(Reader(settings.db), self.ingest, self.clock, tls=not settings.insecure,
                                       token=settings.token, operator_cns=settings.operator_cns)
-        self.analysis = AnalysisEngine(Reader(settings.db), self.writer, settings.analysis, settings.detectors,
+        own = [p for a in (settings.listen, settings.control_listen, settings.metrics_listen) if a
+               for p in [conn.split_host_port(a)[1]] if p]
+        analysis = dataclasses.replace(settings.analysis, flows_ignore_ports=sorted(
+            set(settings.analysis.flows_ignore_ports) | set(own)))   # its agents' streams are no job's flows
+        self.analysis = AnalysisEngine(Reader(settings.db), self.writer, analysis, settings.detectors,
                                        settings.detector_configs, now_ns=self.clock.now_ns)
         self.control.engine = self.analysis
         self.metrics = None

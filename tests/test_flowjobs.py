@@ -115,8 +115,9 @@ def test_loopback_and_self_flows_are_not_endpoints():
 
 
 def test_dp_transitivity_promotes_a_ring_hop_that_looked_like_pp():
-    """A ring a -> b -> c -> a whose hop c -> a carried one bucket size only (a small model, or a capture that
-    missed the others): on its own it reads as PP; a and c are in one DP component through b, so it is DP."""
+    """A ring a -> b -> c whose hop c <-> a went back and forth one bucket size at a time (a tree all-reduce's
+    reduce then broadcast, or a capture that missed the other sizes): on its own it reads as PP; a and c are in
+    one DP component through b (one-way ring hops), so it is DP."""
     rows = []
     for k in range(6):
         t = k * 2_000_000_000
@@ -124,10 +125,48 @@ def test_dp_transitivity_promotes_a_ring_hop_that_looked_like_pp():
             st = t + i * 2_000_000
             rows.append((st, st + 1_000_000, "10.0.0.1", "10.0.1.1", size, "[]", "import:x"))
             rows.append((st, st + 1_000_000, "10.0.1.1", "10.0.2.1", size, "[]", "import:x"))
-            rows.append((st, st + 1_000_000, "10.0.2.1", "10.0.0.1", 25 << 20, "[]", "import:x"))
-    snap = analyse(FlowWindow.from_rows(rows), {})
+        rows.append((t, t + 1_000_000, "10.0.2.1", "10.0.0.1", 25 << 20, "[]", "import:x"))
+        rows.append((t + 4_000_000, t + 5_000_000, "10.0.0.1", "10.0.2.1", 25 << 20, "[]", "import:x"))
+    snap = analyse(FlowWindow.from_rows(sorted(rows)), {})
     (job,) = snap.jobs
     assert job.pairs == {("10.0.0.1", "10.0.1.1"): "dp", ("10.0.1.1", "10.0.2.1"): "dp",
                          ("10.0.0.1", "10.0.2.1"): "dp"}
     assert job.refined == 1 and job.dp_groups == [["10.0.0.1", "10.0.1.1", "10.0.2.1"]]
-    assert len(job.timeline["10.0.0.1"]) == 5   # 6 DP bursts: 5 whole steps
+    assert len(job.timeline["10.0.1.1"]) == 5   # 6 DP bursts: 5 whole steps
+
+
+def test_tcp_capture_noise_is_not_traffic():
+    """A gloo job's eBPF flows hold pure-ACK bursts and small control messages beside the payload, and bursts
+    that merged k back-to-back messages: a pipeline pair (one 128 KiB message per micro-batch each way, at
+    different times, merged 1-4 at a time) is PP; a DP pair of two (one 16 MB exchange a step) is DP."""
+    rng = np.random.default_rng(3)
+    rows = []
+    msg = 131_432
+    for k in range(40):
+        t = k * 120_000_000
+        for i in range(4):                           # forward sends h0 -> h2, merged at random
+            n = int(rng.integers(1, 3))
+            rows.append((t + i * 6_000_000, t + i * 6_000_000 + 200_000, "10.7.0.10", "10.7.0.12", n * msg + 228,
+                         "[]", "ebpf"))
+            rows.append((t + i * 6_000_000 + 300_000, t + i * 6_000_000 + 300_000, "10.7.0.12", "10.7.0.10", 132,
+                         "[]", "ebpf"))             # its ACKs
+        for i in range(4):                           # backward sends h2 -> h0
+            s = t + 40_000_000 + i * 8_000_000
+            rows.append((s, s + 300_000, "10.7.0.12", "10.7.0.10", msg, "[]", "ebpf"))
+        s = t + 80_000_000                           # the all-reduce: one exchange with h1, plus control messages
+        rows.append((s - 6_000_000, s - 6_000_000, "10.7.0.10", "10.7.0.11", 912, "[]", "ebpf"))
+        rows.append((s, s + 15_000_000, "10.7.0.10", "10.7.0.11", 16_816_000 + int(rng.integers(0, 200_000)),
+                     "[]", "ebpf"))
+        rows.append((s + 300_000, s + 16_000_000, "10.7.0.11", "10.7.0.10", 16_817_000, "[]", "ebpf"))
+        rows.append((s + 3_000_000, s + 13_000_000, "10.7.0.12", "10.7.0.13", 16_816_000, "[]", "ebpf"))
+        rows.append((s + 3_000_000, s + 13_000_000, "10.7.0.13", "10.7.0.12", 16_816_000, "[]", "ebpf"))
+        rows.append((t + 2_000_000, t + 2_300_000, "10.7.0.11", "10.7.0.13", msg, "[]", "ebpf"))
+        rows.append((t + 50_000_000, t + 50_300_000, "10.7.0.13", "10.7.0.11", msg, "[]", "ebpf"))
+    snap = analyse(FlowWindow.from_rows(sorted(rows)), {})
+    (job,) = snap.jobs
+    assert {k: v for k, v in job.pairs.items() if v != "tp"} == {
+        ("10.7.0.10", "10.7.0.11"): "dp", ("10.7.0.12", "10.7.0.13"): "dp",
+        ("10.7.0.10", "10.7.0.12"): "pp", ("10.7.0.11", "10.7.0.13"): "pp"}
+    # each step ends with the all-reduce: 39 whole steps of 120 ms
+    steps = job.timeline["10.7.0.10"]
+    assert len(steps) == 39 and all(abs((b - a) - 120_000_000) < 2_000_000 for _, a, b in steps)

@@ -19,7 +19,7 @@ def _out(obj) -> None:
 
 
 def cmd_up(layout: netns.Layout, a) -> int:
-    _out(netns.up(layout, agents=not a.no_agents))
+    _out(netns.up(layout, agents=not a.no_agents, flows_node=a.flows_node))
     return 0
 
 
@@ -84,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="create namespaces, bridge, collector and one agent per host")
     p.add_argument("--hosts", type=int, default=4)
     p.add_argument("--no-agents", action="store_true", help="collector only")
+    p.add_argument("--flows-node", default="", help="this host's agent (h<i>) also runs the eBPF netflows source")
     p.set_defaults(fn=cmd_up)
 
     p = sub.add_parser("run", help="start the DP x PP x TP training job: dp x pp hosts, tp ranks per host")

@@ -61,6 +61,14 @@ enabled = false
 enabled = false
 """
 
+# `up --flows-node h<i>`: that host's agent runs the eBPF netflows source (one is enough: the probes see every
+# namespace's packets, so the whole job's flows); the others keep eBPF off
+NETFLOWS_OFF = "[sources.netflows]\nenabled = false\n"
+NETFLOWS_ON = """[sources.netflows]
+enabled = true
+interval_seconds = 1.0
+"""
+
 # per host, appended to AGENT_TOML: only this host's ranks (see the module docstring); Flight Recorder and
 # anchors every second, so a step reaches the collector ~1-2 s after it ended
 AGENT_HOST_TOML = """
@@ -87,6 +95,8 @@ socket_dirs = ['{fr_dir}']
 COLLECTOR_TOML = """
 [analysis]
 interval_seconds = 1.0
+flows_interval_seconds = 5.0
+flows_window_seconds = 30.0
 
 [detectors.irregularity]
 window_seconds = 40.0
@@ -98,6 +108,10 @@ fluctuation_fraction = 0.3
 [detectors.commtime]
 window_seconds = 40.0
 resolve_after_seconds = 6.0
+
+[detectors.flows]
+window_seconds = 30.0
+resolve_after_seconds = 10.0
 """
 
 
@@ -346,9 +360,12 @@ def _wait_log(path: str, needle: str, timeout: float, proc: subprocess.Popen) ->
     raise RuntimeError(f"{os.path.basename(path)}: no {needle!r} within {timeout}s; see {path}")
 
 
-def up(layout: Layout, agents: bool = True) -> dict:
-    """Create namespaces and bridge, PKI, collector and agents; write <state>/state.json. Fails if already up."""
+def up(layout: Layout, agents: bool = True, flows_node: str = "") -> dict:
+    """Create namespaces and bridge, PKI, collector and agents; write <state>/state.json. Fails if already up.
+    flows_node: the host whose agent also runs the eBPF netflows source (see NETFLOWS_ON)."""
     layout.validate()
+    if flows_node and flows_node not in [node_id(i) for i in range(layout.hosts)]:
+        raise ValueError(f"flows_node {flows_node!r} is not one of the hosts h0..h{layout.hosts - 1}")
     if os.geteuid() != 0:
         raise PermissionError("the testbed needs root (network namespaces, tc, cgroups)")
     if list_namespaces():
@@ -374,7 +391,8 @@ def up(layout: Layout, agents: bool = True) -> dict:
                 os.makedirs(sd, exist_ok=True)
                 os.makedirs(fr_dir(layout, i), exist_ok=True)
                 with open(layout.path("agents", f"{n}.toml"), "w") as fh:
-                    fh.write(AGENT_TOML + AGENT_HOST_TOML.format(node=n, fr_dir=fr_dir(layout, i)))
+                    base = AGENT_TOML.replace(NETFLOWS_OFF, NETFLOWS_ON) if n == flows_node else AGENT_TOML
+                    fh.write(base + AGENT_HOST_TOML.format(node=n, fr_dir=fr_dir(layout, i)))
                 spawn(layout, f"agent-{n}", [bin_path("steplens-agent"), "run", "--config",
                                              layout.path("agents", f"{n}.toml"), "--collector",
                                              layout.collector_address, "--node-id", n, "--state-dir", sd,
@@ -385,7 +403,7 @@ def up(layout: Layout, agents: bool = True) -> dict:
         raise
     with open(layout.path("topology.json"), "w") as fh:  # `steplens import topology` reads it
         json.dump(topology_file(layout), fh, indent=1)
-    state = {"hosts": layout.hosts, "collector": layout.collector_address, "agents": agents,
+    state = {"hosts": layout.hosts, "collector": layout.collector_address, "agents": agents, "flows_node": flows_node,
              "namespaces": {node_id(i): host_ns(i) for i in range(layout.hosts)},
              "ips": {node_id(i): host_ip(i) for i in range(layout.hosts)}, "up_ns": time.time_ns()}
     with open(layout.path("state.json"), "w") as fh:

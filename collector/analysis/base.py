@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from steplens.collector.analysis.findings import Finding, Policy
@@ -84,6 +84,8 @@ class AnalysisSettings:
     causes: bool = True                    # attach why each leading suspect is slow (analysis/causes.py)
     flows_interval_seconds: float = 30.0   # the black-box flow analysis (flowjobs.py) reruns this often at most
     flows_window_seconds: float = 60.0     # ... over this much of the newest flows (LLMPrism's one minute)
+    flows_ignore_ports: list = field(default_factory=list)  # TCP ports whose flows are no job's (the collector's
+                                           # own listen ports are added by the collector)
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:
@@ -94,6 +96,8 @@ class AnalysisSettings:
             raise ConfigError(f"nice must be within 0..19, got {self.nice}")
         if not 1 <= self.flows_interval_seconds <= 3600 or not 5 <= self.flows_window_seconds <= 3600:
             raise ConfigError("flows_interval_seconds must be within 1..3600 and flows_window_seconds within 5..3600")
+        if not all(isinstance(p, int) and 0 < p < 65536 for p in self.flows_ignore_ports):
+            raise ConfigError(f"flows_ignore_ports must be TCP ports (1..65535), got {self.flows_ignore_ports}")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
             raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
 

@@ -9,19 +9,22 @@ imported from switches, or both) and the topology file (NIC IP -> node); nothing
      clusters whose server sets are identical are merged (bucketed by the frozen set: O(clusters), not the
      paper's pairwise Jaccard loop). Endpoints are IP addresses; an address the topology does not know is a
      server of its own. Loopback and a flow's own host are never endpoints.
-  2. Parallelism of every endpoint pair (§1.3): the pair's flows (both directions) are split into steps
-     (bocd.py: GapSplit by default, Bocd as the reference), and per step the distinct flow sizes are counted
-     (sizes within 1 % are one size: retransmits and headers move a byte count, not a message). The mode over
-     steps decides: several sizes -> DP (a gradient all-reduce in buckets); one size -> a point-to-point
-     message. Beyond the paper, one size is told apart further: an all-to-all (EP) sends both ways at the same
-     instant, a pipeline (PP) sends forward activations and backward gradients at different times, so a pair
-     whose flows mostly have a reverse flow starting within `ep_sync_ns` is EP. Then DP is transitive: a PP
-     pair whose ends lie in one DP component is promoted to DP (the refinement; EP pairs sit inside DP groups
+  2. Parallelism of every endpoint pair (§1.3), on its payload flows (control messages and ACK bursts of a
+     TCP capture dropped: payload()). Beyond the paper, the direction of the traffic first: one way is a DP
+     ring hop; both ways at once is an exchange (an all-to-all, or the all-reduce of a DP group of two); both
+     ways one after the other is judged by the paper's rule: the pair's flows are split into steps (bocd.py:
+     GapSplit by default, Bocd as the reference), per step the distinct flow sizes are counted (sizes within
+     1 % are one size; a burst that merged k messages counts as the message), and the mode over steps
+     decides: several sizes -> DP (a gradient all-reduce in buckets), one size -> PP. An exchange with several
+     sizes is DP; with one size it is EP where both ends exchange with others too (an EP group of >= 3), else
+     the all-reduce of two. Then DP is transitive: a PP pair whose ends lie in one DP component is promoted to
+     DP (the refinement; EP pairs sit inside DP groups
      by construction and are left alone). TP pairs are inferred, never seen: GPUs of one node of the job whose
      pipeline sends start together (a TP group moves in lockstep; DP replicas drift apart); in a job without
      pipeline sends, the GPUs of a node in different cross-machine clusters, paired in GPU order.
-  3. Timeline per endpoint (§1.4): its DP flows sorted by start, split at the large gaps (one per step), and
-     step k ends at the latest flow end of segment k; step k starts where step k-1 ended. Step numbers are
+  3. Timeline per endpoint (§1.4): its DP flows sorted by start, cut into steps where its own compute traffic
+     (pipeline sends, all-to-alls) comes between two of them, else at the natural break of their intervals;
+     step k ends at the latest flow end of segment k and starts where step k-1 ended. Step numbers are
      aligned across the job's endpoints on the endpoint with the most steps.
 Cost (measured by bench/eval/flows.py on the 2,880-GPU, 19-job minute): one Python pass over the flows to
 intern endpoints, then numpy per pair and per endpoint; the eval prints the seconds.
@@ -44,10 +47,15 @@ from steplens.collector.analysis.bocd import SEGMENTERS, segments
 class FlowConfig:
     segmenter: str = "gap"               # gap | bocd (bocd.py): how a pair's flows are split into steps
     size_tolerance: float = 0.01         # flow sizes within this relative difference are one size
-    ep_sync_ns: int = 50_000             # a reverse flow starting this close makes a send an exchange (EP)
-    ep_sync_fraction: float = 0.8        # ... and a pair whose flows are exchanges this often is EP
+    ep_sync_ns: int = 50_000             # flows the other way this close in time are "at once" (exchanges, TP)
+    ep_sync_fraction: float = 0.8        # ... an all-to-all's size class has this share of exchanges
+    exchange_fraction: float = 0.5       # a pair with this share of its bytes sent both ways at once exchanges
+    one_way_fraction: float = 0.05       # a pair whose other way carries less than this share is one way
+    min_flow_fraction: float = 0.02      # flows under this share of the pair's byte-weighted median are control
     min_pair_flows: int = 3              # pairs with fewer flows in the window are noise (not classified)
+    min_pair_share: float = 0.01         # pairs moving less than this share of the job's median pair: control
     min_job_endpoints: int = 2
+    ignore_ports: tuple[int, ...] = ()   # flows from or to these TCP ports are not a job's (the collector's own)
 
 
 @dataclass
@@ -67,17 +75,21 @@ class FlowWindow:
         return len(self.start)
 
     @classmethod
-    def from_rows(cls, rows) -> "FlowWindow":
-        """rows: (start_ns, end_ns, src, dst, bytes, switches, origin) tuples, switches a tuple or a JSON list
-        text; loopback endpoints and flows from a host to itself are dropped."""
+    def from_rows(cls, rows, ignore_ports=()) -> "FlowWindow":
+        """rows: (start_ns, end_ns, src, dst, bytes, switches, origin[, sport, dport]) tuples, switches a tuple
+        or a JSON list text; loopback endpoints, flows from a host to itself and flows from or to one of
+        ignore_ports (the collector's own: its agents' streams would join every host into one job) are
+        dropped."""
+        ignore = set(ignore_ports)
         index: dict[str, int] = {}
         ips: list[str] = []
         keep_ip: dict[str, bool] = {}
         st, en, nb, sa, da, sw = [], [], [], [], [], []
         origins: set[str] = set()
         parsed: dict[str, tuple] = {}
-        for s, e, a, b, n, switches, origin in rows:
-            if a == b:
+        for row in rows:
+            s, e, a, b, n, switches, origin = row[:7]
+            if a == b or (ignore and len(row) > 8 and (row[7] in ignore or row[8] in ignore)):
                 continue
             for ip in (a, b):
                 if ip not in keep_ip:
@@ -125,13 +137,18 @@ class FlowJob:
     flow_index: np.ndarray                     # indices of the job's flows in the window
     timeline: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # ip -> (step, start, end)
     dp_flows: np.ndarray = field(default_factory=lambda: np.array([], dtype=np.int64))  # its all-reduce flows
+    # the flows whose bytes / duration is a transfer rate: payload flows, and of a PP pair only those of one
+    # message (a burst that merged several also holds the compute between them)
+    payload_index: np.ndarray = field(default_factory=lambda: np.array([], dtype=np.int64))
     refined: int = 0                           # PP pairs promoted to DP by transitivity
+    demoted: int = 0                           # size-only DP pairs between two DP groups, made PP
     clusters: int = 0                          # cross-machine clusters merged into it
 
     def summary(self) -> dict:
         kinds = Counter(self.pairs.values())
         return {"job_key": self.key, "endpoints": len(self.endpoints), "servers": len(self.servers),
-                "pairs": dict(kinds), "dp_groups": len(self.dp_groups), "refined": self.refined}
+                "pairs": dict(kinds), "dp_groups": len(self.dp_groups), "refined": self.refined,
+                "demoted": self.demoted}
 
 
 @dataclass
@@ -175,48 +192,125 @@ def job_key(servers) -> str:
 
 
 def distinct_sizes(sizes: np.ndarray, tol: float) -> int:
+    """Sizes within tol of each other are one. A segment of >= 40 flows (no step structure found: the whole
+    window) counts only sizes that hold >= 5 % of its flows, so a few odd bursts (a retransmission, a burst
+    the capture split) do not make a pipeline pair's one size several; per step, the mode over steps does that."""
     if len(sizes) == 0:
         return 0
-    v = np.unique(sizes)
-    if len(v) == 1:
-        return 1
-    return 1 + int(np.count_nonzero(v[1:] > v[:-1] * (1.0 + tol)))
+    v = np.sort(sizes)
+    new = np.concatenate(([True], v[1:] > v[:-1] * (1.0 + tol)))
+    if len(v) < 40:
+        return int(new.sum())
+    counts = np.diff(np.concatenate((np.flatnonzero(new), [len(v)])))
+    return max(1, int(np.count_nonzero(counts >= 0.05 * len(v))))
 
 
-def _size_mode(fw: FlowWindow, idx: np.ndarray, cfg: FlowConfig, segmenter) -> int:
-    """The most common number of distinct flow sizes per step of these flows (idx sorted by start)."""
+def _size_mode(fw: FlowWindow, idx: np.ndarray, cfg: FlowConfig, segmenter, merged: bool = False) -> int:
+    """The most common number of distinct flow sizes per step of these flows (idx sorted by start). merged: a
+    size within tolerance of k x the pair's smallest size (k <= MAX_MERGED) is that size (a capture that splits
+    bursts at an idle gap merges k back-to-back messages of one size into one flow)."""
     if len(idx) == 0:
         return 0
+    sizes = fw.nbytes[idx].astype(np.float64)
+    if merged:
+        base = float(np.percentile(sizes, 5))
+        k = np.round(sizes / base)
+        unit = sizes / np.maximum(k, 1)
+        sizes = np.where((k <= MAX_MERGED) & (np.abs(unit - base) <= MERGED_TOLERANCE * base), base, sizes)
     starts = fw.start[idx]
-    counts = [distinct_sizes(fw.nbytes[idx[lo:hi]], cfg.size_tolerance)
+    counts = [distinct_sizes(sizes[lo:hi], cfg.size_tolerance)
               for lo, hi in segments(starts, segmenter.boundaries(starts))]
     return Counter(counts).most_common(1)[0][0] if counts else 1
 
 
+MAX_MERGED = 8
+MERGED_TOLERANCE = 0.05   # per message: a slowed TCP link cuts more, smaller packets (more header bytes per message)
+
+
+def payload(fw: FlowWindow, idx: np.ndarray, cfg: FlowConfig) -> np.ndarray:
+    """The pair's flows that carry its traffic: at least min_flow_fraction of its byte-weighted median flow size
+    (a TCP capture also holds pure-ACK bursts and the library's small control messages)."""
+    sizes = fw.nbytes[idx]
+    if len(idx) < 2:
+        return idx
+    order = np.argsort(sizes)
+    cum = np.cumsum(sizes[order])
+    wmed = float(sizes[order][np.searchsorted(cum, cum[-1] / 2)])
+    return idx[sizes >= cfg.min_flow_fraction * wmed]
+
+
+def _unit_flows(fw: FlowWindow, idx: np.ndarray, kind: str) -> np.ndarray:
+    """Of a PP pair's payload flows, those of one message (within MERGED_TOLERANCE of the pair's smallest
+    common size); every flow of other pairs (a bucket or an all-to-all is one transfer)."""
+    if kind != "pp" or len(idx) < 2:
+        return idx
+    sizes = fw.nbytes[idx].astype(np.float64)
+    base = float(np.percentile(sizes, 5))
+    return idx[np.abs(sizes / base - 1.0) <= MERGED_TOLERANCE]
+
+
 def classify_pair(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segmenter) -> str:
-    """dp | pp | ep for one pair's flows (idx sorted by start), a = the pair's lower endpoint index.
-    A flow that starts together with one the other way is an exchange. A pair whose flows are mostly exchanges
-    is EP if it sends one size per step, else DP (a ring of two: its buckets go both ways at once). A pair with
-    size classes (4 KiB) of exchanges beside size classes sent one way (a DP ring hop inside an EP group:
-    all-to-all plus the ring's buckets) is judged on its one-way flows. Otherwise several sizes per step -> dp,
-    one size -> pp."""
-    sync = _synced(fw, idx, a, cfg.ep_sync_ns)
-    exchanges = sync.mean() >= cfg.ep_sync_fraction
-    if not exchanges:
-        cls = fw.nbytes[idx] >> 12
-        exch = np.zeros(len(idx), dtype=bool)
-        one_way = False
-        for c in np.unique(cls):
-            m = cls == c
-            f = sync[m].mean()
-            if f >= cfg.ep_sync_fraction:
-                exch |= m
-            one_way |= f < 1.0 - cfg.ep_sync_fraction
-        if exch.any() and one_way:
-            return "dp" if _size_mode(fw, idx[~exch], cfg, segmenter) >= 2 else "ep"
-    if _size_mode(fw, idx, cfg, segmenter) >= 2:
-        return "dp"
-    return "ep" if exchanges else "pp"
+    """dp | pp | x for one pair's flows (idx sorted by start), a = the pair's lower endpoint index; x: an
+    exchange of one size, EP or an all-reduce of two (analyse decides by the endpoints' exchange partners).
+    On the pair's payload flows, the direction of its traffic first, then LLMPrism's sizes:
+      one way (the other way carries < one_way_fraction of the bytes: ACKs)  -> dp, a ring hop;
+      both ways at once (>= exchange_fraction of the bytes in flows overlapping a flow the other way, give or
+      take ep_sync_ns)                                                        -> dp with several sizes per step
+                                                                                 (buckets), else x;
+      both ways, one after the other                                          -> LLMPrism's rule: several sizes
+                                                                                 per step dp, one size pp (a
+                                                                                 merged burst of k messages
+                                                                                 counts as the message)."""
+    return _classify(fw, idx, a, cfg, segmenter)[0]
+
+
+def _classify(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segmenter) -> tuple[str, bool]:
+    """classify_pair's verdict, whether most of the pair's payload flows are exchanges (it counts as an
+    exchange partner of its ends: an EP group's members each have >= 2), and whether the direction of its
+    traffic decided (one way, exchanges) rather than its sizes alone."""
+    idx = payload(fw, idx, cfg)
+    if len(idx) == 0:
+        return "pp", False, False
+    fwd = fw.src[idx] == a
+    w = fw.nbytes[idx].astype(np.float64)
+    ab, ba = float(w[fwd].sum()), float(w[~fwd].sum())
+    if min(ab, ba) < cfg.one_way_fraction * max(ab, ba):
+        return "dp", False, True
+    ov = _overlapped(fw, idx, fwd, cfg.ep_sync_ns)
+    exchanging = bool(ov.mean() >= cfg.exchange_fraction)
+    # a DP ring hop inside an EP group: the group's all-to-all (size classes exchanged both ways at once) on top
+    # of the ring's buckets (size classes sent one way only)
+    cls = fw.nbytes[idx] >> 12
+    exch_cls = one_way_cls = False
+    for c in np.unique(cls):
+        m = cls == c
+        f_ab, f_ba = float(w[m & fwd].sum()), float(w[m & ~fwd].sum())
+        if ov[m].mean() >= cfg.ep_sync_fraction and min(f_ab, f_ba) > 0:
+            exch_cls = True
+        elif min(f_ab, f_ba) < cfg.one_way_fraction * max(f_ab, f_ba) and max(f_ab, f_ba) >= 0.1 * (ab + ba):
+            one_way_cls = True
+    if exch_cls and one_way_cls:
+        return "dp", exchanging, True
+    if float((w * ov).sum()) >= cfg.exchange_fraction * float(w.sum()):
+        return ("dp" if _size_mode(fw, idx, cfg, segmenter) >= 2 else "x"), exchanging, True
+    return ("dp" if _size_mode(fw, idx, cfg, segmenter, merged=True) >= 2 else "pp"), exchanging, False
+
+
+def _overlapped(fw: FlowWindow, idx: np.ndarray, fwd: np.ndarray, slack_ns: int) -> np.ndarray:
+    """Per flow: whether a flow the other way is on the wire during it (within slack_ns)."""
+    out = np.zeros(len(idx), dtype=bool)
+    st, en = fw.start[idx], fw.end[idx]
+    for mine, other in ((fwd, ~fwd), (~fwd, fwd)):
+        if not mine.any() or not other.any():
+            continue
+        o = np.argsort(st[other], kind="stable")
+        os_, oe = st[other][o], np.maximum.accumulate(en[other][o])
+        pos = np.searchsorted(os_, en[mine] + slack_ns, side="right")
+        ok = pos > 0
+        hit = np.zeros(int(mine.sum()), dtype=bool)
+        hit[ok] = oe[pos[ok] - 1] >= st[mine][ok] - slack_ns
+        out[np.flatnonzero(mine)] = hit
+    return out
 
 
 def analyse(fw: FlowWindow, server_of: dict[str, str] | None = None, cfg: FlowConfig | None = None,
@@ -266,24 +360,56 @@ def analyse(fw: FlowWindow, server_of: dict[str, str] | None = None, cfg: FlowCo
         job_parts.append(parts)
     # 2. parallelism per pair
     types: dict[tuple[int, int], str] = {}
+    # control pairs: a job's library also talks between ranks that exchange no data (gloo's full mesh of the
+    # default group: barriers, rendezvous), a few KB where data pairs move MB; untyped, unlisted
+    pair_bytes = {ab: int(fw.nbytes[idx].sum()) for ab, idx in pair_flows.items()}
+    job_med: dict[int, float] = {}
+    for j in range(len(jobs)):
+        vals = [v for ab, v in pair_bytes.items() if job_of.get(ab[0]) == j]
+        job_med[j] = float(np.median(vals)) if vals else 0.0
+    partners: Counter = Counter()
+    strong: set[tuple[int, int]] = set()   # pairs whose verdict the direction of their traffic gave
     for (a, b), idx in pair_flows.items():
-        if a in job_of:
-            types[(a, b)] = classify_pair(fw, idx, a, cfg, segmenter)
+        if a in job_of and pair_bytes[(a, b)] >= cfg.min_pair_share * job_med[job_of[a]]:
+            types[(a, b)], exchanging, by_direction = _classify(fw, idx, a, cfg, segmenter)
+            if by_direction:
+                strong.add((a, b))
+            if exchanging:
+                partners[a] += 1
+                partners[b] += 1
+    # an exchange of one size is an all-to-all where both ends exchange with others too (an EP group of >= 3),
+    # else the all-reduce of a DP group of two (its single message each way per step)
+    for ab, t in types.items():
+        if t == "x":
+            types[ab] = "ep" if partners[ab[0]] >= 2 and partners[ab[1]] >= 2 else "dp"
     job_pairs: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for ab in types:
         job_pairs[job_of[ab[0]]].append(ab)
     for j, job in enumerate(jobs):
         mine = job_pairs.get(j, [])
+        # DP is transitive. Components over the DP pairs the direction decided (one way, exchanges): a pair the
+        # sizes alone called PP inside one is DP (the paper's refinement); one the sizes alone called DP between
+        # two of them joins two DP groups, which only a pipeline does: PP (a TCP capture's partial bursts of a
+        # slowed link make a pipeline pair's one size look like several)
         dp_uf = _UnionFind(n_ep)
+        in_dp: set[int] = set()
+        for ab in mine:
+            if types[ab] == "dp" and ab in strong:
+                dp_uf.union(*ab)
+                in_dp.update(ab)
+        refined = demoted = 0
+        for ab in mine:
+            same = dp_uf.find(ab[0]) == dp_uf.find(ab[1])
+            if types[ab] == "pp" and same:
+                types[ab] = "dp"
+                refined += 1
+            elif types[ab] == "dp" and ab not in strong and not same and ab[0] in in_dp and ab[1] in in_dp:
+                types[ab] = "pp"
+                demoted += 1
+        job.refined, job.demoted = refined, demoted
         for ab in mine:
             if types[ab] == "dp":
                 dp_uf.union(*ab)
-        refined = 0
-        for ab in mine:
-            if types[ab] == "pp" and dp_uf.find(ab[0]) == dp_uf.find(ab[1]):
-                types[ab] = "dp"
-                refined += 1
-        job.refined = refined
         comps: dict[int, set[int]] = defaultdict(set)
         for ab in mine:
             if types[ab] == "dp":
@@ -302,10 +428,13 @@ def analyse(fw: FlowWindow, server_of: dict[str, str] | None = None, cfg: FlowCo
         for a, b in tp:
             job.pairs.setdefault((a, b) if a < b else (b, a), "tp")
         job.flow_index = np.sort(np.concatenate([pair_flows[ab] for ab in mine])) if mine else job.flow_index
+        job.payload_index = np.sort(np.concatenate([_unit_flows(fw, payload(fw, pair_flows[ab], cfg), types[ab])
+                                                    for ab in mine])) if mine else job.flow_index
         # 3. timelines from the DP flows (an EP job's all-to-all on a DP ring hop left out)
         phases = [_dp_phase(fw, pair_flows[ab], ab[0], cfg) for ab in mine if types[ab] == "dp"]
         job.dp_flows = np.sort(np.concatenate(phases)) if phases else job.dp_flows
-        job.timeline = _timeline(fw, phases, segmenter)
+        job.timeline = _timeline(fw, phases, [payload(fw, pair_flows[ab], cfg) for ab in mine
+                                              if types[ab] in ("pp", "ep")], segmenter, cfg.ep_sync_ns)
     in_flows = set(np.unique(np.concatenate((fw.src, fw.dst))).tolist()) if len(fw) else set()
     unattributed = sorted(fw.ips[x] for x in in_flows if x not in job_of)
     jobs.sort(key=lambda j: (-len(j.endpoints), j.key))
@@ -410,35 +539,64 @@ def _synced(fw: FlowWindow, idx: np.ndarray, a: int, sync_ns: int) -> np.ndarray
 
 
 def _dp_phase(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig) -> np.ndarray:
-    """The flows of a DP pair that belong to its all-reduce: in an EP job a ring hop inside an EP group also
-    carries the group's all-to-all, a size sent both ways at once many times per step; the ring's buckets go one
-    way. Sizes (4 KiB classes) that are mostly exchanges are dropped, where sizes that are not remain (a ring
-    of two, whose buckets are exchanges too, keeps everything)."""
-    sync = _synced(fw, idx, a, cfg.ep_sync_ns)
+    """The payload flows of a DP pair that belong to its all-reduce: a ring hop inside an EP group also carries
+    the group's all-to-all (size classes sent both ways at once) beside the ring's buckets (size classes sent
+    one way): the exchanged classes are dropped there; every other DP pair keeps all its payload flows."""
+    idx = payload(fw, idx, cfg)
+    if len(idx) == 0:
+        return idx
+    fwd = fw.src[idx] == a
+    w = fw.nbytes[idx].astype(np.float64)
+    ov = _overlapped(fw, idx, fwd, cfg.ep_sync_ns)
     cls = fw.nbytes[idx] >> 12
-    keep = np.ones(len(idx), dtype=bool)
-    exch = []
+    total = float(w.sum())
+    exch = np.zeros(len(idx), dtype=bool)
+    one_way = False
     for c in np.unique(cls):
         m = cls == c
-        if sync[m].mean() >= cfg.ep_sync_fraction:
-            exch.append(m)
-    if exch and len(exch) < len(np.unique(cls)):
-        for m in exch:
-            keep &= ~m
-    return idx[keep]
+        f_ab, f_ba = float(w[m & fwd].sum()), float(w[m & ~fwd].sum())
+        if ov[m].mean() >= cfg.ep_sync_fraction and min(f_ab, f_ba) > 0:
+            exch |= m
+        elif min(f_ab, f_ba) < cfg.one_way_fraction * max(f_ab, f_ba) and max(f_ab, f_ba) >= 0.1 * total:
+            one_way = True
+    return idx[~exch] if exch.any() and one_way else idx
 
 
-def _timeline(fw: FlowWindow, dp_pairs: list[np.ndarray], segmenter) -> dict[str, list[tuple[int, int, int]]]:
+def _endpoint_flows(fw: FlowWindow, pairs: list[np.ndarray]) -> dict[int, list[np.ndarray]]:
     per_ep: dict[int, list[np.ndarray]] = defaultdict(list)
-    for idx in dp_pairs:
-        for x in np.unique(np.concatenate((fw.src[idx[:1]], fw.dst[idx[:1]]))):
-            per_ep[int(x)].append(idx)
+    for idx in pairs:
+        if len(idx):
+            for x in {int(fw.src[idx[0]]), int(fw.dst[idx[0]])}:
+                per_ep[x].append(idx)
+    return per_ep
+
+
+def _timeline(fw: FlowWindow, dp_pairs: list[np.ndarray], other_pairs: list[np.ndarray], segmenter,
+              sync_ns: int) -> dict[str, list[tuple[int, int, int]]]:
+    """Per endpoint: its DP flows cut into one segment per step. Where the endpoint sends other traffic itself
+    (pipeline sends, all-to-alls: the step's compute), a cut goes wherever such a send starts after every DP
+    flow so far has ended (give or take sync_ns) and before the next one starts: a step's all-reduce is never
+    interleaved with the endpoint's own compute traffic, and the next step's comes after it (what it receives
+    is not used: the stage before it may start its next step while this one still all-reduces). That holds
+    where the intervals inside an all-reduce and between steps overlap (a gloo all-reduce split into bursts up
+    to 30 ms apart, steps 50-150 ms apart on a loaded host). An endpoint with DP traffic only is cut
+    by the segmenter (GapSplit: the natural break of its intervals)."""
+    per_ep = _endpoint_flows(fw, dp_pairs)
+    others = _endpoint_flows(fw, other_pairs)
     ends: dict[int, np.ndarray] = {}
     for x, parts in per_ep.items():
         idx = np.concatenate(parts)
         idx = idx[np.argsort(fw.start[idx], kind="stable")]
         starts = fw.start[idx]
-        cuts = segmenter.boundaries(starts)
+        own = np.concatenate(others[x]) if x in others else np.array([], dtype=np.int64)
+        own = own[fw.src[own] == x]   # its own sends: a neighbour stage's next step may start during its all-reduce
+        if len(own):
+            ost = np.sort(fw.start[own])
+            done = np.maximum.accumulate(fw.end[idx])[:-1] + sync_ns   # the DP flows so far are all over
+            between = np.searchsorted(ost, starts[1:], side="left") - np.searchsorted(ost, done, side="right")
+            cuts = [int(i) + 1 for i in np.flatnonzero(between > 0)]
+        else:
+            cuts = segmenter.boundaries(starts)
         e = [int(fw.end[idx[lo:hi]].max()) for lo, hi in segments(starts, cuts)]
         if len(e) >= 2:
             ends[x] = np.asarray(e, dtype=np.int64)
@@ -523,7 +681,7 @@ class FlowView:
                 return snap
             since = since_ns or max(0, until - self.window_ns)
             t0 = _time.perf_counter()
-            fw = FlowWindow.from_rows(reader.flow_rows(since, until + 1))
+            fw = FlowWindow.from_rows(reader.flow_rows(since, until + 1), self.cfg.ignore_ports)
             server_of, _ = topology_maps(reader.topology())
             snap = analyse(fw, server_of, self.cfg, since, until)
             try:

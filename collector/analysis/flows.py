@@ -15,8 +15,9 @@ deviation, which is identically 0), one-sided in the bad direction, and robust w
      bucket): the median of the same kind before the onset, or of its peers in the same span where there is no
      baseline. Scored in the suspect span:
        switch   the upper quartile of the ratios of the flows crossing it (a congested switch slows all of them);
-       endpoint the upper quartile of the ratios of its flows (a slow NIC link slows every flow it carries; its
-                neighbours carry some healthy flows too, so their upper quartile stays high: no tie);
+       endpoint the median ratio of its best peer's flows (a slow NIC link slows the flows to every peer; each
+                of those peers has a healthy peer elsewhere, so its best stays high: no tie, unless the two
+                have no other peer: then the finding says they tie);
      a score is an outlier when it is at least `min_drop` below 1 and, with >= 4 peers, `k` robust σ below
      their median; endpoints whose flows all cross an outlier switch are explained by it;
   3. cross-group: each DP group's communication time per step (its DP flows' last end minus first start,
@@ -36,7 +37,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
-from steplens.collector.analysis.bocd import GapSplit, segments
 from steplens.collector.analysis.findings import Finding, Suspect
 
 MAD_SIGMA = 1.4826
@@ -147,7 +147,9 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
         first, last_ns = int(fw.start[idx].min()), int(fw.end[idx].max())
         span_lo = group_lo = last_ns - (last_ns - first) // 3
 
-    # per-flow bandwidth over the expected for its kind
+    # per-flow bandwidth over the expected for its kind, payload flows only (a TCP capture's ACK bursts and
+    # control messages take no time to send: their "bandwidth" says nothing)
+    idx = job.payload_index if len(job.payload_index) else idx
     s_ep, d_ep = fw.src[idx], fw.dst[idx]
     bw = fw.nbytes[idx] / np.maximum(1, fw.end[idx] - fw.start[idx])
     ips = fw.ips
@@ -168,13 +170,23 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
     r_span = r[span_idx]
     ep_groups: dict[int, list[int]] = defaultdict(list)
     sw_groups: dict[str, list[int]] = defaultdict(list)
+    pair_groups: dict[tuple[int, int], list[int]] = defaultdict(list)
     for j, i in enumerate(span_idx.tolist()):
-        ep_groups[int(s_ep[i])].append(j)
-        ep_groups[int(d_ep[i])].append(j)
+        a, b = int(s_ep[i]), int(d_ep[i])
+        ep_groups[a].append(j)
+        ep_groups[b].append(j)
+        pair_groups[(a, b) if a < b else (b, a)].append(j)
         for w in fw.switches[int(idx[i])]:
             sw_groups[w].append(j)
     sw_out = outliers(_upper_quartile(sw_groups, r_span), cfg)
-    ep_scores = _upper_quartile(ep_groups, r_span)
+    # an endpoint's score: its best peer's (the median ratio of their flows): a slow NIC link slows every peer
+    # of its endpoint, while each of those peers still has a healthy peer elsewhere
+    ep_scores: dict[int, float] = {}
+    for (a, b), js in pair_groups.items():
+        if len(js) >= 2:
+            m = float(np.median(r_span[np.asarray(js)]))
+            for e in (a, b):
+                ep_scores[e] = max(ep_scores.get(e, 0.0), m)
     ep_out = outliers(ep_scores, cfg)
     explained = set()   # endpoints whose flows (nearly) all cross an outlier switch: its victims, not causes
     for w, _, _ in sw_out:
@@ -257,9 +269,10 @@ def _tied(e: int, ep_out: list, ep_groups: dict) -> int | None:
 def _group_view(fw, job, span_lo: int, cfg: FlowsConfig) -> list[dict]:
     """DP groups whose per-step communication time in the span is min_group_ratio x and k robust σ above the
     groups' median; each with its members slowest first (by their flows' bandwidth). A group's all-reduce flows
-    (flowjobs: an EP ring hop's all-to-all left out) are split into steps at their large gaps (GapSplit), and a
-    step's communication time is its last flow end minus its first start (the span's first and last segments
-    left out: they may be cut)."""
+    (flowjobs: an EP ring hop's all-to-all left out) are assigned to the step ends of the timeline of its member
+    with the most steps (a flow belongs to the end nearest its own end: the ring's hops end together, but one
+    may start after another member's last flow ended), and a step's communication time is its last flow end
+    minus its first start (the first end's step left out: the span may cut it)."""
     if len(job.dp_groups) < 3:
         return []
     member = {ip: g for g, ips in enumerate(job.dp_groups) for ip in ips}
@@ -268,13 +281,23 @@ def _group_view(fw, job, span_lo: int, cfg: FlowsConfig) -> list[dict]:
     for i in job.dp_flows.tolist():
         if fw.start[i] >= span_lo:
             per_group[member[ips[int(fw.src[i])]]].append(i)
-    split = GapSplit()
     times = {}
     for g, fl in per_group.items():
-        fl = np.asarray(sorted(fl, key=lambda i: fw.start[i]))
-        starts = fw.start[fl]
-        segs = segments(starts, split.boundaries(starts))[1:-1]   # the span's first and last may be cut
-        d = [float(fw.end[fl[lo:hi]].max() - starts[lo]) for lo, hi in segs]
+        ref = max((job.timeline.get(ip, []) for ip in job.dp_groups[g]), key=len)
+        if len(ref) < 2:
+            continue
+        # every step end the member's timeline holds (a step left out there, off the job's alignment, still has
+        # its end as the next step's start)
+        ends = np.unique(np.asarray([t for _, a, b in ref for t in (a, b)], dtype=np.int64))
+        fl = np.asarray(fl)
+        fe = fw.end[fl]
+        pos = np.clip(np.searchsorted(ends, fe), 1, len(ends) - 1)
+        k = np.where(np.abs(ends[pos - 1] - fe) <= np.abs(ends[pos] - fe), pos - 1, pos)   # the nearest step end
+        d = []
+        for step in range(1, len(ends)):   # the first end's step may be cut by the span
+            m = fl[k == step]
+            if len(m):
+                d.append(float(fw.end[m].max() - fw.start[m].min()))
         if d:
             times[g] = float(np.median(d))
     if len(times) < 3:

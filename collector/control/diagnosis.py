@@ -87,8 +87,10 @@ class DiagnosisControl:
         view = getattr(self.engine, "flowview", None)
         if view is None:
             if self._own_flowview is None:
-                from steplens.collector.analysis.flowjobs import FlowView
-                self._own_flowview = FlowView()
+                from steplens.collector.analysis.flowjobs import FlowConfig, FlowView
+                own = getattr(self.engine, "settings", None)
+                ports = tuple(own.flows_ignore_ports) if own is not None else ()
+                self._own_flowview = FlowView(cfg=FlowConfig(ignore_ports=ports))
             view = self._own_flowview
         return view
 

@@ -243,11 +243,12 @@ class DiagnosisQueries:
 
     def flow_rows(self, since_ns: int, until_ns: int, limit: int = 5_000_000) -> list[tuple]:
         """Every flow starting in [since_ns, until_ns) as (start_ns, end_ns, src, dst, bytes, switches_json,
-        origin) tuples, oldest first (the black-box analysis's window: flowjobs.FlowWindow.from_rows). The
-        (end_ns) index bounds the scan; a flow ends after it starts, so end_ns >= since_ns holds for all."""
+        origin, sport, dport) tuples, oldest first (the black-box analysis's window:
+        flowjobs.FlowWindow.from_rows). The (end_ns) index bounds the scan; a flow ends after it starts, so
+        end_ns >= since_ns holds for all."""
         db = self._db()
         try:
-            return db.conn.execute("SELECT start_ns, end_ns, src, dst, bytes, switches, origin FROM flows"
+            return db.conn.execute("SELECT start_ns, end_ns, src, dst, bytes, switches, origin, sport, dport FROM flows"
                                    " WHERE end_ns >= ? AND start_ns >= ? AND start_ns < ? ORDER BY start_ns LIMIT ?",
                                    (since_ns, since_ns, until_ns, limit)).fetchall()
         finally:
