@@ -65,34 +65,37 @@ def window_of(run, noise_us: float = 0.0, seed: int = 0) -> FlowWindow:
 
 
 def window_via_store(run, tmp: str) -> tuple[FlowWindow, float, float]:
-    """The flows written through the collector's StoreWriter into SQLite and read back as the engine reads them
-    (Reader.flow_rows): (window, write seconds, read seconds)."""
+    """The flows written through the collector's StoreWriter (its thread, its transactions) into SQLite and read
+    back as the engine reads them (Reader.flow_rows): (window, write seconds, read + parse seconds)."""
+    import threading
+
     from steplens.collector.store.queries import Reader
-    from steplens.collector.store.writer import open_store
+    from steplens.collector.store.writer import StoreJob, StoreWriter
     path = os.path.join(tmp, "flows.db")
-    conn = open_store(path)
+    writer = StoreWriter(path)
+    writer.start()
     t0 = time.perf_counter()
     c = run.cols
     ips = [CLUSTER.ip(g) for g in range(CLUSTER.gpus)]
     sw = [json.dumps(list(p)) for p in run.paths]
-    rows = []
-    for st, a, b, nb, d, p in zip(c["start"].tolist(), c["src"].tolist(), c["dst"].tolist(), c["bytes"].tolist(),
-                                  c["duration"].tolist(), c["path"].tolist()):
-        rows.append(("import", st, st + max(1, round(d * 1e9)), ips[a], 0, ips[b], 0, nb, 0, 0, "import:sim", sw[p]))
-        if len(rows) >= 200_000:
-            conn.executemany("INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets,"
-                             " pid, origin, switches) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-            rows = []
-    if rows:
-        conn.executemany("INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets,"
-                         " pid, origin, switches) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", rows)
-    conn.commit()
-    conn.close()
+    sql = ("INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets, pid, origin,"
+           " switches) VALUES ('import',?,?,?,0,?,0,?,0,0,'import:sim',?)")
+    try:
+        for lo in range(0, len(run), 200_000):
+            rows = [(st, st + max(1, round(d * 1e9)), ips[a], ips[b], nb, sw[p]) for st, a, b, nb, d, p in zip(
+                *(c[k][lo:lo + 200_000].tolist() for k in ("start", "src", "dst", "bytes", "duration", "path")))]
+            done = threading.Event()
+            while not writer.submit(StoreJob(lambda conn, rows=rows: conn.executemany(sql, rows).rowcount,
+                                             lambda *a, done=done: done.set())):
+                time.sleep(0.01)
+            done.wait(300)
+    finally:
+        writer.stop()
     write_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     reader = Reader(path)
-    got = reader.flow_rows(0, 2**62)
-    fw = FlowWindow.from_rows(got)
+    _, newest = reader.flow_watermark()
+    fw = FlowWindow.from_rows(reader.flow_rows(0, newest + 1))
     return fw, write_s, time.perf_counter() - t0
 
 

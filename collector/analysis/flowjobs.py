@@ -218,9 +218,32 @@ def _size_mode(fw: FlowWindow, idx: np.ndarray, cfg: FlowConfig, segmenter, merg
         unit = sizes / np.maximum(k, 1)
         sizes = np.where((k <= MAX_MERGED) & (np.abs(unit - base) <= MERGED_TOLERANCE * base), base, sizes)
     starts = fw.start[idx]
-    counts = [distinct_sizes(sizes[lo:hi], cfg.size_tolerance)
-              for lo, hi in segments(starts, segmenter.boundaries(starts))]
+    segs = segments(starts, segmenter.boundaries(starts))
+    counts = _small_segment_counts(sizes, segs, cfg.size_tolerance)
+    counts += [distinct_sizes(sizes[lo:hi], cfg.size_tolerance) for lo, hi in segs if hi - lo >= 40]
     return Counter(counts).most_common(1)[0][0] if counts else 1
+
+
+def _small_segment_counts(sizes: np.ndarray, segs: list[tuple[int, int]], tol: float) -> list[int]:
+    """distinct_sizes of every segment under 40 flows, in one vectorized pass (a pipeline pair cut at its
+    micro-batches has thousands of them)."""
+    if not segs:
+        return []
+    lens = np.asarray([hi - lo for lo, hi in segs])
+    first = segs[0][0]
+    seg_all = np.repeat(np.arange(len(segs)), lens)           # segments tile [first, last) in order
+    keep = lens[seg_all] < 40
+    if not keep.any():
+        return []
+    v = sizes[first:first + len(seg_all)][keep]
+    small_ids = np.flatnonzero(lens < 40)
+    seg = np.searchsorted(small_ids, seg_all[keep])            # renumbered 0..len(small) - 1
+    small = small_ids
+    order = np.lexsort((v, seg))
+    v, seg = v[order], seg[order]
+    new = np.ones(len(v), dtype=bool)
+    new[1:] = (seg[1:] != seg[:-1]) | (v[1:] > v[:-1] * (1.0 + tol))
+    return np.bincount(seg, weights=new, minlength=len(small)).astype(int).tolist()
 
 
 MAX_MERGED = 8
@@ -423,8 +446,11 @@ def analyse(fw: FlowWindow, server_of: dict[str, str] | None = None, cfg: FlowCo
         pp_mask = np.zeros(len(fw), dtype=bool)
         if pp_idx:
             pp_mask[np.concatenate(pp_idx)] = True
-        tp = _tp_pairs(fw, members, servers, cfg.ep_sync_ns, pp_mask) if pp_idx else \
-            _tp_by_clusters(job_parts[j], servers, fw.ips)
+        if pp_idx:
+            tp = _tp_pairs(fw, members, servers, cfg.ep_sync_ns, pp_mask,
+                           np.concatenate([pair_flows[ab] for ab in mine]))
+        else:
+            tp = _tp_by_clusters(job_parts[j], servers, fw.ips)
         for a, b in tp:
             job.pairs.setdefault((a, b) if a < b else (b, a), "tp")
         job.flow_index = np.sort(np.concatenate([pair_flows[ab] for ab in mine])) if mine else job.flow_index
@@ -458,8 +484,8 @@ def _merge_contained(by_servers: dict[frozenset, list[list[int]]]) -> dict[froze
     return out
 
 
-def _tp_pairs(fw: FlowWindow, members: list[int], servers: list[str], sync_ns: int,
-              pp_mask: np.ndarray) -> list[tuple[str, str]]:
+def _tp_pairs(fw: FlowWindow, members: list[int], servers: list[str], sync_ns: int, pp_mask: np.ndarray,
+              job_flows: np.ndarray) -> list[tuple[str, str]]:
     """TP pairs, which the wire never shows: GPUs of one node whose sends start together. A TP group moves in
     lockstep (every op ends in its all-reduce over NVLink), so its members send their pipeline activations at
     the same instants, each to its own counterpart; two DP replicas on one node do not (their micro-batches
@@ -467,15 +493,17 @@ def _tp_pairs(fw: FlowWindow, members: list[int], servers: list[str], sync_ns: i
     across TP ranks: each ring's time is its own), all its sends otherwise. Peers: the median distance from
     each of a GPU's first 64 such sends to the other's nearest is within sync_ns."""
     first: dict[int, np.ndarray] = {}
-    order = np.argsort(fw.start, kind="stable")
-    src_sorted = fw.src[order]
-    pp_sorted = pp_mask[order]
-    for x in set(members):
-        mine = src_sorted == x
-        pp = mine & pp_sorted
-        st = fw.start[order[pp if np.count_nonzero(pp) >= 4 else mine]][:64]
+    idx = job_flows[np.isin(fw.src[job_flows], np.asarray(members))]
+    idx = idx[np.lexsort((fw.start[idx], fw.src[idx]))]          # by sender, then time
+    src = fw.src[idx]
+    cut = np.flatnonzero(np.diff(src)) + 1
+    for part in np.split(idx, cut):
+        if not len(part):
+            continue
+        pp = part[pp_mask[part]]
+        st = fw.start[pp if len(pp) >= 4 else part][:64]
         if len(st) >= 4:
-            first[x] = st
+            first[int(fw.src[part[0]])] = st
     per_node: dict[str, list[int]] = defaultdict(list)
     for x in first:
         per_node[servers[x]].append(x)
