@@ -170,3 +170,13 @@ def test_tcp_capture_noise_is_not_traffic():
     # each step ends with the all-reduce: 39 whole steps of 120 ms
     steps = job.timeline["10.7.0.10"]
     assert len(steps) == 39 and all(abs((b - a) - 120_000_000) < 2_000_000 for _, a, b in steps)
+
+
+def test_bocd_segmenter_gives_the_same_jobs_and_pairs(cluster):
+    """The paper's BOCD as the segmenter (`[analysis] flows_segmenter = "bocd"`): the same verdicts on the
+    cluster's pairs as GapSplit (bench/eval/flows.py compares their boundaries)."""
+    truth, fw, snap = cluster
+    server_of, _ = topology_maps(from_dict(CLUSTER.topology_file()))
+    slow = analyse(fw, server_of, FlowConfig(segmenter="bocd"))
+    assert {frozenset(j.endpoints) for j in slow.jobs} == {frozenset(j.endpoints) for j in snap.jobs}
+    assert score_pairs(slow, truth)["accuracy"] == 1.0

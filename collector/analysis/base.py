@@ -86,6 +86,7 @@ class AnalysisSettings:
     flows_window_seconds: float = 60.0     # ... over this much of the newest flows (LLMPrism's one minute)
     flows_ignore_ports: list = field(default_factory=list)  # TCP ports whose flows are no job's (the collector's
                                            # own listen ports are added by the collector)
+    flows_segmenter: str = "gap"           # step division of a pair's flows: gap (natural break) | bocd (reference)
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:
@@ -96,6 +97,8 @@ class AnalysisSettings:
             raise ConfigError(f"nice must be within 0..19, got {self.nice}")
         if not 1 <= self.flows_interval_seconds <= 3600 or not 5 <= self.flows_window_seconds <= 3600:
             raise ConfigError("flows_interval_seconds must be within 1..3600 and flows_window_seconds within 5..3600")
+        if self.flows_segmenter not in ("gap", "bocd"):
+            raise ConfigError(f"flows_segmenter must be gap or bocd, got {self.flows_segmenter!r}")
         if not all(isinstance(p, int) and 0 < p < 65536 for p in self.flows_ignore_ports):
             raise ConfigError(f"flows_ignore_ports must be TCP ports (1..65535), got {self.flows_ignore_ports}")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:

@@ -218,7 +218,8 @@ class AnalysisEngine:
         if "flows" in self.detectors and self.configs["flows"].enabled:
             from steplens.collector.analysis.flowjobs import FlowConfig, FlowView
             self.flowview = FlowView(self.settings.flows_window_seconds, self.settings.flows_interval_seconds,
-                                     FlowConfig(ignore_ports=tuple(self.settings.flows_ignore_ports)))
+                                     FlowConfig(segmenter=self.settings.flows_segmenter,
+                                                ignore_ports=tuple(self.settings.flows_ignore_ports)))
         self._flow_mark = 0
         self.hub = FindingsHub(self.settings.watch_queue_size)
         self.stats = {n: DetectorStats() for n in self.detectors}

@@ -89,8 +89,9 @@ class DiagnosisControl:
             if self._own_flowview is None:
                 from steplens.collector.analysis.flowjobs import FlowConfig, FlowView
                 own = getattr(self.engine, "settings", None)
-                ports = tuple(own.flows_ignore_ports) if own is not None else ()
-                self._own_flowview = FlowView(cfg=FlowConfig(ignore_ports=ports))
+                cfg = FlowConfig(ignore_ports=tuple(own.flows_ignore_ports), segmenter=own.flows_segmenter) \
+                    if own is not None else FlowConfig()
+                self._own_flowview = FlowView(cfg=cfg)
             view = self._own_flowview
         return view
 
