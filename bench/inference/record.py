@@ -7,8 +7,8 @@ LatencyPrism and production use (continuous batching, chunked prefill, paged KV 
 from the package registry in a venv of its own (`.venv-vllm`, see bench/inference/README.md).
 
 The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so one `LLMEngine.step()` is one batch:
-schedule, forward, sample. A Poisson load (rate --rate, constant or swinging) of requests with prompt lengths and output lengths drawn
-uniformly (--prompt, --output ranges) is added as its arrival time passes. Per step the driver's own
+schedule, forward, sample. A Poisson load (rate --rate, constant or swinging) of requests with prompt and output
+lengths drawn uniformly (--prompt, --output ranges) is added as its arrival time passes. Per step the driver's own
 bookkeeping gives the batch's workload, the ground truth a sentinel is scored against:
   batch_size (requests in the batch), prefill_requests / prefill_tokens (requests in their first step and their
   prompt tokens), decode_requests, kv_tokens (the decode requests' context: prompt + generated so far),
