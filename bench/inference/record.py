@@ -122,13 +122,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", action="append", default=[], help="KIND:START_S:END_S (cpu, noisy, mem, slow)")
     ap.add_argument("--model-dir", default="/tmp/steplens-tinyllama")
+    ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (intermediate 2.6875x)")
+    ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.makedirs(a.model_dir, exist_ok=True)
+    config = dict(CONFIG, hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.6875), num_hidden_layers=a.layers)
     with open(os.path.join(a.model_dir, "config.json"), "w") as fh:
-        json.dump(CONFIG, fh)
+        json.dump(config, fh)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=a.model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="float32", max_model_len=1024,
@@ -152,7 +155,7 @@ def main() -> int:
     t_start = time.monotonic()
     with open(a.out, "w") as out:
         out.write(json.dumps({"settings": vars(a), "vllm": __import__("vllm").__version__,
-                              "config": CONFIG}) + "\n")
+                              "config": config}) + "\n")
         while True:
             t = time.monotonic() - t_start
             if t >= a.seconds:
