@@ -2,7 +2,7 @@
 
     .venv-vllm/bin/python bench/inference/record.py --seconds 240 --rate 25 --prompt 16:512 --output 16:160 \\
         --out /tmp/vllm-steps.jsonl --fault noisy:50:70 --fault mem:100:120 --fault slow:150:170 --fault cpu:200:215
-    .venv/bin/python bench/sentinel.py /tmp/vllm-steps.jsonl [--train-seconds 40]
+    .venv/bin/python bench/sentinel.py /tmp/vllm-steps.jsonl [--train-seconds 45] [--settle-seconds 10]
 
 The recording (bench/inference/record.py: vLLM's CPU build, a tiny Llama with dummy weights, Poisson load, faults
 with their windows) holds per batch its workload and its duration. The sentinel is fitted on the decode batches
@@ -29,7 +29,9 @@ from steplens.collector.analysis.sentinel import Sentinel, SentinelConfig, featu
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("steps")
-    ap.add_argument("--train-seconds", type=float, default=40.0)
+    ap.add_argument("--train-seconds", type=float, default=45.0)
+    ap.add_argument("--settle-seconds", type=float, default=0.0,
+                    help="also leave out the normal batches this long after each fault ends (recovery)")
     a = ap.parse_args(argv)
     with open(a.steps) as fh:
         head = json.loads(fh.readline())
@@ -51,6 +53,9 @@ def main(argv=None) -> int:
     ends = np.flatnonzero(truth[:-1] & ~truth[1:]) + 1
     for e in ends:
         tail[e:e + s.cfg.window - 1] = True
+    tj = t[rest][judged]
+    for e in ends:   # --settle-seconds: the host's recovery after a fault (reclaim, backlog), LatencyPrism's
+        tail |= (tj >= tj[e]) & (tj < tj[e] + a.settle_seconds)   # protocol has none (one injection, at the end)
     tail &= ~truth
     raw_fp = int((alarm & ~truth).sum())
     counted = ~tail
@@ -79,7 +84,8 @@ def main(argv=None) -> int:
     print(f"{a.steps}: {len(rows)} batches, baseline R2 {s.fit_r2:.3f} MAPE {100 * s.fit_mape:.2f} % (out of fold; "
           f"LatencyPrism 0.963 / 6.06 %), UCL {s.ucl:.3f}; judged {int(judged.sum())} decode batches: precision "
           f"{prec:.4f} recall {rec:.4f} F1 {f1:.4f} FPR {100 * fpr:.3f} % (LatencyPrism 0.985 at 0.59 %), "
-          f"{s.refits} refits; {raw_fp - fp} alarms in the {s.cfg.window - 1} batches after a fault ends not counted")
+          f"{s.refits} refits; {raw_fp - fp} alarms in the {s.cfg.window - 1} batches"
+          + (f" and {a.settle_seconds:g} s" if a.settle_seconds else "") + " after a fault ends not counted")
     for kind, d in per.items():
         print(f"  {kind}: {d}")
     print(json.dumps(res))
