@@ -30,6 +30,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("steps")
     ap.add_argument("--train-seconds", type=float, default=45.0)
+    ap.add_argument("--min-ucl", type=float, default=SentinelConfig.min_ucl,
+                    help="SentinelConfig.min_ucl: a floor under the UCL")
     ap.add_argument("--settle-seconds", type=float, default=0.0,
                     help="also leave out the normal batches this long after each fault ends (recovery)")
     a = ap.parse_args(argv)
@@ -41,7 +43,7 @@ def main(argv=None) -> int:
     t = np.array([r["t_s"] for r in rows])
     fault = np.array([r["fault"] or "" for r in rows])
     train = (t < a.train_seconds) & (fault == "")
-    s = Sentinel(SentinelConfig()).fit(X[train], y[train])
+    s = Sentinel(SentinelConfig(min_ucl=a.min_ucl)).fit(X[train], y[train])
     rest = ~(t < a.train_seconds)
     out = s.score(X[rest], y[rest])
     judged = out["judged"] & ~np.isnan(out["ma"])

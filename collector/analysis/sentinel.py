@@ -52,6 +52,8 @@ class SentinelConfig:
     k: float = 3.0                # UCL = min(mu + k sigma, tau_max)
     tau_max: float = 0.5
     ucl_quantile: float = 0.999   # ... and at least this quantile of the training moving average (heavy tails)
+    min_ucl: float = 0.15         # ... and at least this: a shared host's own jitter holds a 10-batch average 5-10 %
+                                  # over its baseline for a moment now and then (LatencyPrism's fixed window: 0.15)
     decode_only: bool = True      # inference: judge decode iterations only (prefill is cache-layout dependent)
     drift_margin: float = 0.10    # a feature beyond the training range by this share is not judged (drift)
     refit_every: int = 500        # normal iterations between refits
@@ -104,8 +106,8 @@ class Sentinel:
         ppe = np.maximum(0.0, (y - np.maximum(oof, 0.0)) / (y + 1e-9))
         ma = np.convolve(ppe, np.ones(self.cfg.window) / self.cfg.window, mode="valid")
         self.mu, self.sigma = float(ma.mean()), float(ma.std())
-        self.ucl = min(max(self.mu + self.cfg.k * self.sigma, float(np.quantile(ma, self.cfg.ucl_quantile))),
-                       self.cfg.tau_max)
+        self.ucl = min(max(self.mu + self.cfg.k * self.sigma, float(np.quantile(ma, self.cfg.ucl_quantile)),
+                           self.cfg.min_ucl), self.cfg.tau_max)
         ss = float(((y - y.mean()) ** 2).sum())
         self.fit_r2 = 1.0 - float(((y - oof) ** 2).sum()) / ss if ss else float("nan")
         self.fit_mape = float(np.mean(np.abs(y - oof) / np.maximum(y, 1e-9)))
