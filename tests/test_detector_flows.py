@@ -163,5 +163,17 @@ def test_the_analysis_loop_finds_flow_jobs_on_its_own(tmp_path):
         assert f.job_key.startswith("flows-") and f.detector == "flows"
         assert (f.suspects[0].kind, f.suspects[0].id) == ("link", "n2.nic1")
         assert eng.run_pass() == 0 and eng.flowview.analyses == 1
+        # flows keep arriving (here: a few late ones), and a job whose newest data is a second older than the
+        # newest flow (its detectors' window) is served the kept analysis, not a new one: no flow analysis per
+        # job and pass
+        def late(conn):
+            conn.executemany("INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets,"
+                             " pid, origin, switches) VALUES ('import',?,?,?,0,?,0,?,0,0,?,?)",
+                             [(st, en, a, b, nb, origin, sw) for st, en, a, b, nb, sw, origin in rows[:3]])
+            return 3
+        done = threading.Event()
+        assert writer.submit(StoreJob(late, lambda *a: done.set())) and done.wait(60)
+        snap = eng.flowview.snapshot(Reader(path), eng.flowview._snap.until_ns - 10**9)
+        assert snap is eng.flowview._snap and eng.flowview.analyses == 1
     finally:
         writer.stop()

@@ -287,7 +287,7 @@ def classify_pair(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segm
     return _classify(fw, idx, a, cfg, segmenter)[0]
 
 
-def _classify(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segmenter) -> tuple[str, bool]:
+def _classify(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segmenter) -> tuple[str, bool, bool]:
     """classify_pair's verdict, whether most of the pair's payload flows are exchanges (it counts as an
     exchange partner of its ends: an EP group's members each have >= 2), and whether the direction of its
     traffic decided (one way, exchanges) rather than its sizes alone."""
@@ -301,18 +301,8 @@ def _classify(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig, segmente
         return "dp", False, True
     ov = _overlapped(fw, idx, fwd, cfg.ep_sync_ns)
     exchanging = bool(ov.mean() >= cfg.exchange_fraction)
-    # a DP ring hop inside an EP group: the group's all-to-all (size classes exchanged both ways at once) on top
-    # of the ring's buckets (size classes sent one way only)
-    cls = fw.nbytes[idx] >> 12
-    exch_cls = one_way_cls = False
-    for c in np.unique(cls):
-        m = cls == c
-        f_ab, f_ba = float(w[m & fwd].sum()), float(w[m & ~fwd].sum())
-        if ov[m].mean() >= cfg.ep_sync_fraction and min(f_ab, f_ba) > 0:
-            exch_cls = True
-        elif min(f_ab, f_ba) < cfg.one_way_fraction * max(f_ab, f_ba) and max(f_ab, f_ba) >= 0.1 * (ab + ba):
-            one_way_cls = True
-    if exch_cls and one_way_cls:
+    exch, one_way = _ring_under_all_to_all(fw, idx, fwd, ov, cfg)
+    if exch.any() and one_way:   # a DP ring hop inside an EP group
         return "dp", exchanging, True
     if float((w * ov).sum()) >= cfg.exchange_fraction * float(w.sum()):
         return ("dp" if _size_mode(fw, idx, cfg, segmenter) >= 2 else "x"), exchanging, True
@@ -550,32 +540,12 @@ def _ip_order(ip: str):
         return (1, ip)
 
 
-def _synced(fw: FlowWindow, idx: np.ndarray, a: int, sync_ns: int) -> np.ndarray:
-    """Per flow of a pair: whether a flow the other way starts within sync_ns of it (an exchange)."""
-    starts = fw.start[idx]
-    fwd = fw.src[idx] == a
-    out = np.zeros(len(idx), dtype=bool)
-    for mine, other in ((fwd, ~fwd), (~fwd, fwd)):
-        so = np.sort(starts[other])
-        if len(so) == 0 or not mine.any():
-            continue
-        sm = starts[mine]
-        pos = np.clip(np.searchsorted(so, sm), 1, max(1, len(so) - 1))
-        d = np.minimum(np.abs(sm - so[pos - 1]), np.abs(so[np.minimum(pos, len(so) - 1)] - sm))
-        out[np.flatnonzero(mine)] = d <= sync_ns
-    return out
-
-
-def _dp_phase(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig) -> np.ndarray:
-    """The payload flows of a DP pair that belong to its all-reduce: a ring hop inside an EP group also carries
-    the group's all-to-all (size classes sent both ways at once) beside the ring's buckets (size classes sent
-    one way): the exchanged classes are dropped there; every other DP pair keeps all its payload flows."""
-    idx = payload(fw, idx, cfg)
-    if len(idx) == 0:
-        return idx
-    fwd = fw.src[idx] == a
+def _ring_under_all_to_all(fw: FlowWindow, idx: np.ndarray, fwd: np.ndarray, ov: np.ndarray,
+                           cfg: FlowConfig) -> tuple[np.ndarray, bool]:
+    """A DP ring hop inside an EP group carries the group's all-to-all (size classes, 4 KiB, exchanged both ways
+    at once) beside the ring's buckets (size classes sent one way only): (the exchanged flows, whether a one-way
+    class holding >= 10 % of the pair's bytes is there too)."""
     w = fw.nbytes[idx].astype(np.float64)
-    ov = _overlapped(fw, idx, fwd, cfg.ep_sync_ns)
     cls = fw.nbytes[idx] >> 12
     total = float(w.sum())
     exch = np.zeros(len(idx), dtype=bool)
@@ -587,6 +557,17 @@ def _dp_phase(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig) -> np.nd
             exch |= m
         elif min(f_ab, f_ba) < cfg.one_way_fraction * max(f_ab, f_ba) and max(f_ab, f_ba) >= 0.1 * total:
             one_way = True
+    return exch, one_way
+
+
+def _dp_phase(fw: FlowWindow, idx: np.ndarray, a: int, cfg: FlowConfig) -> np.ndarray:
+    """The payload flows of a DP pair that belong to its all-reduce: on a ring hop inside an EP group the
+    all-to-all's classes are dropped (_ring_under_all_to_all); every other DP pair keeps all its payload flows."""
+    idx = payload(fw, idx, cfg)
+    if len(idx) == 0:
+        return idx
+    fwd = fw.src[idx] == a
+    exch, one_way = _ring_under_all_to_all(fw, idx, fwd, _overlapped(fw, idx, fwd, cfg.ep_sync_ns), cfg)
     return idx[~exch] if exch.any() and one_way else idx
 
 
@@ -704,8 +685,10 @@ class FlowView:
                 return None
             until = min(until_ns or newest, newest) if until_ns else newest
             snap = self._snap
+            # no new flows, or a snapshot within the refresh period of the time asked (either side: a job whose
+            # newest data is a little older than the newest flow is served the snapshot, not a new analysis)
             if not since_ns and snap is not None and (rowid == self._mark[0] or
-                                                      0 <= until - snap.until_ns < self.refresh_ns):
+                                                      abs(until - snap.until_ns) < self.refresh_ns):
                 return snap
             since = since_ns or max(0, until - self.window_ns)
             t0 = _time.perf_counter()
