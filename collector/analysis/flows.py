@@ -38,6 +38,7 @@ import numpy as np
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
+from steplens.collector.analysis.flowjobs import topology_maps
 
 MAD_SIGMA = 1.4826
 TYPES = {"dp": 0, "pp": 1, "ep": 2}
@@ -336,13 +337,7 @@ def detect(reader, window: Window, cfg: FlowsConfig) -> list[Finding]:
     job = snap.job(window.job_key) or snap.job(snap.matched.get(window.job_key, ""))
     if job is None:
         return []
-    topo = reader.topology()
-    nic_of, node_of = {}, {}
-    if topo is not None:
-        for nic in topo.nics.values():
-            if nic.ip:
-                nic_of[nic.ip] = nic.id
-                node_of[nic.ip] = nic.node
+    node_of, nic_of = topology_maps(reader.topology())
     return diagnose(snap, job, nic_of, node_of, cfg)
 
 

@@ -64,9 +64,10 @@ def rank_of_endpoints(fj, job: dict | None, topo) -> dict[str, int]:
         if r["rank"] >= 0:
             on_node.setdefault(r["node_id"], []).append(r)
     gpu_of_nic = {g.nic: g.index for g in topo.gpus.values()}
+    nic_by_ip = {n.ip: n for n in topo.nics.values() if n.ip}
     out = {}
     for ip in fj.endpoints:
-        nic = next((n for n in topo.nics.values() if n.ip == ip), None)
+        nic = nic_by_ip.get(ip)
         ranks = on_node.get(nic.node, []) if nic else []
         if len(ranks) == 1:
             out[ip] = ranks[0]["rank"]
