@@ -95,14 +95,25 @@ def test_gap_split_and_bocd_agree_on_step_boundaries():
 
 def test_bocd_erratum_textbook_change_probability_is_the_hazard():
     """Why the textbook recursion cannot be used as the paper states it: scoring the change hypothesis with the
-    ending run's own predictive makes P(r_t = 0 | x) equal the hazard H at every t, whatever x is. Bocd scores
-    it with the prior predictive, so a between-step interval takes the mass."""
-    H = 0.1
-    p = np.array([0.2, 0.5, 0.3])            # any run-length posterior
-    pred = np.array([1e-9, 0.3, 0.01])       # any predictive of x_t under each run
+    ending run's own predictive makes P(r_t = 0 | x) equal the hazard H at every t, whatever x is, so a 0.95
+    threshold never fires at H = 1/8. Bocd scores it with the prior predictive: at H = 1/8 it passes 0.95 at
+    the between-step intervals and nowhere else."""
+    H = 1 / 8
+    rng = np.random.default_rng(5)
+    p = rng.dirichlet(np.ones(6))           # any run-length posterior
+    pred = rng.uniform(1e-12, 1.0, 6)       # any predictive of x_t under each run
     growth = p * (1 - H) * pred
     change = (p * H * pred).sum()
     assert math.isclose(change / (change + growth.sum()), H)
+    starts, t = [], 0.0
+    for k in range(10):                     # 10 steps 2 s apart, each a burst of 8 flows 0.5-2 ms apart
+        t = k * 2e9
+        for _ in range(8):
+            t += rng.uniform(5e5, 2e6)
+            starts.append(t)
+    b = Bocd(flows_per_step=8)
+    assert b.hazard == H and b.threshold == 0.95
+    assert b.boundaries(starts) == [8 * k for k in range(1, 10)]
 
 
 def test_loopback_and_self_flows_are_not_endpoints():

@@ -125,7 +125,7 @@ def score_pairs(snap, truth) -> dict:
                 ok += 1
                 d[1] += 1
     for j in snap.jobs:
-        refined[j.key] = j.refined
+        refined[j.key] = j.refined + j.demoted   # both corrections undone: the verdicts before transitivity
     ok_unrefined = ok - sum(refined.values())
     return {"pairs": total, "accuracy": round(ok / max(1, total), 5),
             "accuracy_without_refinement": round(ok_unrefined / max(1, total), 5),
