@@ -18,6 +18,7 @@ help:
 	@echo "make test-fresh-boot / test-btf-refused   the two extra runs of make test (fresh-boot clock; BTF refused)"
 	@echo "make bench    benchmarks (bench/*.py), each ends with one JSON line of figures"
 	@echo "make eval     detector scores against the simulator's ground truth (named, random, healthy, 8,192 GPUs, whole path)"
+	@echo "make inference-env  vLLM's CPU build in .venv-vllm for bench/inference (a venv of its own)"
 	@echo "make proto    regenerate proto/steplens/v1/*_pb2*.py from the .proto files"
 	@echo "make install  create $(VENV) with steplens and its test needs"
 
