@@ -290,6 +290,33 @@ class Step:
 
 
 @dataclass(slots=True)
+class Iteration:
+    """One iteration of a process, bounded exactly by an iteration anchor in the job (a serving engine's step, a
+    training step function: agent/bootstrap/site/steplens_iters.py), with the workload it carried as the anchor's
+    feature reader saw it (records.proto Iteration). mono_ns = end_mono_ns. Counts a reader could not see are 0."""
+
+    mono_ns: int
+    pid: int
+    start_ticks: int
+    job_key: str
+    rank: int
+    seq: int                    # the process's own iteration counter (the ring's anchor number)
+    start_mono_ns: int
+    end_mono_ns: int
+    anchor: str                 # "module:Qualname" of the anchor function
+    phase: str                  # prefill | decode | mixed | train | "" (no feature reader)
+    batch_size: int = 0         # requests (inference) or samples (training) in the iteration
+    prefill_requests: int = 0   # requests processing prompt tokens (a chunk of prefill counts)
+    prefill_tokens: int = 0     # prompt tokens computed in the iteration
+    decode_requests: int = 0    # requests generating one token
+    kv_tokens: int = 0          # context (KV cache) tokens the decode requests attend to
+    input_tokens: int = 0       # sum of the batch's prompt lengths
+    output_tokens: int = 0      # sum of the batch's generated lengths so far
+    tokens: int = 0             # tokens the iteration processed (scheduled tokens; a training step's tokens)
+    micro_batches: int = 0      # training: forward passes in the step where seen
+
+
+@dataclass(slots=True)
 class CommProgress:
     """Where one process stands on one communicator, as of mono_ns (when the state was read): the collective
     sequence numbers it has enqueued, started and completed (torch Flight Recorder pg_status; -1 none), and

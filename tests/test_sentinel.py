@@ -32,7 +32,7 @@ def test_features_are_the_physical_ones(recording):
     r = recording[10]
     decode = r["mode"] == 2
     kv = r["avg_input_length"] + r["avg_output_length"]
-    assert X.shape == (50, 13)
+    assert X.shape == (50, 15)
     assert X[10, 9] == pytest.approx(decode * r["batch_size"] * kv)          # Workload_KV
     assert X[10, 11] == pytest.approx((not decode) * r["prefill_tokens"])    # prefill compute tokens
 

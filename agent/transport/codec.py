@@ -11,14 +11,14 @@ from steplens.v1 import records_pb2 as pb
 
 _KNOWN = frozenset({r.Metric, r.ProcessInfo, r.ProcessExit, r.GpuInfo, r.Event, r.Gap, r.ModeChange,
                     r.StackSummary, r.ConnStats, r.Flow, r.CommOp, r.KernelRec, r.CommSummary,
-                    r.CommMember, r.Step, r.CommProgress})
+                    r.CommMember, r.Step, r.CommProgress, r.Iteration})
 _STEP_FIELDS = tuple(n for n in r.Step.__slots__ if n not in ("mono_ns", "comms"))
 _STEPCOMM_FIELDS = tuple(n for n in r.StepComm.__slots__ if n != "issue_offsets_ns")
 
 # Records whose dataclass fields are named exactly like their protobuf message's fields (plus mono_ns):
 # encoded and decoded field by field. The value is the Record.body oneof name.
 _PLAIN = {r.CommOp: "commop", r.KernelRec: "kernel", r.CommSummary: "comm_summary", r.CommMember: "comm_member",
-          r.CommProgress: "comm_progress"}
+          r.CommProgress: "comm_progress", r.Iteration: "iteration"}
 _PLAIN_BY_BODY = {body: t for t, body in _PLAIN.items()}
 _FIELDS = {t: tuple(n for n in t.__slots__ if n != "mono_ns") for t in _PLAIN}
 _REPEATED = {t: frozenset(n for n in _FIELDS[t] if n in ("members", "grid", "block")) for t in _PLAIN}

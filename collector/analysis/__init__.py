@@ -16,6 +16,7 @@ DETECTORS: dict[str, str] = {
     "hang": "steplens.collector.analysis.hang:SPEC",
     "irregularity": "steplens.collector.analysis.irregularity:SPEC",
     "lateness": "steplens.collector.analysis.lateness:SPEC",
+    "sentinel": "steplens.collector.analysis.sentinel:SPEC",
 }
 
 

@@ -17,21 +17,30 @@ store (and the agent-side recognition that produces them) is separate.
              heavier tails than a normal law), over out-of-fold predictions (5 folds), so the limit reflects the
              model's error on data it did not see, not its training fit.
   Drift      a workload outside what the model was trained on (a feature beyond the training range by
-             `drift_margin`) is not judged; `refit_every` normal iterations later the model is refit on the
-             newest `max_train` normal ones (retrained as the workload drifts; alarmed iterations never feed it).
+             `drift_margin`) is not judged but kept with the normal ones: `drift_refit` of them refit the model
+             at once (its range grows with the workload: before, a load that rose after the fit was never
+             judged again, since unjudged iterations never reached a refit); `refit_every` normal iterations
+             later the model is refit on the newest `max_train` kept ones (alarmed iterations never feed it;
+             a fault that starts together with a new workload is learnt as that workload's normal: the price
+             of judging nothing the model has not seen).
 Cost: fit ~0.2 s for 5,000 rows (5 folds + final); update is one LightGBM prediction (~50 µs) per iteration,
 batched in `score`.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.findings import Finding, Suspect
+
 RAW = ("batch_size", "prefill_requests", "prefill_tokens", "decode_requests", "kv_tokens", "avg_input_length",
        "avg_output_length", "mode")
+EXTRA = ("tokens", "micro_batches")   # a training step's workload (and an inference batch's scheduled tokens)
 
 
 def features(rows: list[dict]) -> np.ndarray:
@@ -43,7 +52,21 @@ def features(rows: list[dict]) -> np.ndarray:
     workload_kv = decode * B * real_kv
     attn_quad = (1 - decode) * B * real_kv ** 2
     compute_tokens = (1 - decode) * pre_tok
-    return np.column_stack([raw, real_kv, workload_kv, attn_quad, compute_tokens, dec * kv])
+    extra = np.array([[float(r.get(k, 0.0)) for k in EXTRA] for r in rows], dtype=np.float64).reshape(-1, len(EXTRA))
+    return np.column_stack([raw, real_kv, workload_kv, attn_quad, compute_tokens, dec * kv, extra])
+
+
+def iteration_row(it: dict) -> dict:
+    """An Iteration row (store: agent/records.py Iteration) as the model's raw workload: averages from the
+    sums, mode 1 with prompt tokens in the batch (prefill or mixed), 2 decode only, 0 a training step."""
+    b = max(int(it.get("batch_size") or 0), 1)
+    phase = it.get("phase", "")
+    return {"batch_size": it.get("batch_size", 0), "prefill_requests": it.get("prefill_requests", 0),
+            "prefill_tokens": it.get("prefill_tokens", 0), "decode_requests": it.get("decode_requests", 0),
+            "kv_tokens": it.get("kv_tokens", 0), "avg_input_length": (it.get("input_tokens") or 0) / b,
+            "avg_output_length": (it.get("output_tokens") or 0) / b,
+            "mode": 2 if phase == "decode" else 1 if phase in ("prefill", "mixed") else 0,
+            "tokens": it.get("tokens", 0), "micro_batches": it.get("micro_batches", 0)}
 
 
 @dataclass
@@ -57,6 +80,7 @@ class SentinelConfig:
     decode_only: bool = True      # inference: judge decode iterations only (prefill is cache-layout dependent)
     drift_margin: float = 0.10    # a feature beyond the training range by this share is not judged (drift)
     refit_every: int = 500        # normal iterations between refits
+    drift_refit: int = 100        # drifted (unjudged) iterations that refit the model at once
     max_train: int = 20000        # newest normal iterations a refit uses
     n_estimators: int = 200
     learning_rate: float = 0.1
@@ -75,7 +99,7 @@ class Sentinel:
         self._ppe: deque = deque(maxlen=self.cfg.window)
         self._normal_x: deque = deque(maxlen=self.cfg.max_train)
         self._normal_y: deque = deque(maxlen=self.cfg.max_train)
-        self._since_fit = 0
+        self._since_fit = self._drifted = 0
         self.refits = 0
 
     # -- model -------------------------------------------------------------------------------------------
@@ -116,7 +140,7 @@ class Sentinel:
         if keep:
             self._normal_x.extend(X)
             self._normal_y.extend(y)
-        self._since_fit = 0
+        self._since_fit = self._drifted = 0
         return self
 
     # -- judging -----------------------------------------------------------------------------------------
@@ -145,6 +169,12 @@ class Sentinel:
         if self.model is None:
             raise RuntimeError("fit() first")
         if self.drifted(x):
+            self._normal_x.append(x)
+            self._normal_y.append(y)
+            self._drifted += 1
+            if self._drifted >= self.cfg.drift_refit:
+                self.fit(np.asarray(self._normal_x), np.asarray(self._normal_y), keep=False)
+                self.refits += 1
             return False, float("nan"), float("nan")
         p = max(float(self.model.predict(x.reshape(1, -1))[0]), 0.0)
         self._ppe.append(max(0.0, (y - p) / (y + 1e-9)))
@@ -158,3 +188,172 @@ class Sentinel:
                 self.fit(np.asarray(self._normal_x), np.asarray(self._normal_y), keep=False)
                 self.refits += 1
         return alarm, p, m
+
+
+# -- the detector: iterations from the store -> the model per process -> findings ---------------------------------
+@dataclass
+class SentinelDetectorConfig(DetectorConfig):
+    fit_iterations: int = 600        # judged iterations of a process before its first fit (its phase-I data)
+    min_alarms: int = 3              # an episode is a finding with at least this many alarmed iterations
+    min_episode_seconds: float = 1.0  # ... lasting at least this long (first to last alarm)
+    merge_gap_iterations: int = 10   # alarms this many judged iterations apart or closer are one episode
+    window: int = 10                 # the model's (SentinelConfig) moving average
+    min_ucl: float = 0.15            # the UCL's floor for serving engines (a shared host's batch jitter)
+    min_ucl_training: float = 0.01   # ... for training steps (their own residuals set the limit; 1 % floor)
+    tau_max: float = 0.5
+    refit_every: int = 500
+    idle_series_seconds: float = 3600.0   # a process with no iteration this long (data time) is forgotten
+    resolve_after_seconds: float = 30.0
+
+    def validate(self) -> None:
+        super().validate()
+        if self.fit_iterations < 50 or self.min_alarms < 1 or self.merge_gap_iterations < 0:
+            raise ConfigError("fit_iterations must be >= 50, min_alarms >= 1, merge_gap_iterations >= 0")
+        if not 1 <= self.window <= 1000 or not 0 < self.min_ucl <= self.tau_max <= 10 or \
+                not 0 < self.min_ucl_training <= self.tau_max:
+            raise ConfigError("window must be within 1..1000 and 0 < min_ucl, min_ucl_training <= tau_max <= 10")
+        if self.min_episode_seconds < 0:
+            raise ConfigError("min_episode_seconds must be >= 0")
+        if self.refit_every < 10 or self.idle_series_seconds <= 0:
+            raise ConfigError("refit_every must be >= 10 and idle_series_seconds > 0")
+
+
+@dataclass
+class _Episode:
+    first_i: int                     # judged-iteration index of the first and last alarm
+    last_i: int
+    onset_ns: int
+    last_ns: int
+    alarms: int = 0
+    actual_ns: float = 0.0           # sums over the alarmed iterations
+    predicted_ns: float = 0.0
+    peak_ma: float = 0.0
+
+
+@dataclass
+class _Series:
+    """One process's anchored iterations: its model once fitted, its warm-up rows before, its episodes."""
+    key: tuple
+    rank: int
+    anchor: str
+    decode_only: bool
+    model: Sentinel | None = None
+    warm_x: list = field(default_factory=list)
+    warm_y: list = field(default_factory=list)
+    judged: int = 0
+    last_end_ns: int = 0
+    episodes: deque = field(default_factory=lambda: deque(maxlen=64))
+
+
+class SentinelDetector:
+    """Stateful (one instance per collector, as base.py allows): per process, the rows since the last pass are
+    judged in order by that process's model. A process's first `fit_iterations` judged iterations fit it (its
+    normal behaviour is assumed then: LatencyPrism's phase I); then every iteration is one update (one LightGBM
+    prediction, ~50 µs), refits as the model says. Consecutive alarms (gaps up to merge_gap_iterations) are an
+    episode; an episode of >= min_alarms is a `slowdown` finding: the process (its rank when it has one) is the
+    suspect, severity = its actual / predicted latency over the alarmed iterations (the step-time ratio against
+    the workload's own baseline), evidence: the alarm's iterations, the UCL, the model's fit (R², MAPE). A
+    window that reaches back before what a process has judged (diagnose --since) reports the episodes kept
+    (the last 64 per process) that overlap it."""
+
+    def __init__(self) -> None:
+        self.series: dict[tuple, _Series] = {}
+        self._lock = threading.Lock()
+
+    def detect(self, reader, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
+        with self._lock:
+            return self._detect(reader, window, cfg)
+
+    def _detect(self, reader, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
+        job = (getattr(reader, "path", ""), window.job_key)   # one store's job (tests run several collectors)
+        mine = [s for s in self.series.values() if s.key[0] == job]
+        low = min((s.last_end_ns for s in mine), default=0) if mine else 0
+        rows = reader.iterations(window.job_key, since_ns=max(window.since_ns, low) if low else window.since_ns,
+                                 until_ns=window.until_ns)
+        by: dict[tuple, list[dict]] = {}
+        for r in rows:
+            by.setdefault((job, r["node_id"], r["pid"], r["start_ticks"], r["anchor"]), []).append(r)
+        for key, rs in by.items():
+            s = self.series.get(key)
+            if s is None:
+                s = self.series[key] = _Series(key, rs[0]["rank"], rs[0]["anchor"],
+                                               any(r["phase"] in ("prefill", "decode", "mixed") for r in rs))
+            self._judge(s, [r for r in rs if r["end_ns"] > s.last_end_ns], cfg)
+        idle = window.until_ns - int(cfg.idle_series_seconds * 1e9)
+        for key in [k for k, s in self.series.items() if k[0] == job and s.last_end_ns < idle]:
+            del self.series[key]
+        return [f for s in self.series.values() if s.key[0] == job for f in self._findings(s, window, cfg)]
+
+    def _judge(self, s: _Series, rows: list[dict], cfg: SentinelDetectorConfig) -> None:
+        if not rows:
+            return
+        X = features([iteration_row(r) for r in rows])
+        y = np.array([r["end_ns"] - r["start_ns"] for r in rows], dtype=np.float64)
+        judged = X[:, RAW.index("mode")] == 2 if s.decode_only else np.ones(len(rows), dtype=bool)
+        for i in np.flatnonzero(judged & (y > 0)):
+            r = rows[i]
+            if s.model is None:
+                s.warm_x.append(X[i])
+                s.warm_y.append(y[i])
+                if len(s.warm_y) >= cfg.fit_iterations:
+                    floor = cfg.min_ucl if s.decode_only else cfg.min_ucl_training
+                    s.model = Sentinel(SentinelConfig(window=cfg.window, min_ucl=floor, tau_max=cfg.tau_max,
+                                                      refit_every=cfg.refit_every, decode_only=s.decode_only))
+                    s.model.fit(np.asarray(s.warm_x), np.asarray(s.warm_y))
+                    s.warm_x, s.warm_y = [], []
+                continue
+            s.judged += 1
+            alarm, pred, ma = s.model.update(X[i], float(y[i]))
+            if not alarm:
+                continue
+            ep = s.episodes[-1] if s.episodes else None
+            if ep is None or s.judged - ep.last_i > cfg.merge_gap_iterations + 1:
+                ep = _Episode(s.judged, s.judged, r["start_ns"], r["end_ns"])
+                s.episodes.append(ep)
+            ep.last_i, ep.last_ns = s.judged, r["end_ns"]
+            ep.alarms += 1
+            ep.actual_ns += y[i]
+            ep.predicted_ns += max(pred, 1.0)
+            ep.peak_ma = max(ep.peak_ma, ma)
+        s.last_end_ns = max(s.last_end_ns, rows[-1]["end_ns"])
+
+    def _findings(self, s: _Series, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
+        out = []
+        node, pid = s.key[1], s.key[2]
+        for ep in s.episodes:
+            if (ep.alarms < cfg.min_alarms or ep.last_ns - ep.onset_ns < cfg.min_episode_seconds * 1e9
+                    or ep.last_ns < window.since_ns or ep.onset_ns > window.until_ns):
+                continue
+            sev = ep.actual_ns / ep.predicted_ns
+            ongoing = s.judged - ep.last_i <= cfg.merge_gap_iterations
+            who = f"rank {s.rank}" if s.rank >= 0 else f"process {pid} on {node}"
+            what = "batches" if s.decode_only else "steps"
+            suspect = (Suspect("rank", str(s.rank), 1.0, "", {"node": node, "pid": pid}) if s.rank >= 0 else
+                       Suspect("process", f"{node}:{pid}", 1.0, "", {"node": node, "pid": pid}))
+            m = s.model
+            out.append(Finding(
+                kind="slowdown", onset_ns=ep.onset_ns, last_ns=ep.last_ns, severity=round(sev, 4),
+                summary=(f"The {what} of {who} ({s.anchor}) take {sev:.2f}x what their workload predicts over "
+                         f"{ep.alarms} alarmed {what}{'' if ongoing else ' (over)'}: slower than its own "
+                         f"workload-aware baseline, not busier."),
+                suspects=(suspect,),
+                evidence={"anchor": s.anchor, "alarmed_iterations": ep.alarms, "ongoing": ongoing,
+                          "iterations_span": ep.last_i - ep.first_i + 1,
+                          "actual_mean_ns": int(ep.actual_ns / ep.alarms),
+                          "predicted_mean_ns": int(ep.predicted_ns / ep.alarms), "peak_ppe_ma": round(ep.peak_ma, 4),
+                          "ucl": round(m.ucl, 4) if m else None, "fit_r2": round(m.fit_r2, 4) if m else None,
+                          "fit_mape": round(m.fit_mape, 4) if m else None, "refits": m.refits if m else 0,
+                          "judged": "decode iterations" if s.decode_only else "every iteration"}))
+        return out
+
+
+_DETECTOR = SentinelDetector()
+
+SPEC = DetectorSpec(
+    name="sentinel",
+    description="an iteration (a serving engine's batch, a training step) slower than its workload predicts: "
+                "LightGBM baseline on the anchored iterations' workload, moving-average PPE against a UCL",
+    kinds=("slowdown",),
+    config_class=SentinelDetectorConfig,
+    detect=_DETECTOR.detect,
+)

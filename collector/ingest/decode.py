@@ -22,6 +22,7 @@ MAX_NAME = 256
 MAX_TEXT = 4096
 FUTURE_SLACK_NS = 60 * 10**9
 STEP_EVIDENCE = frozenset({"profiler", "comm_pattern", "anchor"})
+ITER_PHASES = frozenset({"prefill", "decode", "mixed", "train", ""})
 MAX_STEP_COMMS = 256       # communicators of one step
 MAX_STEP_OFFSETS = 4096    # issue offsets of one communicator in one step
 
@@ -46,6 +47,7 @@ class DecodedBatch:
     comm_members: list = field(default_factory=list)    # (mono_ns, CommMember msg)
     comm_progress: list = field(default_factory=list)   # (mono_ns, CommProgress msg)
     steps: list = field(default_factory=list)           # (mono_ns, source, Step msg)
+    iterations: list = field(default_factory=list)      # (mono_ns, Iteration msg)
     rejected: collections.Counter = field(default_factory=collections.Counter)
     n_records: int = 0
 
@@ -147,6 +149,14 @@ def decode_batch(payload: bytes, n_records: int, sent_mono_ns: int) -> DecodedBa
                 rej["step with bad times, evidence, names or sizes"] += 1
                 continue
             out.steps.append((mono, rec.source, st))
+        elif kind == "iteration":
+            it = rec.iteration
+            if (it.start_mono_ns > it.end_mono_ns or it.end_mono_ns > mono or not it.start_mono_ns
+                    or it.phase not in ITER_PHASES or not it.anchor or len(it.anchor) > MAX_NAME
+                    or len(it.job_key) > MAX_NAME):
+                rej["iteration with bad times, phase or names"] += 1
+                continue
+            out.iterations.append((mono, it))
         elif kind in ("commop", "kernel"):
             rej[f"{kind} record sent upstream (node-local detail: fetched on demand, not streamed)"] += 1
         else:

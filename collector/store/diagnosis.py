@@ -16,7 +16,8 @@ from steplens.collector.analysis.findings import Change, Finding, Suspect
 from steplens.collector.topology import Topology, from_dict
 
 JOB_COMMS_WINDOW_NS = 600 * 10**9
-DATA_TABLES = ("comm_summaries", "steps", "comm_progress")   # per-job data: what makes the analysis loop run a job
+# per-job data: what makes the analysis loop run a job
+DATA_TABLES = ("comm_summaries", "steps", "comm_progress", "iterations")
 LISTED = ("open", "resolved")
 PROCESS_STATE_EVENTS = ("process_stopped", "process_blocked", "process_zombie", "process_running")
 
@@ -356,6 +357,24 @@ class DiagnosisQueries:
             r["comms"] = json.loads(r.pop("comms_json"))
             del r["_rowid"]
         return rows, max(top, after_rowid)
+
+    def iterations(self, job_key: str, since_ns: int = 0, until_ns: int = 0, limit: int = 500_000) -> list[dict]:
+        """The job's Iteration rows (anchored iterations with their workload, sentinel input) that ended in
+        (since_ns, until_ns] (until 0: no bound), oldest first; the newest `limit` when there are more."""
+        cond, args = ["job_key = ?", "end_ns > ?"], [job_key, since_ns]
+        if until_ns:
+            cond.append("end_ns <= ?")
+            args.append(until_ns)
+        db = self._db()
+        try:
+            rows = _dict_rows(db.conn.execute(f"SELECT * FROM iterations WHERE {' AND '.join(cond)}"
+                                              " ORDER BY end_ns DESC LIMIT ?", args + [limit]))
+        finally:
+            db.conn.close()
+        for r in rows:
+            r["node_id"] = r.pop("agent_id")
+        rows.reverse()
+        return rows
 
     def jobs(self, job_key: str = "") -> list[dict]:
         """Every job known from processes (job key, rank, world size) or comm summaries, with its ranks,

@@ -187,6 +187,22 @@ MIGRATIONS.append((11, """
 ALTER TABLE conn_stats ADD COLUMN net_limited_us INTEGER NOT NULL DEFAULT 0;
 """))
 
+# iterations bounded by anchors inside the job (agent/sources/iters.py) with their workload: what the sentinel
+# (analysis/sentinel.py) fits its latency baseline on; job_key '' for a process outside any job (a serving engine
+# without one: its key is then "pid:<node>:<pid>" at read time)
+MIGRATIONS.append((12, """
+CREATE TABLE iterations (
+  agent_id TEXT NOT NULL, pid INTEGER NOT NULL, start_ticks INTEGER NOT NULL, job_key TEXT NOT NULL,
+  rank INTEGER NOT NULL, seq INTEGER NOT NULL, start_ns INTEGER NOT NULL, end_ns INTEGER NOT NULL,
+  anchor TEXT NOT NULL, phase TEXT NOT NULL, batch_size INTEGER NOT NULL, prefill_requests INTEGER NOT NULL,
+  prefill_tokens INTEGER NOT NULL, decode_requests INTEGER NOT NULL, kv_tokens INTEGER NOT NULL,
+  input_tokens INTEGER NOT NULL, output_tokens INTEGER NOT NULL, tokens INTEGER NOT NULL,
+  micro_batches INTEGER NOT NULL
+);
+CREATE INDEX iterations_job ON iterations (job_key, end_ns);
+CREATE INDEX iterations_end ON iterations (end_ns);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -367,6 +367,15 @@ class StoreWriter:
                 [(agent, src, st.pid, st.start_ticks, st.job_key, st.rank, st.step, to_cluster(st.start_mono_ns),
                   to_cluster(st.end_mono_ns), st.evidence, st.period_ops, st.ops, step_comms_json(st))
                  for m, src, st in dec.steps])
+        if dec.iterations:
+            conn.executemany(
+                "INSERT INTO iterations(agent_id, pid, start_ticks, job_key, rank, seq, start_ns, end_ns, anchor,"
+                " phase, batch_size, prefill_requests, prefill_tokens, decode_requests, kv_tokens, input_tokens,"
+                " output_tokens, tokens, micro_batches) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                [(agent, it.pid, it.start_ticks, it.job_key, it.rank, it.seq, to_cluster(it.start_mono_ns),
+                  to_cluster(it.end_mono_ns), it.anchor, it.phase, it.batch_size, it.prefill_requests,
+                  it.prefill_tokens, it.decode_requests, it.kv_tokens, it.input_tokens, it.output_tokens, it.tokens,
+                  it.micro_batches) for m, it in dec.iterations])
         n_rej = sum(rejected.values())
         for reason, count in rejected.items():
             conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
@@ -446,6 +455,7 @@ class StoreWriter:
             deleted += self.conn.execute("DELETE FROM conn_stats WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM comm_summaries WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM steps WHERE end_ns < ?", (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM iterations WHERE end_ns < ?", (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM comm_progress WHERE end_ns < ?", (cutoff_ns,)).rowcount
             for table in ("events", "gaps", "rejections"):
                 deleted += self.conn.execute(f"DELETE FROM {table} WHERE ts_ns < ?", (cutoff_ns,)).rowcount

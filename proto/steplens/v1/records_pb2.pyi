@@ -419,6 +419,46 @@ class Step(_message.Message):
     comms: _containers.RepeatedCompositeFieldContainer[StepComm]
     def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., evidence: _Optional[str] = ..., period_ops: _Optional[int] = ..., ops: _Optional[int] = ..., comms: _Optional[_Iterable[_Union[StepComm, _Mapping]]] = ...) -> None: ...
 
+class Iteration(_message.Message):
+    __slots__ = ("pid", "start_ticks", "job_key", "rank", "seq", "start_mono_ns", "end_mono_ns", "anchor", "phase", "batch_size", "prefill_requests", "prefill_tokens", "decode_requests", "kv_tokens", "input_tokens", "output_tokens", "tokens", "micro_batches")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    START_TICKS_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    START_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    END_MONO_NS_FIELD_NUMBER: _ClassVar[int]
+    ANCHOR_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MICRO_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    start_ticks: int
+    job_key: str
+    rank: int
+    seq: int
+    start_mono_ns: int
+    end_mono_ns: int
+    anchor: str
+    phase: str
+    batch_size: int
+    prefill_requests: int
+    prefill_tokens: int
+    decode_requests: int
+    kv_tokens: int
+    input_tokens: int
+    output_tokens: int
+    tokens: int
+    micro_batches: int
+    def __init__(self, pid: _Optional[int] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., seq: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., end_mono_ns: _Optional[int] = ..., anchor: _Optional[str] = ..., phase: _Optional[str] = ..., batch_size: _Optional[int] = ..., prefill_requests: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_requests: _Optional[int] = ..., kv_tokens: _Optional[int] = ..., input_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., tokens: _Optional[int] = ..., micro_batches: _Optional[int] = ...) -> None: ...
+
 class CommMember(_message.Message):
     __slots__ = ("comm_id", "rank", "nranks", "host", "pid", "cuda_dev", "nvml_dev", "bus_id", "global_rank", "job_key", "via")
     COMM_ID_FIELD_NUMBER: _ClassVar[int]
@@ -478,7 +518,7 @@ class CommProgress(_message.Message):
     def __init__(self, pid: _Optional[int] = ..., comm_id: _Optional[str] = ..., start_ticks: _Optional[int] = ..., job_key: _Optional[str] = ..., rank: _Optional[int] = ..., last_enqueued: _Optional[int] = ..., last_started: _Optional[int] = ..., last_completed: _Optional[int] = ..., pending_op: _Optional[str] = ..., pending_seq: _Optional[int] = ..., pending_p2p: _Optional[bool] = ..., pending_peer: _Optional[int] = ..., pending_since_mono_ns: _Optional[int] = ..., nranks: _Optional[int] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member", "step", "comm_progress")
+    __slots__ = ("mono_ns", "source", "metric", "gpu", "process", "process_exit", "event", "gap", "mode", "stacks", "conn", "flow", "commop", "kernel", "comm_summary", "comm_member", "step", "comm_progress", "iteration")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     METRIC_FIELD_NUMBER: _ClassVar[int]
@@ -497,6 +537,7 @@ class Record(_message.Message):
     COMM_MEMBER_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMM_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     source: str
     metric: Metric
@@ -515,7 +556,8 @@ class Record(_message.Message):
     comm_member: CommMember
     step: Step
     comm_progress: CommProgress
-    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., comm_progress: _Optional[_Union[CommProgress, _Mapping]] = ...) -> None: ...
+    iteration: Iteration
+    def __init__(self, mono_ns: _Optional[int] = ..., source: _Optional[str] = ..., metric: _Optional[_Union[Metric, _Mapping]] = ..., gpu: _Optional[_Union[GpuInfo, _Mapping]] = ..., process: _Optional[_Union[ProcessInfo, _Mapping]] = ..., process_exit: _Optional[_Union[ProcessExit, _Mapping]] = ..., event: _Optional[_Union[Event, _Mapping]] = ..., gap: _Optional[_Union[Gap, _Mapping]] = ..., mode: _Optional[_Union[ModeChange, _Mapping]] = ..., stacks: _Optional[_Union[StackSummary, _Mapping]] = ..., conn: _Optional[_Union[ConnStats, _Mapping]] = ..., flow: _Optional[_Union[Flow, _Mapping]] = ..., commop: _Optional[_Union[CommOp, _Mapping]] = ..., kernel: _Optional[_Union[KernelRec, _Mapping]] = ..., comm_summary: _Optional[_Union[CommSummary, _Mapping]] = ..., comm_member: _Optional[_Union[CommMember, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., comm_progress: _Optional[_Union[CommProgress, _Mapping]] = ..., iteration: _Optional[_Union[Iteration, _Mapping]] = ...) -> None: ...
 
 class RecordList(_message.Message):
     __slots__ = ("records",)
