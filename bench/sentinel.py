@@ -32,6 +32,10 @@ def main(argv=None) -> int:
     ap.add_argument("--train-seconds", type=float, default=45.0)
     ap.add_argument("--min-ucl", type=float, default=SentinelConfig.min_ucl,
                     help="SentinelConfig.min_ucl: a floor under the UCL")
+    ap.add_argument("--current-share", type=float, default=SentinelConfig.current_share,
+                    help="SentinelConfig.current_share: an MA alarm needs the batch's own PPE >= this x UCL")
+    ap.add_argument("--single-factor", type=float, default=SentinelConfig.single_factor,
+                    help="SentinelConfig.single_factor: one batch alone alarms above this x UCL (0: off)")
     ap.add_argument("--settle-seconds", type=float, default=0.0,
                     help="also leave out the normal batches this long after each fault ends (recovery)")
     a = ap.parse_args(argv)
@@ -43,7 +47,8 @@ def main(argv=None) -> int:
     t = np.array([r["t_s"] for r in rows])
     fault = np.array([r["fault"] or "" for r in rows])
     train = (t < a.train_seconds) & (fault == "")
-    s = Sentinel(SentinelConfig(min_ucl=a.min_ucl)).fit(X[train], y[train])
+    s = Sentinel(SentinelConfig(min_ucl=a.min_ucl, current_share=a.current_share,
+                                single_factor=a.single_factor)).fit(X[train], y[train])
     rest = ~(t < a.train_seconds)
     out = s.score(X[rest], y[rest])
     judged = out["judged"] & ~np.isnan(out["ma"])

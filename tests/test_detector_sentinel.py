@@ -115,7 +115,7 @@ def test_config_is_validated():
 
 
 def test_noisy_neighbour_is_one_finding_on_the_engine_process(tmp_path, recording):
-    """Passes every 5 s of data over the recording: the model fits on the first ~600 decode batches, the noisy
+    """Passes every 5 s of data over the recording: the model fits on the first 1,500 decode batches, the noisy
     neighbour (50-70 s) opens one slowdown finding on the serving process within a few batches of its start; the
     quiet batches open none that lasts (a shared 2-core host: a short episode may pass, the figures per batch are
     bench/sentinel.py's)."""

@@ -1,6 +1,6 @@
 """The sentinel's model (collector/analysis/sentinel.py) on a real serving engine's recorded batches
 (tests/fixtures/inference: vLLM's CPU build, 80 s, a noisy neighbour from 50 s to 70 s): fitted on the first 45 s,
-it alarms on the neighbour's batches within a batch or two, and its baseline explains the workload. The figures of
+it alarms on the neighbour's first batch, and its baseline explains the workload. The figures of
 the whole 240 s run (four faults) are bench/sentinel.py's."""
 
 from __future__ import annotations
@@ -51,7 +51,9 @@ def test_noisy_neighbour_alarms_and_quiet_batches_mostly_do_not(recording):
     alarms_on = out["alarm"][judged & on]
     assert alarms_on.mean() >= 0.9, alarms_on.mean()
     first = int(np.argmax(out["alarm"][judged & on]))
-    assert first <= 2
+    assert first == 0   # the individuals chart (single_factor): the neighbour's first decode batch (4-8x) alarms
+    alone = Sentinel(SentinelConfig(single_factor=0)).fit(X[t < 45], y[t < 45]).score(X[rest], y[rest])
+    assert int(np.argmax(alone["alarm"][judged & on])) >= 1   # the moving average alone needs a batch or two more
     # false alarms on the quiet batches of this shared 2-core host: bounded, not yet the issue's 0.5 %
     assert out["alarm"][judged & ~on].mean() < 0.2
 

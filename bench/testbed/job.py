@@ -15,7 +15,8 @@ start/end and the split compute / pipeline wait (recv + send completion) / DP al
 (`tp_allreduce_seconds`, taken out of compute, fwd and bwd so those keep meaning pure compute).
 
 Faults read by the job: env STEPLENS_TESTBED_GC_STORM=1 and STEPLENS_TESTBED_EXTRA_SYNC=1 at launch, and
-at run time the control files <state>/faults/rank<r>.json ({"gc_storm": true}) and <state>/faults/all.json
+at run time the control files <state>/faults/rank<r>.json ({"gc_storm": true}, {"slow": 0.05}: the rank computes
+5 % longer, busy on its CPU after its micro-batches, as a slower device would) and <state>/faults/all.json
 ({"extra_sync": {"start_step": a, "end_step": b}}), polled once per step. Extra sync is a world barrier
 per micro-batch, so every rank must agree on the steps: hence step numbers, not a flag.
 Costs: ~120-140 ms per step on the 2-core machine, 8.4 MB all-reduce and ~0.5 MB stage traffic per step
@@ -37,6 +38,15 @@ def hold_in_python(path: str, cache: dict) -> None:
     """The `hold` fault: the rank is stuck in Python (a lock, a sleep) while its control file says hold."""
     while _read_json(path, cache).get("hold"):
         time.sleep(0.05)
+
+
+def spin(seconds: float) -> None:
+    """Busy for `seconds` of wall time (work on the CPU, as a slower device's compute would be)."""
+    end = time.perf_counter() + seconds
+    x = 0
+    while time.perf_counter() < end:
+        for i in range(200):
+            x += i * i
 
 
 def _read_json(path: str, cache: dict) -> dict:
@@ -139,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage replica (one host)")
     ap.add_argument("--steps", type=int, default=100, help="0 = until killed")
     ap.add_argument("--micro", type=int, default=4, help="micro-batches per step")
+    ap.add_argument("--vary-micro", default="", metavar="LO:HI",
+                    help="micro-batches per step drawn from LO..HI each step (one seed: every rank draws the same), "
+                         "a workload that changes from step to step as packed sequences do")
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
@@ -194,8 +207,14 @@ def main(argv: list[str] | None = None) -> int:
     env_sync = os.environ.get("STEPLENS_TESTBED_EXTRA_SYNC") == "1"
     cache: dict = {}
 
+    import random
+    draw = random.Random(4321)
+    vary = tuple(int(v) for v in a.vary_micro.split(":")) if a.vary_micro else None
     step = 0
     while a.steps <= 0 or step < a.steps:
+        # the step's workload, as locals a sentinel reads at the optimizer step (STEPLENS_STEP_FEATURES)
+        micro_batches = draw.randint(*vary) if vary else a.micro
+        tokens = micro_batches * a.micro_batch_size
         rank_ctl = _read_json(ctl_rank, cache)
         sync_ctl = _read_json(ctl_all, cache).get("extra_sync") or {}
         if rank_ctl.get("hold"):
@@ -250,17 +269,20 @@ def main(argv: list[str] | None = None) -> int:
         if storm:  # once per step, where a data loader would build the batch
             timed("gc", gc_storm, a.gc_objects)
         if a.schedule == "gpipe":
-            order = [("f", m) for m in range(a.micro)] + [("b", m) for m in range(a.micro)]
+            order = [("f", m) for m in range(micro_batches)] + [("b", m) for m in range(micro_batches)]
         else:
-            warm = min(a.pp - stage - 1, a.micro)
+            warm = min(a.pp - stage - 1, micro_batches)
             order = [("f", m) for m in range(warm)]
-            for m in range(warm, a.micro):
+            for m in range(warm, micro_batches):
                 order += [("f", m), ("b", m - warm)]
-            order += [("b", m) for m in range(a.micro - warm, a.micro)]
+            order += [("b", m) for m in range(micro_batches - warm, micro_batches)]
         for kind, m in order:
             (forward if kind == "f" else backward)(m)
         for w in pending:
             timed("pipe_wait", w.wait)
+        slow = float(rank_ctl.get("slow") or 0.0)
+        if slow > 0:  # the `slow` fault: this rank computes `slow` x its compute more (a slower device)
+            timed("compute", spin, t["compute"] * slow, phase="bwd")
 
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         timed("allreduce", dist.all_reduce, flat, dist.ReduceOp.SUM, dp_group)
@@ -284,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
             "gc_seconds": t["gc"], "sync_seconds": t["sync"], "gc_storm": storm, "extra_sync": extra_sync,
             "fwd_seconds": t["fwd"], "bwd_seconds": t["bwd"], "opt_seconds": t["opt"],
             "compute_cpu_seconds": t["compute_cpu"], "cpu_seconds": time.process_time() - start_cpu,
+            "micro_batches": micro_batches, "tokens": tokens, "slow": slow,
         }) + "\n")
         step += 1
     dist.barrier()

@@ -15,7 +15,15 @@ store (and the agent-side recognition that produces them) is separate.
   UCL        min(max(μ + k σ, its 99.9th percentile), tau_max) of the moving average over the training
              iterations (SPC phase I; k = 3, tau_max = 0.5; the percentile because a shared host's latency has
              heavier tails than a normal law), over out-of-fold predictions (5 folds), so the limit reflects the
-             model's error on data it did not see, not its training fit.
+             model's error on data it did not see, not its training fit; and at least `min_ucl`.
+  Alarm      beyond LatencyPrism, two rules of SPC practice (an individuals chart beside the moving average):
+             the moving average is over the UCL and this iteration's own PPE is at least `current_share` x UCL
+             (so the window - 1 fast iterations after a fault, whose average still holds it, pass), or this
+             iteration alone is over max(`single_factor` x UCL, the 99.9th percentile of the training PPE)
+             (the first iteration of a large slowdown, before the average has risen). On three vLLM recordings
+             (bench/sentinel.py; the rule chosen on one): lag 1-2 -> 0 iterations, F1 0.955-0.975 -> 0.981-0.995,
+             and the refit's out-of-fold R² 0.15 -> 0.94-0.96, since the unalarmed first batch of every fault no
+             longer entered the normal history the model refits on.
   Drift      a workload outside what the model was trained on (a feature beyond the training range by
              `drift_margin`) is not judged but kept with the normal ones: `drift_refit` of them refit the model
              at once (its range grows with the workload: before, a load that rose after the fit was never
@@ -75,6 +83,11 @@ class SentinelConfig:
     k: float = 3.0                # UCL = min(mu + k sigma, tau_max)
     tau_max: float = 0.5
     ucl_quantile: float = 0.999   # ... and at least this quantile of the training moving average (heavy tails)
+    current_share: float = 0.5    # an MA alarm also needs this iteration's own PPE >= current_share x UCL (0: off):
+                                  # the window - 1 fast iterations after a fault, whose average still holds it, pass
+    single_factor: float = 4.0    # one iteration alone alarms when its PPE > max(single_factor x UCL, the
+                                  # training PPE's ucl_quantile): an individuals chart beside the MA for the first
+                                  # iteration of a large slowdown, before the average has risen (0: off)
     min_ucl: float = 0.15         # ... and at least this: a shared host's own jitter holds a 10-batch average 5-10 %
                                   # over its baseline for a moment now and then (LatencyPrism's fixed window: 0.15)
     decode_only: bool = True      # inference: judge decode iterations only (prefill is cache-layout dependent)
@@ -92,7 +105,7 @@ class Sentinel:
     def __init__(self, cfg: SentinelConfig | None = None) -> None:
         self.cfg = cfg or SentinelConfig()
         self.model = None
-        self.ucl = 0.0
+        self.ucl = self.single = 0.0
         self.mu = self.sigma = 0.0
         self.lo = self.hi = None
         self.fit_r2 = self.fit_mape = float("nan")
@@ -130,6 +143,7 @@ class Sentinel:
         ppe = np.maximum(0.0, (y - np.maximum(oof, 0.0)) / (y + 1e-9))
         ma = np.convolve(ppe, np.ones(self.cfg.window) / self.cfg.window, mode="valid")
         self.mu, self.sigma = float(ma.mean()), float(ma.std())
+        self.single = float(np.quantile(ppe, self.cfg.ucl_quantile))
         self.ucl = min(max(self.mu + self.cfg.k * self.sigma, float(np.quantile(ma, self.cfg.ucl_quantile)),
                            self.cfg.min_ucl), self.cfg.tau_max)
         ss = float(((y - y.mean()) ** 2).sum())
@@ -177,9 +191,12 @@ class Sentinel:
                 self.refits += 1
             return False, float("nan"), float("nan")
         p = max(float(self.model.predict(x.reshape(1, -1))[0]), 0.0)
-        self._ppe.append(max(0.0, (y - p) / (y + 1e-9)))
+        e = max(0.0, (y - p) / (y + 1e-9))
+        self._ppe.append(e)
         m = float(np.mean(self._ppe))
-        alarm = len(self._ppe) == self.cfg.window and m > self.ucl
+        c = self.cfg
+        alarm = (len(self._ppe) == c.window and m > self.ucl and e >= c.current_share * self.ucl) or \
+            (c.single_factor > 0 and e > max(c.single_factor * self.ucl, self.single))
         if not alarm:
             self._normal_x.append(x)
             self._normal_y.append(y)
@@ -193,7 +210,10 @@ class Sentinel:
 # -- the detector: iterations from the store -> the model per process -> findings ---------------------------------
 @dataclass
 class SentinelDetectorConfig(DetectorConfig):
-    fit_iterations: int = 600        # judged iterations of a process before its first fit (its phase-I data)
+    fit_iterations: int = 1500       # judged iterations of a serving engine before its first fit (phase I: at
+                                     # 600 the recorded vLLM engine's load was still rising, and the model's
+                                     # first minutes gave 1.2x false episodes of over a second)
+    fit_iterations_training: int = 200   # ... of a training process (steps vary less than batches)
     min_alarms: int = 3              # an episode is a finding with at least this many alarmed iterations
     min_episode_seconds: float = 1.0  # ... lasting at least this long (first to last alarm)
     merge_gap_iterations: int = 10   # alarms this many judged iterations apart or closer are one episode
@@ -207,8 +227,10 @@ class SentinelDetectorConfig(DetectorConfig):
 
     def validate(self) -> None:
         super().validate()
-        if self.fit_iterations < 50 or self.min_alarms < 1 or self.merge_gap_iterations < 0:
-            raise ConfigError("fit_iterations must be >= 50, min_alarms >= 1, merge_gap_iterations >= 0")
+        if min(self.fit_iterations, self.fit_iterations_training) < 50 or self.min_alarms < 1 or \
+                self.merge_gap_iterations < 0:
+            raise ConfigError("fit_iterations and fit_iterations_training must be >= 50, min_alarms >= 1, "
+                              "merge_gap_iterations >= 0")
         if not 1 <= self.window <= 1000 or not 0 < self.min_ucl <= self.tau_max <= 10 or \
                 not 0 < self.min_ucl_training <= self.tau_max:
             raise ConfigError("window must be within 1..1000 and 0 < min_ucl, min_ucl_training <= tau_max <= 10")
@@ -282,7 +304,43 @@ class SentinelDetector:
         idle = window.until_ns - int(cfg.idle_series_seconds * 1e9)
         for key in [k for k, s in self.series.items() if k[0] == job and s.last_end_ns < idle]:
             del self.series[key]
-        return [f for s in self.series.values() if s.key[0] == job for f in self._findings(s, window, cfg)]
+        series = [s for s in self.series.values() if s.key[0] == job]
+        out = [f for s in series if s.rank < 0 for f in self._findings(s, window, cfg)]
+        return out + self._job_findings([s for s in series if s.rank >= 0], window, cfg)
+
+    def _job_findings(self, series: list[_Series], window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
+        """The ranks of one job: a synchronous job's ranks all take as long as its slowest (each waits for the
+        others at its collectives), so one slow rank makes every rank alarm. Their overlapping episodes are one
+        finding on the job, with no suspect (who is to blame is the other detectors' to say: irregularity,
+        lateness); the evidence lists each alarmed rank's ratio."""
+        eps = sorted(((ep, s) for s in series for ep in s.episodes
+                      if ep.alarms >= cfg.min_alarms and ep.last_ns - ep.onset_ns >= cfg.min_episode_seconds * 1e9
+                      and ep.last_ns >= window.since_ns and ep.onset_ns <= window.until_ns),
+                     key=lambda e: e[0].onset_ns)
+        groups: list[list] = []
+        for ep, s in eps:
+            if groups and ep.onset_ns <= max(e.last_ns for e, _ in groups[-1]):
+                groups[-1].append((ep, s))
+            else:
+                groups.append([(ep, s)])
+        out = []
+        for g in groups:
+            onset, last = min(e.onset_ns for e, _ in g), max(e.last_ns for e, _ in g)
+            alarms = sum(e.alarms for e, _ in g)
+            sev = sum(e.actual_ns for e, _ in g) / sum(e.predicted_ns for e, _ in g)
+            ranks = {str(s.rank): round(e.actual_ns / e.predicted_ns, 4) for e, s in g}
+            ongoing = any(s.judged - e.last_i <= cfg.merge_gap_iterations for e, s in g)
+            m = g[0][1].model
+            out.append(Finding(
+                kind="slowdown", onset_ns=onset, last_ns=last, severity=round(sev, 4),
+                summary=(f"The job's steps take {sev:.2f}x what their workload predicts on {len(ranks)} of "
+                         f"{len(series)} ranks{'' if ongoing else ' (over)'}: slower than its own workload-aware "
+                         f"baseline, not busier."),
+                evidence={"ranks": ranks, "alarmed_iterations": alarms, "ongoing": ongoing,
+                          "anchor": g[0][1].anchor, "ucl": round(m.ucl, 4) if m else None,
+                          "fit_r2": round(m.fit_r2, 4) if m else None,
+                          "fit_mape": round(m.fit_mape, 4) if m else None, "judged": "every step"}))
+        return out
 
     def _judge(self, s: _Series, rows: list[dict], cfg: SentinelDetectorConfig) -> None:
         if not rows:
@@ -295,7 +353,7 @@ class SentinelDetector:
             if s.model is None:
                 s.warm_x.append(X[i])
                 s.warm_y.append(y[i])
-                if len(s.warm_y) >= cfg.fit_iterations:
+                if len(s.warm_y) >= (cfg.fit_iterations if s.decode_only else cfg.fit_iterations_training):
                     floor = cfg.min_ucl if s.decode_only else cfg.min_ucl_training
                     s.model = Sentinel(SentinelConfig(window=cfg.window, min_ucl=floor, tau_max=cfg.tau_max,
                                                       refit_every=cfg.refit_every, decode_only=s.decode_only))
