@@ -6,6 +6,7 @@ worked out in the comments. The GPU figures are the real H100's under full load 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -304,3 +305,25 @@ def test_kernels_against_the_peers_on_a_real_h100_recording(tmp_path, phase, cau
     rd.step_memo[("x", 3)] = (None, None)       # a step that left the window: pruned; the causes key stays
     js = irregularity.load(rd, Window(JOB, T0 + 10 * S, T0 + 200 * S), irregularity.IrregularityConfig())
     assert js.numbers and ("x", 3) not in rd.step_memo and causes.MEMO_KEY in rd.step_memo
+
+
+@pytest.mark.parametrize("scenario,cause", [("cpu-contention", "cpu-contention"), ("memory-pressure",
+                                                                                   "memory-pressure"), ("", "")])
+def test_a_process_suspect_gets_its_own_cause(tmp_path, scenario, cause):
+    """A serving engine is a process of no rank (the sentinel names it "node:pid"): its run-queue wait, its node's
+    memory pressure explain it like a rank's; the GPU and kernel rules (peers) are not applied."""
+    per = _job(nodes=1, scenario=scenario, target=0)
+    per["n0"] = [ProcessInfo(T0, 100, 7, job_key=JOB, rank=-1) if isinstance(x, ProcessInfo) else x
+                 for x in per["n0"]]
+    rd = _write(str(tmp_path / "p.db"), per)
+    f = replace(_finding(Suspect("process", "n0:100", 1.0, "")), detector="sentinel")
+    (got,) = causes.attach(rd, JOB, {"sentinel": [f]})["sentinel"]
+    s = got.suspects[0]
+    assert (s.kind, s.id, s.cause) == ("process", "n0:100", cause)
+    if cause:
+        assert s.evidence["why"]["pid"] == 100 and "gpu" not in s.evidence["why"]
+        assert "; process n0:100: " in got.summary
+    else:
+        assert got.summary == f.summary
+    unknown = replace(f, suspects=(Suspect("process", "n0:999", 1.0, ""),))
+    assert causes.attach(rd, JOB, {"sentinel": [unknown]})["sentinel"] == [unknown]

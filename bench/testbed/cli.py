@@ -18,6 +18,10 @@ def _out(obj) -> None:
     sys.stdout.write("\n")
 
 
+# job.py's per-step workload locals (micro_batches, tokens) as the sentinel's training features
+STEP_FEATURES = "micro_batches=micro_batches,tokens=tokens"
+
+
 def cmd_up(layout: netns.Layout, a) -> int:
     _out(netns.up(layout, agents=not a.no_agents, flows_node=a.flows_node))
     return 0
@@ -30,7 +34,12 @@ def cmd_run(layout: netns.Layout, a) -> int:
     if a.extra_sync:
         for r in range(a.dp * a.pp * a.tp):
             env.setdefault(r, {})["STEPLENS_TESTBED_EXTRA_SYNC"] = "1"
-    ranks = netns.start_job(layout, a.dp, a.pp, a.steps, a.schedule, a.timeout_seconds, env_faults=env, tp=a.tp)
+    extra = ["--vary-micro", a.vary_micro] if a.vary_micro else []
+    if a.step_features:   # the workload the sentinel's baseline reads at each optimizer step (steplens_iters)
+        for r in range(a.dp * a.pp * a.tp):
+            env.setdefault(r, {})["STEPLENS_STEP_FEATURES"] = a.step_features
+    ranks = netns.start_job(layout, a.dp, a.pp, a.steps, a.schedule, a.timeout_seconds, env_faults=env, tp=a.tp,
+                            extra_args=extra)
     if a.detach:
         _out({"ranks": ranks})
         return 0
@@ -44,7 +53,7 @@ def cmd_run(layout: netns.Layout, a) -> int:
 
 def cmd_inject(layout: netns.Layout, a) -> int:
     _out(faults.inject(layout, a.kind, a.target, a.duration, rate=a.rate, cpu_share=a.cpu_share,
-                       processes=a.processes))
+                       processes=a.processes, slow_fraction=a.slow_fraction))
     return 0
 
 
@@ -96,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-seconds", type=float, default=30.0, help="gloo timeout")
     p.add_argument("--gc-storm-rank", type=int, action="append", help="launch this rank with a GC storm")
     p.add_argument("--extra-sync", action="store_true", help="launch with a barrier per micro-batch")
+    p.add_argument("--vary-micro", default="", metavar="LO:HI", help="micro-batches per step drawn from LO..HI")
+    p.add_argument("--step-features", default=STEP_FEATURES,
+                   help="STEPLENS_STEP_FEATURES for the ranks: the job's locals the sentinel reads ('' none)")
     p.add_argument("--detach", action="store_true", help="return once the ranks are started")
     p.set_defaults(fn=cmd_run)
 
@@ -107,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", default="200mbit", help="link: tbf rate")
     p.add_argument("--cpu-share", type=float, default=0.1, help="cpu: fraction of one core")
     p.add_argument("--processes", type=int, default=1, help="noisy: CPU burners")
+    p.add_argument("--slow-fraction", type=float, default=0.05, help="slow: extra compute, a share of the rank's")
     p.set_defaults(fn=cmd_inject)
 
     p = sub.add_parser("status", help="namespaces, processes, job progress, ground truth")

@@ -2,9 +2,9 @@
 
 Kinds (`inject(layout, kind, target, duration_seconds, ...)`; each call blocks for the duration, reverts, and
 appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <state>/ground_truth.jsonl):
-Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm / hold; a host (`h1`, `1`, or `rank3` = the host of rank 3)
-for link / drop / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic, not TP,
-which stays on the host's loopback path.
+Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm / hold / slow; a host (`h1`, `1`, or `rank3` = the host
+of rank 3) for link / drop / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic,
+not TP, which stays on the host's loopback path.
 - `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
   directions of its link); the qdiscs also vanish with the namespaces on `down`.
 - `drop`: netem loss 100 % on the same two egresses (without sch_netem: a tc redirect of every packet into a
@@ -21,6 +21,9 @@ which stays on the host's loopback path.
 - `extra_sync`: a world barrier per micro-batch on every rank (target `all`), through <state>/faults/all.json
   with a step range a few steps ahead so all ranks switch on the same step; start/end come from the step logs.
 - `noisy`: N CPU-burning processes inside the target host's namespace.
+- `slow`: the target rank computes `slow_fraction` (default 5 %) longer each step (job.py: busy on its CPU after its
+  micro-batches, as a slower device would), through its control file; the job's step time rises by about that
+  share of the rank's compute (the others wait for it at the all-reduce and the pipeline).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ import time
 
 from . import netns
 
-KINDS = ("link", "drop", "cpu", "stop", "gc_storm", "hold", "extra_sync", "noisy")
+RANK_KINDS = ("cpu", "stop", "gc_storm", "hold", "slow")
+KINDS = ("link", "drop", "cpu", "stop", "gc_storm", "hold", "extra_sync", "noisy", "slow")
 
 
 # ---------------------------------------------------------------- step logs
@@ -124,7 +128,7 @@ def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
     except RuntimeError:
         ranks = []
     host_of = {r["rank"]: int(r["host"].lstrip("h")) for r in ranks}
-    if kind in ("cpu", "stop", "gc_storm", "hold"):
+    if kind in RANK_KINDS:
         if target.strip().startswith("h"):
             i = _number(target, "h")
             on = [r for r, h in host_of.items() if h == i]
@@ -255,7 +259,7 @@ def _control(layout: netns.Layout, name: str, content: dict | None) -> None:
 
 
 def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float, rate: str = "200mbit",
-           cpu_share: float = 0.1, processes: int = 1, lead_steps: int = 4) -> dict:
+           cpu_share: float = 0.1, processes: int = 1, lead_steps: int = 4, slow_fraction: float = 0.05) -> dict:
     """Apply one fault for `duration_seconds`, revert it, log and return the ground-truth entry."""
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(KINDS)}")
@@ -279,7 +283,7 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         return _log(layout, entry)
 
     i = resolve_target(layout, kind, target)
-    entry["target"] = f"rank{i}" if kind in ("cpu", "stop", "gc_storm", "hold") else netns.node_id(i)
+    entry["target"] = f"rank{i}" if kind in RANK_KINDS else netns.node_id(i)
     if kind == "link":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
         params["rate"] = rate
@@ -299,6 +303,10 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         undo = lambda: os.kill(pid, signal.SIGCONT)  # noqa: E731
     elif kind in ("gc_storm", "hold"):
         _control(layout, f"rank{i}.json", {kind: True})
+        undo = lambda: _control(layout, f"rank{i}.json", None)  # noqa: E731
+    elif kind == "slow":
+        params["slow_fraction"] = slow_fraction
+        _control(layout, f"rank{i}.json", {"slow": slow_fraction})
         undo = lambda: _control(layout, f"rank{i}.json", None)  # noqa: E731
     else:  # noisy
         params["processes"] = processes

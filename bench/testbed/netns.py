@@ -112,6 +112,10 @@ resolve_after_seconds = 6.0
 [detectors.flows]
 window_seconds = 30.0
 resolve_after_seconds = 10.0
+
+[detectors.sentinel]
+window_seconds = 40.0
+resolve_after_seconds = 6.0
 """
 
 

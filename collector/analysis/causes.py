@@ -34,7 +34,9 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
                    an RTT rise alone came with every CPU fault too: delayed ACKs of a slowed peer); the evidence
                    names the remote addresses most of the degraded connections share
   data-loading     the share of the process's Python samples inside torch.utils.data rose by >= `frames_rise`
-Suspects that are not ranks keep the detector's cause (a link or NIC is "network" by what it is).
+A process suspect ("node:pid", a process of no rank: a serving engine the sentinel names) gets the same rules on its
+own process and node, without the GPU and kernel comparisons (they compare a rank with its job's other ranks).
+Other suspects keep the detector's cause (a link or NIC is "network" by what it is).
 
 A rank whose process was stopped during the episode but that no detector named (a stop landing while it is inside
 a collective makes no arrival late) is added as the first suspect.
@@ -162,6 +164,16 @@ class _Pass:
                     self._procs[p["rank"]] = p   # newest process of a rank last
         return self._procs
 
+    def process(self, node: str, pid: str) -> dict | None:
+        """The job's newest process with this pid on this node (any rank), None when there is none."""
+        if not pid.isdigit():
+            return None
+        got = None
+        for p in self.reader.job_processes(self.job_key):
+            if p["node_id"] == node and p["pid"] == int(pid):
+                got = p
+        return got
+
     def metrics(self, node: str, a: int, b: int, names, entities) -> dict:
         key = (node, a, b, tuple(names), tuple(entities) if entities is not None else None)
         got = self._metrics.get(key)
@@ -189,10 +201,16 @@ def _rise(during: float | None, before: float | None, floor: float, rise: float)
 
 def explain_rank(ps: _Pass, rank: int, onset: int, last: int) -> tuple[str, dict]:
     """(cause, evidence) for one rank over the episode [onset, last]; ("", {...}) when no rule holds."""
-    cfg = ps.cfg
     proc = ps.procs().get(rank)
     if proc is None:
         return "", {"why": "no process of this rank reported"}
+    return explain_process(ps, proc, rank, onset, last)
+
+
+def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> tuple[str, dict]:
+    """(cause, evidence) for one process (a rank's, or a process suspect's: a serving engine, rank -1) over the
+    episode; the GPU and kernel rules, which compare with the job's other ranks, only for ranks."""
+    cfg = ps.cfg
     node, pid, ticks = proc["node_id"], proc["pid"], proc["start_ticks"]
     m = int(cfg.margin_seconds * 1e9)
     b0 = max(0, onset - int(cfg.baseline_seconds * 1e9))
@@ -229,7 +247,7 @@ def explain_rank(ps: _Pass, rank: int, onset: int, last: int) -> tuple[str, dict
         ev["cpu_quota_cores"] = quota
 
     # the GPU
-    if proc["local_rank"] >= 0:
+    if rank >= 0 and proc["local_rank"] >= 0:
         cause, gev = _gpu(ps, rank, proc, a, b, m)
         if gev:
             ev["gpu"] = gev
@@ -238,7 +256,7 @@ def explain_rank(ps: _Pass, rank: int, onset: int, last: int) -> tuple[str, dict
 
     # its kernels against its peers' (XPUTimer's metrics), where the agents keep kernel records: GPU jobs only (its
     # node reports its GPU), the fetch being an agent round trip
-    kcause, kev = _kernels(ps, rank, a, b) if "gpu" in ev else ("", {})
+    kcause, kev = _kernels(ps, rank, a, b) if "gpu" in ev and rank >= 0 else ("", {})
     if kev:
         ev["kernels"] = kev
     if kcause:
@@ -543,9 +561,15 @@ def explain_finding(ps: _Pass, f: Finding) -> Finding:
                                   {"node": node, "added_by": "causes: its process was stopped in the episode"}))
             changed = True
     for i, s in enumerate(sus[:cfg.suspects]):
-        if s.kind != "rank" or not s.id.lstrip("-").isdigit():
+        if s.kind == "rank" and s.id.lstrip("-").isdigit():
+            cause, ev = explain_rank(ps, int(s.id), f.onset_ns, f.last_ns)
+        elif s.kind == "process" and ":" in s.id:   # "node:pid", a process outside any rank (a serving engine)
+            proc = ps.process(*s.id.rsplit(":", 1))
+            if proc is None:
+                continue
+            cause, ev = explain_process(ps, proc, -1, f.onset_ns, f.last_ns)
+        else:
             continue
-        cause, ev = explain_rank(ps, int(s.id), f.onset_ns, f.last_ns)
         if not cause and set(ev) <= {"node", "pid", "causes", "why"}:
             continue   # nothing measured for this rank: the detector's word stands, unannotated
         evidence = {**s.evidence, "why": ev}
@@ -568,7 +592,7 @@ def explain_finding(ps: _Pass, f: Finding) -> Finding:
                 break
     summary = f.summary
     top = sus[0]
-    if top.kind == "rank" and top.cause in LOCAL + ("network",):
+    if top.kind in ("rank", "process") and top.cause in LOCAL + ("network",):
         summary = f"{summary.rstrip('.')}; {top.kind} {top.id}: {_say(top)}."
     return replace(f, suspects=tuple(sus), summary=summary)
 
