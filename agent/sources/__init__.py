@@ -23,6 +23,7 @@ SOURCE_PATHS: dict[str, str] = {
     "kineto": "steplens.agent.sources.kineto:KinetoSource",
     "flightrec": "steplens.agent.sources.flightrec:FlightrecSource",
     "nccltopo": "steplens.agent.sources.nccltopo:NccltopoSource",
+    "iters": "steplens.agent.sources.iters:ItersSource",
 }
 
 

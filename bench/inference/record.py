@@ -12,7 +12,9 @@ lengths drawn uniformly (--prompt, --output ranges) is added as its arrival time
 bookkeeping gives the batch's workload, the ground truth a sentinel is scored against:
   batch_size (requests in the batch), prefill_requests / prefill_tokens (requests in their first step and their
   prompt tokens), decode_requests, kv_tokens (the decode requests' context: prompt + generated so far),
-  avg_input_length, avg_output_length, mode (1 prefill in the batch, 2 decode only), dur_ns (the step), fault.
+  avg_input_length, avg_output_length, mode (1 prefill in the batch, 2 decode only), dur_ns (the step), fault;
+  t0_ns/t1_ns (CLOCK_MONOTONIC) and t0_real_ns/t1_real_ns (CLOCK_REALTIME, read just outside them: what
+  bench/inference/iterbench.py matches the bootstrap's iteration ring against) around engine.step().
 Faults (--fault KIND:START_S:END_S, repeatable), with their windows in the same file:
   cpu    2 CPU burners (other processes) for the window: contention for the engine's cores;
   noisy  1 burner: a noisy neighbour;
@@ -181,9 +183,11 @@ def main() -> int:
                    "avg_input_length": sum(r["prompt"] for r in reqs.values()) / len(reqs),
                    "avg_output_length": sum(r["out"] for r in reqs.values()) / len(reqs),
                    "mode": 1 if pre else 2}
+            r0 = time.time_ns()
             t0 = time.monotonic_ns()
             outputs = engine.step()
             t1 = time.monotonic_ns()
+            r1 = time.time_ns()
             for r in pre:
                 r["started"] = True
             for o in outputs:
@@ -193,7 +197,8 @@ def main() -> int:
                 r["out"] = len(o.outputs[0].token_ids)
                 if o.finished:
                     del reqs[o.request_id]
-            row.update(t0_ns=t0, t1_ns=t1, dur_ns=t1 - t0, t_s=round(t, 4), fault=faults.at(t))
+            row.update(t0_ns=t0, t1_ns=t1, dur_ns=t1 - t0, t_s=round(t, 4), fault=faults.at(t), t0_real_ns=r0,
+                       t1_real_ns=r1)
             out.write(json.dumps(row) + "\n")
     faults.stop()
     print(json.dumps({"steps_file": a.out, "requests": n, "seconds": a.seconds}))

@@ -293,8 +293,9 @@ class SentinelDetector:
         rows = reader.iterations(window.job_key, since_ns=max(window.since_ns, low) if low else window.since_ns,
                                  until_ns=window.until_ns)
         by: dict[tuple, list[dict]] = {}
-        for r in rows:
-            by.setdefault((job, r["node_id"], r["pid"], r["start_ticks"], r["anchor"]), []).append(r)
+        for r in rows:   # an iteration with no workload (phase "": no feature reader ran, e.g. vLLM's front end
+            if r["phase"]:   # waiting for its engine-core process) gives a workload-aware baseline nothing
+                by.setdefault((job, r["node_id"], r["pid"], r["start_ticks"], r["anchor"]), []).append(r)
         for key, rs in by.items():
             s = self.series.get(key)
             if s is None:

@@ -42,6 +42,13 @@ no agent read within an hour are removed by the next process's exit. Costs one d
 ring of gloo all-reduces: 0.94 MB in 26 ms, 2-core VM, torch 2.13); a killed process writes none.
 STEPLENS_FR_EXIT_DUMP=0 turns it off.
 
+Iterations (STEPLENS_ITERS, default 1), in every process, torch or not: steplens_iters.install() puts an import
+hook on sys.meta_path that wraps the configured iteration anchors (vLLM's engine step by default) and feature
+readers when their modules load, and an optimizer-step hook when torch.optim loads; they write each iteration's
+start, end and workload into <runtime dir>/<pid>.iters, created at the first iteration and kept at exit for the
+agent's iters source (see steplens_iters for the rule, the layout and the cost). The exit clean-up below removes
+those of processes gone for an hour.
+
 GC time (STEPLENS_GC, default 1), in every process the bootstrap loads into, torch or not: at install a
 gc.callbacks entry times each collection of the cyclic garbage collector from its "start" call to its "stop" call
 (CLOCK_MONOTONIC, time.monotonic_ns; the "start" calls of callbacks registered after it and the "stop" calls of
@@ -82,7 +89,7 @@ DEFAULT_RUNTIME_DIR = "/run/steplens/fr"
 DEFAULT_FR_BUFFER_SIZE = "2000"
 
 _state = {"installed": False, "server": None, "socket": "", "error": "", "cupti": None, "exit_dump": "",
-          "anchors": "", "gc": ""}
+          "anchors": "", "gc": "", "iters": ""}
 
 
 def runtime_dir() -> str:
@@ -115,6 +122,8 @@ def install() -> bool:
         os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_PIPE_FILE", os.path.join(d, f"{os.getpid()}.fr-pipe-"))
         if os.environ.get("STEPLENS_GC", "1") != "0":
             _start_gc(d)
+        if os.environ.get("STEPLENS_ITERS", "1") != "0":
+            _start_iters(d)
         poll_s = float(os.environ.get("STEPLENS_BOOTSTRAP_POLL_S", "0.25") or 0.25)
         threading.Thread(target=_watch, args=(d, poll_s), name="steplens-bootstrap", daemon=True).start()
         return True
@@ -188,6 +197,15 @@ def _start_anchors(directory: str) -> None:
         _state["error"] = f"anchors: {type(exc).__name__}: {exc}"
 
 
+def _start_iters(directory: str) -> None:
+    try:
+        import steplens_iters
+        steplens_iters.install(directory, _start_ticks)
+        _state["iters"] = "installed"
+    except Exception as exc:  # a bad STEPLENS_ITER_* variable: no iterations, the program runs
+        _state["error"] = f"iters: {type(exc).__name__}: {exc}"
+
+
 def _start_cupti() -> None:
     try:
         import steplens_cupti
@@ -255,6 +273,11 @@ def _remove_stale_exit_dumps(directory: str) -> None:
             elif name.endswith((".anchors", GC_SUFFIX)):
                 pid = name.rpartition(".")[0]
                 if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                    os.unlink(os.path.join(directory, name))
+            elif name.endswith(".iters"):  # kept at exit for the agent's last read (steplens_iters): an hour
+                pid = name.rpartition(".")[0]
+                if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and \
+                        os.stat(os.path.join(directory, name)).st_mtime < cutoff:
                     os.unlink(os.path.join(directory, name))
         except OSError:
             pass
