@@ -26,7 +26,98 @@ import numpy as np
 from steplens.collector.analysis.sentinel import Sentinel, SentinelConfig, features
 
 
+class _Recorded:
+    """A store reader over a recording's Iteration rows (what the sentinel detector reads)."""
+
+    path = "recording"
+
+    def __init__(self, rows: list[dict]) -> None:
+        self.rows = sorted(rows, key=lambda r: r["end_ns"])
+        self.ends = [r["end_ns"] for r in self.rows]
+
+    def iterations(self, job_key: str, since_ns: int = 0, until_ns: int = 0, limit: int = 0) -> list[dict]:
+        import bisect
+        a = bisect.bisect_right(self.ends, since_ns)
+        b = bisect.bisect_right(self.ends, until_ns) if until_ns else len(self.ends)
+        return [r for r in self.rows[a:b] if r["job_key"] == job_key]
+
+
+def score_iterations(path: str, cfg_args: dict, pass_seconds: float = 1.0) -> dict:
+    """A recording of stored Iteration rows (bench/testbed_sentinel.py) replayed through the sentinel detector
+    itself, one pass per `pass_seconds` of data: per judged iteration (every rank's) against the fault windows,
+    and its findings against them (found: a finding's onset within [start - 1 s, end])."""
+    import gzip
+
+    from steplens.collector.analysis.base import Window
+    from steplens.collector.analysis.sentinel import SentinelDetector, SentinelDetectorConfig
+    with gzip.open(path, "rt") as fh:
+        head = json.loads(fh.readline())
+        rows = [json.loads(line) for line in fh]
+    cfg = SentinelDetectorConfig(**cfg_args)
+    det = SentinelDetector(trace=True)
+    rd = _Recorded(rows)
+    job = head["job_key"]
+    t, end = rd.ends[0], rd.ends[-1]
+    findings: dict[tuple, object] = {}
+    while t < end + int(pass_seconds * 1e9):
+        t += int(pass_seconds * 1e9)
+        for f in det.detect(rd, Window(job, max(0, t - int(cfg.window_seconds * 1e9)), t), cfg):
+            findings[(f.kind, f.onset_ns)] = f
+    faults = head["faults"]
+
+    def in_fault(ns: int) -> bool:
+        return any(f["start_ns"] <= ns <= f["end_ns"] for f in faults)
+    tp = fp = fn = tn = 0
+    lags = []
+    for s in det.series.values():
+        first = {}
+        for ns, alarm in s.trace or []:
+            truth = in_fault(ns)
+            tp += alarm and truth
+            fp += alarm and not truth
+            fn += (not alarm) and truth
+            tn += (not alarm) and not truth
+            for k, f in enumerate(faults):
+                if alarm and f["start_ns"] <= ns <= f["end_ns"] and k not in first:
+                    first[k] = (ns - f["start_ns"]) / 1e9
+        lags += list(first.values())
+    prec = tp / max(1, tp + fp)
+    rec = tp / max(1, tp + fn)
+    found = [any(f["start_ns"] - 10**9 <= x.onset_ns <= f["end_ns"] for x in findings.values()) for f in faults]
+    false = [x for x in findings.values() if not any(f["start_ns"] - 10**9 <= x.onset_ns <= f["end_ns"]
+                                                      for f in faults)]
+    m = next((s.model for s in det.series.values() if s.model is not None), None)
+    return {"recording": path, "iterations": len(rows), "series": len(det.series),
+            "fit_r2": round(m.fit_r2, 4) if m else None, "fit_mape_pct": round(100 * m.fit_mape, 2) if m else None,
+            "ucl": round(m.ucl, 4) if m else None, "precision": round(prec, 4), "recall": round(rec, 4),
+            "f1": round(2 * prec * rec / max(1e-9, prec + rec), 4), "fpr_pct": round(100 * fp / max(1, fp + tn), 3),
+            "first_alarm_after_s": round(min(lags), 2) if lags else None, "faults_found": sum(found),
+            "faults": len(faults), "false_findings": len(false),
+            "findings": [(round((x.onset_ns - faults[0]["start_ns"]) / 1e9, 1), x.severity,
+                          x.evidence.get("alarmed_iterations")) for x in findings.values()],
+            "step_log": head.get("step_log")}
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "--iterations":
+        ap = argparse.ArgumentParser(description="score a recording of stored Iterations through the detector")
+        ap.add_argument("--iterations", required=True)
+        ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a [detectors.sentinel] key, e.g. window_training=50")
+        a = ap.parse_args(argv)
+        over = {}
+        for kv in a.set:
+            k, _, v = kv.partition("=")
+            over[k] = json.loads(v)
+        res = score_iterations(a.iterations, over)
+        print(json.dumps(res))
+        return 0
+    return _main_batches(argv)
+
+
+def _main_batches(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("steps")
     ap.add_argument("--train-seconds", type=float, default=45.0)

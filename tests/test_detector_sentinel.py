@@ -10,6 +10,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -149,3 +150,34 @@ def test_noisy_neighbour_is_one_finding_on_the_engine_process(tmp_path, recordin
     false = [x for x in found if x is not f]
     assert len(false) <= 1 and all(x.evidence["alarmed_iterations"] < 20 for x in false), \
         [(x.summary, (x.onset_ns - t0) / 1e9) for x in false]
+
+
+TRAINING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "training")
+
+
+@pytest.fixture(scope="module")
+def score():
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from bench.sentinel import score_iterations
+    return score_iterations
+
+
+def test_training_steps_slower_than_their_workload_predicts_are_one_job_finding(score):
+    """The testbed's recorded DP2 job (tests/fixtures/training: 2-6 micro-batches per step, the step's workload in
+    each Iteration), every rank 1.39x slower for 60 s after 120 s: replayed through the detector one pass per
+    second, the slowdown is one finding on the job within a second of its start, and the quiet 120 s + 40 s open
+    none (measured: the first alarm 0.35 s in, per-step F1 0.87, 0 false findings)."""
+    res = score(os.path.join(TRAINING, "testbed-iters-slow30.jsonl.gz"), {})
+    assert res["series"] == 2 and res["step_log"]["slowdown"] > 1.3
+    assert res["faults_found"] == 1 and res["false_findings"] == 0, res
+    assert res["first_alarm_after_s"] is not None and res["first_alarm_after_s"] <= 1.0, res
+    assert res["f1"] >= 0.8 and res["fpr_pct"] <= 5, res
+
+
+def test_a_five_percent_slowdown_is_inside_this_hosts_noise_and_raises_no_false_finding(score):
+    """The same job 1.057x slower: on this VM the steps' own jitter (MAPE 11-17 % after the workload model, their
+    200-step medians wandering 6 % in the quiet) hides it; the detector stays quiet rather than guess (0 findings).
+    The issue's 5 % acceptance is not met on this host (bench/README.md "testbed_sentinel.py")."""
+    res = score(os.path.join(TRAINING, "testbed-iters-slow5.jsonl.gz"), {})
+    assert 1.03 < res["step_log"]["slowdown"] < 1.08
+    assert res["false_findings"] == 0, res

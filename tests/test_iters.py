@@ -117,6 +117,37 @@ print(json.dumps({{"times": times, "status": steplens_iters.status(), "loader": 
             "input_tokens": 30 + 36, "output_tokens": 5, "tokens": 31, "micro_batches": 0}
 
 
+def test_selftime_counts_the_wrappers_own_time_not_the_wrapped_calls(tmp_path):
+    """STEPLENS_ITERS_SELFTIME=1 (bench/sentinel_cost.py): each wrapper adds its time minus the wrapped call's; the
+    fake engine's 2 ms sleep per step must not be in it, and the results and ring are as without."""
+    (tmp_path / "eng.py").write_text(FAKE_ENGINE)
+    (tmp_path / "run").mkdir()
+    code = f'''
+import json, steplens_iters
+steplens_iters.install({str(tmp_path / "run")!r}, lambda: 4242, env={{
+    "STEPLENS_ITER_DEFAULTS": "0", "STEPLENS_ITER_TRAIN": "0", "STEPLENS_ITERS_SELFTIME": "1",
+    "STEPLENS_ITER_ANCHORS": "eng:Engine.step,eng:Core.step",
+    "STEPLENS_ITER_READERS": "eng:Scheduler.schedule=vllm_v1"}})
+import eng
+e = eng.Engine()
+outs = [e.step().total_num_scheduled_tokens for _ in range(20)]
+steplens_iters.set_enabled(False)
+outs += [e.step().total_num_scheduled_tokens for _ in range(5)]
+print(json.dumps({{"outs": outs, "status": steplens_iters.status()}}))
+'''
+    out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=_env(tmp_path, STEPLENS_BOOTSTRAP="0"))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    st = res["status"]
+    assert res["outs"] == [31] * 25
+    # per step while on: Engine.step, Core.step and two schedule() calls; none while off
+    assert st["self_calls"] == 20 * 4, st
+    assert 0 < st["self_ns"] / 20 < 1_000_000, st   # far under the 2 ms each step sleeps
+    its, _ = _ring_of(tmp_path, int(st["path"].rsplit("/", 1)[1].split(".")[0]))
+    assert len(its) == 20
+
+
 def test_vllm_v1_reader_counts():
     ns = SimpleNamespace
 
@@ -241,6 +272,40 @@ print(json.dumps({"ends": ends, "status": steplens_iters.status()}))
         c = dict(zip(steplens_iters.COUNT_FIELDS, counts))
         assert (c["tokens"], c["batch_size"], c["micro_batches"]) == (256, 8, k + 1), c
     assert all(its[k][2] == its[k + 1][1] for k in range(3))  # contiguous: start = the previous step's end
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
+def test_a_training_iteration_ends_at_the_zero_grad_that_closes_the_step_and_the_switch_pauses_it(tmp_path):
+    """With steplens_anchors in the process (torch.distributed jobs), the iteration ends where the loop body's
+    zero_grad after the step ends, as the job's own log does; set_enabled(False) writes nothing, and the first
+    step after it starts none (its start would lie before the pause)."""
+    code = '''
+import json, os, time, torch
+import steplens_anchors, steplens_iters
+steplens_anchors.install(os.environ["STEPLENS_RUNTIME_DIR"], 0)
+m = torch.nn.Linear(512, 512)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+ends, on = [], []
+for i in range(9):
+    steplens_iters.set_enabled(i not in (4, 5))
+    m(torch.randn(8, 512)).sum().backward()
+    opt.step()
+    on.append(time.time_ns())
+    opt.zero_grad(set_to_none=False)
+    ends.append(time.time_ns())
+print(json.dumps({"ends": ends, "steps": on, "path": steplens_iters.status()["path"]}))
+'''
+    out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_env(tmp_path, STEPLENS_BOOTSTRAP="1"))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    its, _ = _ring_of(tmp_path, int(res["path"].rsplit("/", 1)[1].split(".")[0]))
+    ends = res["ends"]
+    # steps 0..8; 0 starts nothing, 4 and 5 are off, 6 starts nothing: iterations end at steps 1, 2, 3, 7, 8
+    assert len(its) == 5, its
+    for (n, start, end, *_), k in zip(its, (1, 2, 3, 7, 8)):
+        assert res["steps"][k] < end <= ends[k], (k, ends[k] - end)      # the zero_grad's end, not the step's
+        assert ends[k - 1] - 1_000_000 < start <= ends[k - 1]
 
 
 def test_bad_variables_and_off_switch_leave_the_program_running(tmp_path):

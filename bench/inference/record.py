@@ -126,6 +126,9 @@ def main() -> int:
     ap.add_argument("--model-dir", default="/tmp/steplens-tinyllama")
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (intermediate 2.6875x)")
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
+    ap.add_argument("--toggle-seconds", type=float, default=0.0,
+                    help="the bootstrap's iteration anchors (steplens_iters) off and on every this many seconds: "
+                         "with vs without in one run (bench/sentinel_cost.py); rows get iters_on")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -151,6 +154,8 @@ def main() -> int:
     p_lo, p_hi = (int(x) for x in a.prompt.split(":"))
     o_lo, o_hi = (int(x) for x in a.output.split(":"))
     faults = Faults(a.fault)
+    import sys
+    iters_mod = sys.modules.get("steplens_iters")   # loaded by the steplens bootstrap, when it runs under it
     reqs: dict[str, dict] = {}          # request id -> prompt length, generated so far, first step done
     next_arrival = 0.0
     n = 0
@@ -163,6 +168,10 @@ def main() -> int:
             if t >= a.seconds:
                 break
             faults.tick(t)
+            iters_on = None
+            if a.toggle_seconds and iters_mod is not None:
+                iters_on = int(t // a.toggle_seconds) % 2 == 0
+                iters_mod.set_enabled(iters_on)
             while next_arrival <= t and len(reqs) < a.max_seqs:
                 plen = rng.randint(p_lo, p_hi)
                 rid = f"r{n}"
@@ -198,9 +207,12 @@ def main() -> int:
                 if o.finished:
                     del reqs[o.request_id]
             row.update(t0_ns=t0, t1_ns=t1, dur_ns=t1 - t0, t_s=round(t, 4), fault=faults.at(t), t0_real_ns=r0,
-                       t1_real_ns=r1)
+                       t1_real_ns=r1, iters_on=iters_on)
             out.write(json.dumps(row) + "\n")
     faults.stop()
+    if iters_mod is not None and a.toggle_seconds:   # the anchors' own time (STEPLENS_ITERS_SELFTIME): cost bench
+        with open(a.out + ".iters-status.json", "w") as fh:
+            json.dump(iters_mod.status(), fh)
     print(json.dumps({"steps_file": a.out, "requests": n, "seconds": a.seconds}))
     return 0
 

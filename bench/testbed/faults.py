@@ -21,9 +21,9 @@ not TP, which stays on the host's loopback path.
 - `extra_sync`: a world barrier per micro-batch on every rank (target `all`), through <state>/faults/all.json
   with a step range a few steps ahead so all ranks switch on the same step; start/end come from the step logs.
 - `noisy`: N CPU-burning processes inside the target host's namespace.
-- `slow`: the target rank computes `slow_fraction` (default 5 %) longer each step (job.py: busy on its CPU after its
-  micro-batches, as a slower device would), through its control file; the job's step time rises by about that
-  share of the rank's compute (the others wait for it at the all-reduce and the pipeline).
+- `slow`: the target rank computes `slow_fraction` (default 5 %) of its step time longer each step (job.py: busy on
+  its CPU after its micro-batches, as a slower device would), through its control file; the job's steps take about
+  that much longer (the others wait for it at the all-reduce and the pipeline); target `all`: every rank.
 """
 
 from __future__ import annotations
@@ -281,6 +281,19 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         entry.update(target="all", start_ns=min(s["start_ns"] for s in marked),
                      end_ns=max(s["end_ns"] for s in marked), params=params)
         return _log(layout, entry)
+
+    if kind == "slow" and target == "all":   # every rank slower alike: the job's steps, not one rank's
+        params["slow_fraction"] = slow_fraction
+        _control(layout, "all.json", {"slow": slow_fraction})
+        entry.update(target="all", start_ns=time.time_ns())
+        try:
+            time.sleep(duration_seconds)
+        finally:
+            _control(layout, "all.json", None)
+            entry["end_ns"] = time.time_ns()
+            entry["params"] = params
+            _log(layout, entry)
+        return entry
 
     i = resolve_target(layout, kind, target)
     entry["target"] = f"rank{i}" if kind in RANK_KINDS else netns.node_id(i)

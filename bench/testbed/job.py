@@ -15,10 +15,12 @@ start/end and the split compute / pipeline wait (recv + send completion) / DP al
 (`tp_allreduce_seconds`, taken out of compute, fwd and bwd so those keep meaning pure compute).
 
 Faults read by the job: env STEPLENS_TESTBED_GC_STORM=1 and STEPLENS_TESTBED_EXTRA_SYNC=1 at launch, and
-at run time the control files <state>/faults/rank<r>.json ({"gc_storm": true}, {"slow": 0.05}: the rank computes
-5 % longer, busy on its CPU after its micro-batches, as a slower device would) and <state>/faults/all.json
-({"extra_sync": {"start_step": a, "end_step": b}}), polled once per step. Extra sync is a world barrier
-per micro-batch, so every rank must agree on the steps: hence step numbers, not a flag.
+at run time the control files <state>/faults/rank<r>.json ({"gc_storm": true}, {"slow": 0.05}: the rank spins on
+its CPU for 5 % of its usual step time (a moving average over its steps without the fault, per micro-batch) after
+its micro-batches, as a slower device would: the job's steps take ~5 % longer, the others waiting for it; in
+<state>/faults/all.json: every rank) and <state>/faults/all.json ({"extra_sync": {"start_step": a, "end_step":
+b}}), polled once per step. Extra sync is a world barrier per micro-batch, so every rank must agree on the
+steps: hence step numbers, not a flag.
 Costs: ~120-140 ms per step on the 2-core machine, 8.4 MB all-reduce and ~0.5 MB stage traffic per step
 (DP=2 x PP=2); with tp > 1 the DP all-reduce shrinks by tp and each micro-batch adds two TP all-reduces of
 micro_batch_size x width floats (64 KB at the defaults).
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vary-micro", default="", metavar="LO:HI",
                     help="micro-batches per step drawn from LO..HI each step (one seed: every rank draws the same), "
                          "a workload that changes from step to step as packed sequences do")
+    ap.add_argument("--toggle-iters", type=int, default=0, metavar="K",
+                    help="steplens_iters off and on every K steps (bench/sentinel_cost.py: with vs without, one run)")
     ap.add_argument("--micro-batch-size", type=int, default=16)
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
@@ -211,10 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     draw = random.Random(4321)
     vary = tuple(int(v) for v in a.vary_micro.split(":")) if a.vary_micro else None
     step = 0
+    base_step_s = 0.0
     while a.steps <= 0 or step < a.steps:
         # the step's workload, as locals a sentinel reads at the optimizer step (STEPLENS_STEP_FEATURES)
         micro_batches = draw.randint(*vary) if vary else a.micro
         tokens = micro_batches * a.micro_batch_size
+        iters_on = None
+        if a.toggle_iters:   # the bootstrap's iteration anchors on in even segments, off in odd ones
+            import sys
+            mod = sys.modules.get("steplens_iters")
+            if mod is not None:
+                iters_on = (step // a.toggle_iters) % 2 == 0
+                mod.set_enabled(iters_on)
         rank_ctl = _read_json(ctl_rank, cache)
         sync_ctl = _read_json(ctl_all, cache).get("extra_sync") or {}
         if rank_ctl.get("hold"):
@@ -280,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             (forward if kind == "f" else backward)(m)
         for w in pending:
             timed("pipe_wait", w.wait)
-        slow = float(rank_ctl.get("slow") or 0.0)
-        if slow > 0:  # the `slow` fault: this rank computes `slow` x its compute more (a slower device)
-            timed("compute", spin, t["compute"] * slow, phase="bwd")
+        slow = float(rank_ctl.get("slow") or _read_json(ctl_all, cache).get("slow") or 0.0)
+        if slow > 0 and base_step_s:  # the `slow` fault: this rank spins `slow` x its usual step per micro-batch
+            timed("compute", spin, base_step_s * micro_batches * slow, phase="bwd")   # (a slower device)
 
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         timed("allreduce", dist.all_reduce, flat, dist.ReduceOp.SUM, dp_group)
@@ -306,11 +318,19 @@ def main(argv: list[str] | None = None) -> int:
             "gc_seconds": t["gc"], "sync_seconds": t["sync"], "gc_storm": storm, "extra_sync": extra_sync,
             "fwd_seconds": t["fwd"], "bwd_seconds": t["bwd"], "opt_seconds": t["opt"],
             "compute_cpu_seconds": t["compute_cpu"], "cpu_seconds": time.process_time() - start_cpu,
-            "micro_batches": micro_batches, "tokens": tokens, "slow": slow,
+            "micro_batches": micro_batches, "tokens": tokens, "slow": slow, "iters_on": iters_on,
         }) + "\n")
         step += 1
+        if not slow and step > 5:   # the usual step time per micro-batch, from the steps without the fault
+            per = (end_mono - start_mono) / 1e9 / micro_batches
+            base_step_s = per if not base_step_s else 0.98 * base_step_s + 0.02 * per
     dist.barrier()
     dist.destroy_process_group()
+    import sys
+    mod = sys.modules.get("steplens_iters")
+    if mod is not None and a.toggle_iters:   # the anchors' own time (STEPLENS_ITERS_SELFTIME), for the cost bench
+        with open(os.path.join(a.state_dir, "steps", f"iters-status-rank{a.rank}.json"), "w") as fh:
+            json.dump(mod.status(), fh)
     return 0
 
 

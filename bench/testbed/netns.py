@@ -80,6 +80,10 @@ patterns = ['job\\.py .*--host {node}( |$)']
 [sources.flightrec]
 interval_seconds = 1.0
 socket_dirs = ['{fr_dir}']
+
+[sources.iters]
+interval_seconds = 1.0
+ring_dirs = ['{fr_dir}']
 """
 
 # the collector's analysis for the testbed's job (~0.07-0.1 s steps quiet, ~0.3-0.5 s under the slower faults): a

@@ -217,7 +217,8 @@ class SentinelDetectorConfig(DetectorConfig):
     min_alarms: int = 3              # an episode is a finding with at least this many alarmed iterations
     min_episode_seconds: float = 1.0  # ... lasting at least this long (first to last alarm)
     merge_gap_iterations: int = 10   # alarms this many judged iterations apart or closer are one episode
-    window: int = 10                 # the model's (SentinelConfig) moving average
+    window: int = 10                 # the model's (SentinelConfig) moving average, serving engines
+    window_training: int = 10        # ... training steps
     min_ucl: float = 0.15            # the UCL's floor for serving engines (a shared host's batch jitter)
     min_ucl_training: float = 0.01   # ... for training steps (their own residuals set the limit; 1 % floor)
     tau_max: float = 0.5
@@ -231,9 +232,11 @@ class SentinelDetectorConfig(DetectorConfig):
                 self.merge_gap_iterations < 0:
             raise ConfigError("fit_iterations and fit_iterations_training must be >= 50, min_alarms >= 1, "
                               "merge_gap_iterations >= 0")
-        if not 1 <= self.window <= 1000 or not 0 < self.min_ucl <= self.tau_max <= 10 or \
+        if not 1 <= self.window <= 1000 or not 1 <= self.window_training <= 1000 or \
+                not 0 < self.min_ucl <= self.tau_max <= 10 or \
                 not 0 < self.min_ucl_training <= self.tau_max:
-            raise ConfigError("window must be within 1..1000 and 0 < min_ucl, min_ucl_training <= tau_max <= 10")
+            raise ConfigError("window and window_training must be within 1..1000 and 0 < min_ucl, "
+                              "min_ucl_training <= tau_max <= 10")
         if self.min_episode_seconds < 0:
             raise ConfigError("min_episode_seconds must be >= 0")
         if self.refit_every < 10 or self.idle_series_seconds <= 0:
@@ -265,22 +268,29 @@ class _Series:
     judged: int = 0
     last_end_ns: int = 0
     episodes: deque = field(default_factory=lambda: deque(maxlen=64))
+    trace: list | None = None        # (end_ns, alarm) per judged iteration, when the detector traces (benches)
 
 
 class SentinelDetector:
-    """Stateful (one instance per collector, as base.py allows): per process, the rows since the last pass are
-    judged in order by that process's model. A process's first `fit_iterations` judged iterations fit it (its
-    normal behaviour is assumed then: LatencyPrism's phase I); then every iteration is one update (one LightGBM
-    prediction, ~50 µs), refits as the model says. Consecutive alarms (gaps up to merge_gap_iterations) are an
-    episode; an episode of >= min_alarms is a `slowdown` finding: the process (its rank when it has one) is the
-    suspect, severity = its actual / predicted latency over the alarmed iterations (the step-time ratio against
-    the workload's own baseline), evidence: the alarm's iterations, the UCL, the model's fit (R², MAPE). A
-    window that reaches back before what a process has judged (diagnose --since) reports the episodes kept
-    (the last 64 per process) that overlap it."""
+    """Stateful (one instance per collector, as base.py allows; a collector restart fits anew): per process (and
+    anchor), the Iteration rows since the last pass are judged in order by that process's model. Rows without
+    a workload (phase "": no reader ran) are left out. A serving engine (its rows have prefill / decode / mixed
+    phases) is judged on its decode iterations, fitted on its first `fit_iterations` of them; a training
+    process on every step, fitted on its first `fit_iterations_training` (their normal behaviour is assumed
+    then: LatencyPrism's phase I), each with its own window and UCL floor. Then every iteration is one update
+    (one LightGBM prediction, ~50 µs), refits as the model says. Consecutive alarms (gaps up to
+    merge_gap_iterations) are an episode; an episode of >= min_alarms over >= min_episode_seconds is a
+    `slowdown` finding, severity = actual / predicted latency over the alarmed iterations (the step-time ratio
+    against the workload's own baseline), evidence: the alarmed iterations, the UCL, the model's fit (R², MAPE).
+    A serving process of no rank is the suspect ("node:pid"); the ranks of a training job make one finding on
+    the job, without a suspect (see _job_findings). A window that reaches back before what a process has judged
+    (diagnose --since) reports the episodes kept (the last 64 per process) that overlap it. trace=True keeps
+    every judged iteration's verdict (bench/sentinel.py --iterations scores them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, trace: bool = False) -> None:
         self.series: dict[tuple, _Series] = {}
         self._lock = threading.Lock()
+        self.trace = trace   # keep every judged iteration's verdict per process (bench/sentinel.py scores them)
 
     def detect(self, reader, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
         with self._lock:
@@ -300,7 +310,8 @@ class SentinelDetector:
             s = self.series.get(key)
             if s is None:
                 s = self.series[key] = _Series(key, rs[0]["rank"], rs[0]["anchor"],
-                                               any(r["phase"] in ("prefill", "decode", "mixed") for r in rs))
+                                               any(r["phase"] in ("prefill", "decode", "mixed") for r in rs),
+                                               trace=[] if self.trace else None)
             self._judge(s, [r for r in rs if r["end_ns"] > s.last_end_ns], cfg)
         idle = window.until_ns - int(cfg.idle_series_seconds * 1e9)
         for key in [k for k, s in self.series.items() if k[0] == job and s.last_end_ns < idle]:
@@ -356,13 +367,16 @@ class SentinelDetector:
                 s.warm_y.append(y[i])
                 if len(s.warm_y) >= (cfg.fit_iterations if s.decode_only else cfg.fit_iterations_training):
                     floor = cfg.min_ucl if s.decode_only else cfg.min_ucl_training
-                    s.model = Sentinel(SentinelConfig(window=cfg.window, min_ucl=floor, tau_max=cfg.tau_max,
+                    w = cfg.window if s.decode_only else cfg.window_training
+                    s.model = Sentinel(SentinelConfig(window=w, min_ucl=floor, tau_max=cfg.tau_max,
                                                       refit_every=cfg.refit_every, decode_only=s.decode_only))
                     s.model.fit(np.asarray(s.warm_x), np.asarray(s.warm_y))
                     s.warm_x, s.warm_y = [], []
                 continue
             s.judged += 1
             alarm, pred, ma = s.model.update(X[i], float(y[i]))
+            if s.trace is not None:
+                s.trace.append((r["end_ns"], bool(alarm)))
             if not alarm:
                 continue
             ep = s.episodes[-1] if s.episodes else None

@@ -228,6 +228,9 @@ def _after_zero_grad(owner, frame, end_ns: int) -> None:
             after = ends_iteration(codes, offsets, _frames(frame, _skip_prefix))
         if after:
             ring.add(end_ns)
+            iters = sys.modules.get("steplens_iters")   # its training iteration ends here too
+            if iters is not None:
+                iters.iteration_end_moved(end_ns)
     except Exception:
         pass
 

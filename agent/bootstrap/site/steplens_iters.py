@@ -45,7 +45,11 @@ Training (phase "train"): a plain PyTorch loop has no step function to anchor. W
 imported, the hook registers one global optimizer-step post hook (torch >= 2.0, the same API steplens_anchors
 uses; that module is installed only in torch.distributed processes and keeps its own hook: the two are
 independent, ~0.3 us each). Each optimizer step ends an iteration that starts at the previous step's end (the
-first step has no start: not written, it holds start-up and compilation anyway). Its counts come from the
+first step has no start: not written, it holds start-up and compilation anyway). Where steplens_anchors runs too
+(torch.distributed jobs) and finds the zero_grad that closes the loop body after the step (its call-site rule),
+the iteration ends at that zero_grad's end instead (`iteration_end_moved`; the iteration is held and written at
+the next step or at exit), as the job's own step logs do: on the gloo testbed the step's end alone was 1.5 % of a step
+early (the zero_grad's memset of 8 MB of gradients). Its counts come from the
 locals of the frames that called step() (torch's own frames skipped, MAX_FRAMES outward, the first frame that
 has the name wins), named by STEPLENS_STEP_FEATURES="tokens=input_ids,batch_size=batch.input_ids,..." (fields of
 Iteration; `name.key` is a mapping key or an attribute of a local): a tensor gives numel() (for batch_size, its
@@ -256,9 +260,70 @@ def _write(start_ns: int, end_ns: int, index: int, it: list) -> None:
         _state["write_errors"] += 1
 
 
+_on = [True]   # set_enabled(): the wrappers and the optimizer hook pass straight through while False
+_self = {"ns": 0, "calls": 0}   # STEPLENS_ITERS_SELFTIME=1: the wrappers' and the hook's own time (benches)
+
+
+def _selftimed(make):
+    """A wrapper factory whose wrappers also add their own time (theirs minus the wrapped call's, two
+    perf_counter_ns pairs included) to _self: what bench/sentinel_cost.py reports per iteration."""
+    perf = time.perf_counter_ns
+
+    def factory(fn, **kw):
+        inner = [0]
+
+        def timed_fn(*args, **kwargs):
+            t = perf()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner[0] += perf() - t
+        wrapped = make(timed_fn, **kw)
+
+        @functools.wraps(fn)
+        def outer(*args, **kwargs):
+            before, t0 = inner[0], perf()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                if _on[0]:
+                    _self["ns"] += perf() - t0 - (inner[0] - before)
+                    _self["calls"] += 1
+        outer.__steplens_orig__ = fn
+        return outer
+    return factory
+
+
+def _selftimed_hook(hook):
+    perf = time.perf_counter_ns
+
+    def timed(*args, **kwargs):
+        t0 = perf()
+        try:
+            return hook(*args, **kwargs)
+        finally:
+            if _on[0]:
+                _self["ns"] += perf() - t0
+                _self["calls"] += 1
+    return timed
+
+
+def set_enabled(on: bool) -> None:
+    """Turn the anchors, readers and the training hook off and on in this process, at run time: the switch
+    bench/sentinel_cost.py flips to time the same job with and without them, side by side in one run (a check
+    of one list item per call while on). Off, nothing is written; the first training step after it starts no
+    iteration (its start would lie before the pause)."""
+    _on[0] = bool(on)
+    if not on:
+        _flush_train()
+        _train["last_end"] = 0
+
+
 def _anchor_wrapper(fn, index: int, clock=time.time_ns):
     @functools.wraps(fn)
     def steplens_iteration(*args, **kwargs):
+        if not _on[0]:
+            return fn(*args, **kwargs)
         it = getattr(_tls, "it", None)
         if it is not None:  # nested: the outermost anchor writes
             it[0] += 1
@@ -283,6 +348,8 @@ def _reader_wrapper(fn, read):
     @functools.wraps(fn)
     def steplens_features(*args, **kwargs):
         out = fn(*args, **kwargs)
+        if not _on[0]:
+            return out
         it = getattr(_tls, "it", None)
         if it is not None and it[1] == 0 and it[2] is NO_COUNTS:
             try:
@@ -297,7 +364,7 @@ def _reader_wrapper(fn, read):
 
 # -- training: the optimizer step -------------------------------------------------------------------------------
 
-_train = {"last_end": 0, "features": (), "skip": "", "index": -1}
+_train = {"last_end": 0, "features": (), "skip": "", "index": -1, "pending": None}
 
 
 def parse_step_features(spec: str) -> tuple[tuple[int, str, str], ...]:
@@ -359,6 +426,8 @@ def step_counts(frame, features, skip_prefix: str = "") -> tuple:
 def _on_optimizer_step(optimizer, args, kwargs) -> None:
     """Global optimizer-step post hook: one "train" iteration per step, from the previous step's end (module
     docstring, Training); inside an active anchor, that anchor's features only. Never raises."""
+    if not _on[0]:
+        return
     try:
         end = time.time_ns()
         counts = NO_COUNTS
@@ -372,9 +441,31 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
             if it[1] == 0:
                 it[1], it[2] = PHASES.index("train"), counts
             return
+        _flush_train()
         last, _train["last_end"] = _train["last_end"], end
-        if last:
-            _write(last, end, _train["index"], [0, PHASES.index("train"), counts])
+        if last:   # held until the iteration's end is known: this step's, or the zero_grad's that follows it
+            _train["pending"] = (last, end, counts)
+    except Exception:
+        _state["write_errors"] += 1
+
+
+def _flush_train() -> None:
+    """Write the held training iteration (at the next step, at the zero_grad that ends it, at exit)."""
+    pend, _train["pending"] = _train["pending"], None
+    if pend is not None:
+        _write(pend[0], pend[1], _train["index"], [0, PHASES.index("train"), pend[2]])
+
+
+def iteration_end_moved(end_ns: int) -> None:
+    """steplens_anchors found the zero_grad that ends the last optimizer step's iteration (its call-site rule):
+    that iteration, and the next one's start, end there instead (the job's own step logs end after the
+    zero_grad: 1-2 ms of a gloo testbed step, 1.5 % when the step ended at the optimizer). Never raises."""
+    try:
+        pend = _train["pending"]
+        if pend is not None and end_ns > pend[1] and _on[0]:
+            _train["pending"] = (pend[0], end_ns, pend[2])   # written at the next step: its slot write (~10 us
+            _train["last_end"] = end_ns                      # cold) then lies inside the next iteration, not
+                                                             # between this end and the job's own clock read
     except Exception:
         _state["write_errors"] += 1
 
@@ -382,7 +473,8 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
 def _hook_optimizer(module) -> None:
     """torch.optim.optimizer was imported: register the global step post hook (torch >= 2.0)."""
     _train["skip"] = os.path.dirname(os.path.dirname(os.path.abspath(module.__file__))) + os.sep
-    module.register_optimizer_step_post_hook(_on_optimizer_step)
+    module.register_optimizer_step_post_hook(
+        _selftimed_hook(_on_optimizer_step) if _state.get("selftime") else _on_optimizer_step)
     _state["patched"].append(TRAIN_ANCHOR)
 
 
@@ -482,12 +574,14 @@ def _targets(env) -> tuple[list[str], dict[str, list]]:
         if name in names:
             continue
         names.append(name)
-        by_module.setdefault(mod, []).append((qual, functools.partial(_anchor_wrapper, index=len(names) - 1)))
+        make = _selftimed(_anchor_wrapper) if env.get("STEPLENS_ITERS_SELFTIME") == "1" else _anchor_wrapper
+        by_module.setdefault(mod, []).append((qual, functools.partial(make, index=len(names) - 1)))
     for name, kind in readers:
         mod, colon, qual = name.partition(":")
         if not colon or not mod or not qual:
             raise ValueError(f"STEPLENS_ITER_READERS: {name!r} is not module:Qual.name")
-        by_module.setdefault(mod, []).append((qual, functools.partial(_reader_wrapper, read=READERS[kind])))
+        make = _selftimed(_reader_wrapper) if env.get("STEPLENS_ITERS_SELFTIME") == "1" else _reader_wrapper
+        by_module.setdefault(mod, []).append((qual, functools.partial(make, read=READERS[kind])))
     if env.get("STEPLENS_ITER_TRAIN", "1") != "0":
         names.append(TRAIN_ANCHOR)
         _train["index"] = len(names) - 1
@@ -501,6 +595,7 @@ def _forked() -> None:
     global _ring, _tls
     ring, _ring, _tls = _ring, None, threading.local()
     _train["last_end"] = 0
+    _train["pending"] = None
     _state["path"] = ""
     if ring is not None:
         ring.close()  # the child's mapping only
@@ -508,6 +603,7 @@ def _forked() -> None:
 
 def _at_exit() -> None:
     """Keep the file for the agent's last read: its mtime says when the process ended (module docstring)."""
+    _flush_train()
     ring = _ring
     if ring is not None and ring.pid == os.getpid():
         try:
@@ -524,7 +620,7 @@ def install(directory: str, start_ticks, env=None, slots: int = DEFAULT_SLOTS) -
         return _state["names"]
     names, by_module = _targets(env)
     _state.update(dir=directory, start_ticks=start_ticks, slots=int(env.get("STEPLENS_ITER_SLOTS") or slots),
-                  names=names, installed=True)
+                  names=names, installed=True, selftime=env.get("STEPLENS_ITERS_SELFTIME") == "1")
     for mod, attrs in by_module.items():
         module = sys.modules.get(mod)
         spec = getattr(module, "__spec__", None)
@@ -543,7 +639,8 @@ def status() -> dict:
     """For tests and tools: what is patched, what is waiting for its module, errors and counters."""
     return {"patched": list(_state["patched"]), "pending": sorted(_state["pending"]), "errors": list(_state["errors"]),
             "reader_errors": _state["reader_errors"], "write_errors": _state["write_errors"],
-            "path": _state["path"] or "", "names": list(_state["names"])}
+            "path": _state["path"] or "", "names": list(_state["names"]),
+            "self_ns": _self["ns"], "self_calls": _self["calls"]}
 
 
 def read(path: str, start_ticks: int = -1, after: int = -1) -> tuple[list[tuple], list[str], str]:

@@ -1,0 +1,85 @@
+"""Record the testbed's training iterations as the collector stores them, with a slowdown injected (issue "Sentinel").
+
+The bed (bench/testbed: 4 network-namespace hosts, real agents and collector) runs the DP2 x PP2 gloo job under the
+bootstrap with `--vary-micro 2:6` (2-6 micro-batches per step) and STEPLENS_STEP_FEATURES naming its locals, so
+each step's Iteration carries its workload. After --quiet-seconds, rank 1 is made `--fraction` slower (faults
+`slow`: it spins for that share of its step after its micro-batches; the others wait for it) for --fault-seconds,
+then --tail-seconds of quiet (--target all: every rank; --hosts 2: a DP2 job, one rank per core of this VM).
+Written to --out (gzip JSON lines): a header {settings, faults: the ground truth
+(wall clock = the store's cluster time here, within the clock mapping's ~0.1 ms), step-log figures}, then every
+stored Iteration row. What the sentinel sees is only those rows; the header is for scoring (bench/sentinel.py
+--training scores a recording). Needs root.
+
+    .venv/bin/python bench/testbed_sentinel.py --out /tmp/train-iters.jsonl.gz [--fraction 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from bench.testbed import boundaries, cli, faults, netns  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quiet-seconds", type=float, default=120.0)
+    ap.add_argument("--fault-seconds", type=float, default=60.0)
+    ap.add_argument("--tail-seconds", type=float, default=40.0)
+    ap.add_argument("--fraction", type=float, default=0.05)
+    ap.add_argument("--vary-micro", default="2:6")
+    ap.add_argument("--state-dir", default="/tmp/steplens-tbsentinel")
+    ap.add_argument("--hosts", type=int, default=4, help="4: DP2 x PP2; 2: DP2 (a rank per core here)")
+    ap.add_argument("--target", default="1", help="the slowed rank, or `all`")
+    a = ap.parse_args(argv)
+    layout = netns.Layout(state_dir=a.state_dir, hosts=a.hosts)
+    netns.down(layout)
+    import shutil
+    shutil.rmtree(a.state_dir, ignore_errors=True)   # a fresh store: a run's rows only
+    try:
+        netns.up(layout)
+        env = {r: {"STEPLENS_STEP_FEATURES": cli.STEP_FEATURES} for r in range(a.hosts)}
+        netns.start_job(layout, dp=2, pp=a.hosts // 2, steps=0, env_faults=env,
+                        extra_args=["--vary-micro", a.vary_micro])
+        faults.wait_steps(layout, 5, timeout=240)
+        time.sleep(a.quiet_seconds)
+        box: dict = {}
+        th = threading.Thread(target=lambda: box.update(
+            faults.inject(layout, "slow", a.target, a.fault_seconds, slow_fraction=a.fraction)))
+        th.start()
+        th.join()
+        time.sleep(a.tail_seconds)
+        job = boundaries.job_key(layout)
+        from steplens.collector.store.queries import Reader
+        rows = Reader(layout.path("collector.db")).iterations(job)
+        logs = faults.read_steps(layout, 0)
+        on = [s for s in logs if box["start_ns"] <= s["start_ns"] and s["end_ns"] <= box["end_ns"]]
+        off = [s for s in logs if s["end_ns"] < box["start_ns"]][-len(on) or None:]
+        per_micro = {k: statistics.median(s["step_seconds"] / s["micro_batches"] for s in v) for k, v in
+                     (("on", on), ("off", off)) if v}
+        head = {"settings": vars(a), "job_key": job, "faults": [box],
+                "step_log": {"rank0_steps": len(logs), "per_micro_step_ms_off": round(1e3 * per_micro["off"], 3),
+                             "per_micro_step_ms_on": round(1e3 * per_micro["on"], 3),
+                             "slowdown": round(per_micro["on"] / per_micro["off"], 4)}}
+        with gzip.open(a.out, "wt") as fh:
+            fh.write(json.dumps(head) + "\n")
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+        print(json.dumps({"out": a.out, "iterations": len(rows), **head["step_log"]}))
+    finally:
+        netns.down(layout)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
