@@ -14,6 +14,7 @@ from steplens.agent.transport.codec import decode_records, encode_records
 from steplens.collector.analysis.steptime import from_steps, step_times
 from steplens.collector.ingest.clock import ClockEstimate
 from steplens.collector.ingest.decode import decode_batch
+from steplens.collector.store.diagnosis import DATA_TABLES
 from steplens.collector.store.queries import Reader
 from steplens.collector.store.writer import BatchJob, StoreWriter
 
@@ -292,7 +293,8 @@ def test_step_round_trip_store_and_step_times(tmp_path):
     st = step_times(reader, "j", recent_steps=5, min_baseline_steps=5)
     assert st.source == "steps" and st.now_seconds and 0.04 < st.now_seconds < 0.06 and st.baseline_seconds
     tops, marks = reader.new_data_since(0)
-    assert len(tops) == 3 and tops[1] == len(recs) and marks["j"] == max(x["end_ns"] for x in rows)  # DATA_TABLES
+    assert len(tops) == len(DATA_TABLES) and tops[DATA_TABLES.index("steps")] == len(recs) and \
+        marks["j"] == max(x["end_ns"] for x in rows)
     assert reader.new_data_since(tops)[1] == {}
     assert reader.data_watermarks(["j"])["j"] == marks["j"]
 

@@ -297,6 +297,8 @@ class SentinelDetector:
             return self._detect(reader, window, cfg)
 
     def _detect(self, reader, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
+        if getattr(reader, "iterations", None) is None:   # a reader of no Iteration rows (the simulator's)
+            return []
         job = (getattr(reader, "path", ""), window.job_key)   # one store's job (tests run several collectors)
         mine = [s for s in self.series.values() if s.key[0] == job]
         low = min((s.last_end_ns for s in mine), default=0) if mine else 0
