@@ -144,6 +144,7 @@ eval: install
 	cd bench/eval && ../../$(PY) wholepath.py --scenarios $(EVAL_WHOLEPATH) --seed 4000
 	cd bench/eval && ../../$(PY) hangs.py --scenarios $(EVAL_HANGS) --big $(EVAL_HANGS_BIG) --seed 6000
 	cd bench/eval && ../../$(PY) flows.py --seeds $(EVAL_FLOWS_SEEDS)
+	cd bench/eval && ../../$(PY) sentinel.py
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/steplens/v1/*.proto
