@@ -6,8 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SYSTEM_STAMP := $(VENV)/.system-packages
-# Debian packages the tests and the agent use: util-linux (unshare), iproute2 (netns), systemd (systemd-analyze)
-APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool
+# Debian packages the tests and the agent use: util-linux (unshare), iproute2 (netns), systemd (systemd-analyze),
+# nodejs (runs Perfetto's trace processor, a wasm build, in the trace tests)
+APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool nodejs
 KREL := $(shell uname -r)
 
 .PHONY: install run test test-all bench eval proto clean inference-env install-system help ebpf-setup test-fresh-boot test-btf-refused
@@ -19,7 +20,7 @@ help:
 	@echo "make bench    benchmarks (bench/*.py), each ends with one JSON line of figures"
 	@echo "make eval     detector scores against the simulator's ground truth (named, random, healthy, 8,192 GPUs, whole path)"
 	@echo "make inference-env  vLLM's CPU build in .venv-vllm for bench/inference (a venv of its own)"
-	@echo "make proto    regenerate proto/steplens/v1/*_pb2*.py from the .proto files"
+	@echo "make proto    regenerate proto/steplens/{v1,perfetto}/*_pb2*.py from the .proto files"
 	@echo "make install  create $(VENV) with steplens and its test needs"
 
 install: $(STAMP)
@@ -148,6 +149,7 @@ eval: install
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/steplens/v1/*.proto
+	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto proto/steplens/perfetto/*.proto
 
 # vLLM's CPU build for the inference bench (bench/inference/README.md); a venv of its own
 inference-env:

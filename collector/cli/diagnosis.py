@@ -1,5 +1,5 @@
-"""The operators' diagnosis commands (`steplens jobs|findings|diagnose|timeline|topology`, `steplens import
-topology`), a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, Timeline,
+"""The operators' diagnosis commands (`steplens jobs|findings|diagnose|timeline|trace|topology`, `steplens import
+topology`), a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, Timeline, BuildTrace,
 ImportTopology and GetTopology.
 
 register() adds them to the `steplens` parser built in ops.py. JSON output: a finding is
@@ -204,6 +204,48 @@ def cmd_import_topology(stub, args) -> int:
     return 0
 
 
+def cmd_trace(stub, args) -> int:
+    finding = args.finding or ""
+    until = time.time_ns() - int(parse_duration(args.until) * 1e9) if args.until else 0
+    since = _since_ns(args.since) if args.since else 0
+    if finding and (args.since or args.until):
+        raise SystemExit("steplens trace: --finding sets the window; leave out --since/--until")
+    if since and until and since >= until:
+        raise SystemExit("steplens trace: --since must be earlier than --until")
+    tmp = args.output + ".part"
+    summary = {}
+    try:
+        with open(tmp, "wb") as f:
+            for chunk in stub.BuildTrace(cpb.TraceRequest(job_key=args.job, finding_id=finding, since_ns=since,
+                                                          until_ns=until, store_only=args.store_only),
+                                         timeout=args.timeout + 300):
+                if chunk.data:
+                    f.write(chunk.data)
+                if chunk.summary_json:
+                    summary = json.loads(chunk.summary_json)
+        if not summary:
+            raise SystemExit("steplens trace: the collector's answer ended early; nothing written")
+        os.replace(tmp, args.output)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    summary["file"] = args.output
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    c = summary["counts"]
+    print(f"wrote {args.output}: {summary['bytes']:,} bytes, {len(summary['ranks'])} ranks on "
+          f"{len(summary['nodes'])} nodes, {(summary['until_ns'] - summary['since_ns']) / 1e9:.1f} s; "
+          + ", ".join(f"{k} {v:,}" for k, v in c.items() if v and k not in ("tracks",)))
+    for node in summary["offline"]:
+        print(f"  node {node}: not in the trace's detail ({summary['messages'].get(node, 'not asked')})")
+    for node, msg in summary["messages"].items():
+        if "truncated" in msg:
+            print(f"  node {node}: {msg}")
+    print("open it in https://ui.perfetto.dev (Open trace file) or with trace_processor_shell")
+    return 0
+
+
 def register(sub) -> None:
     """Add jobs, findings, diagnose and topology to the `steplens` subcommands."""
     sp = sub.add_parser("jobs", help="jobs: ranks, nodes, communicators, step time and baseline, open findings")
@@ -231,6 +273,16 @@ def register(sub) -> None:
     sp.add_argument("--limit", type=int, default=200, help="rows printed at most (not with --json)")
     sp.add_argument("--json", action="store_true", help="one JSON list of {endpoint, rank, step, start_ns, end_ns}")
     sp.set_defaults(func=cmd_timeline)
+    sp = sub.add_parser("trace", help="one Perfetto trace of a job's ranks in cluster time: steps, Python stacks, "
+                                      "comm ops with flows, kernels, counters, deep dives, findings")
+    sp.add_argument("job", help="the job key (see `steplens jobs`)")
+    sp.add_argument("-o", "--output", required=True, help="the trace file to write (e.g. job.pftrace)")
+    sp.add_argument("--finding", help="the window of this finding: its deep dive, or its span with 10 s each side")
+    sp.add_argument("--since", default="", help="window start: DURATION ago (default: 60 s before --until)")
+    sp.add_argument("--until", default="", help="window end: DURATION ago (default: now)")
+    sp.add_argument("--store-only", action="store_true", help="leave out the agents' node-local detail")
+    sp.add_argument("--json", action="store_true", help="print the summary as JSON")
+    sp.set_defaults(func=cmd_trace)
     sp = sub.add_parser("topology", help="the physical topology the collector holds (imported from a file)")
     sp.add_argument("--json", action="store_true", help="summary plus the whole document")
     sp.set_defaults(func=cmd_topology)

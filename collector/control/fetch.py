@@ -36,9 +36,10 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
     if not job_key:
         raise FetchError(grpc.StatusCode.INVALID_ARGUMENT, "job_key is required (see `steplens procs --json`)")
     kinds = list(kinds or []) or ["commops"]
-    bad = sorted(set(kinds) - {"commops", "kernels"})
+    bad = sorted(set(kinds) - {"commops", "kernels", "stacks"})
     if bad:
-        raise FetchError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown kind(s) {', '.join(bad)}: commops, kernels")
+        raise FetchError(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"unknown kind(s) {', '.join(bad)}: commops, kernels, stacks")
     procs = await asyncio.to_thread(reader.procs)
     want = set(ranks)
     by_node: dict[str, set[int]] = {}
@@ -87,6 +88,31 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
         for r in got:
             r["node_id"] = node
         out.rows.extend(got)
+    out.rows.sort(key=lambda r: (r.get("start_ns") or r.get("issue_ns") or r["ts_ns"], r.get("rank", -1)))
+    return out
+
+
+async def fetch_paged(ingest, reader, clock, job_key: str, ranks: list[int], since_ns: int, until_ns: int,
+                      kinds: list[str], chunk_ns: int = 2_000_000_000, min_chunk_ns: int = 20_000_000,
+                      limit: int = 100_000) -> Fetched:
+    """fetch_commops over a long window: asked in time chunks; a chunk an agent answered truncated (its answer
+    must fit one gRPC message) is asked again in halves, down to min_chunk_ns (then what came is kept and the
+    node's message says it was truncated)."""
+    out = Fetched()
+    t = since_ns
+    while t < until_ns:
+        end = min(until_ns, t + chunk_ns)
+        got = await fetch_commops(ingest, reader, clock, job_key, ranks, t, end, limit, kinds)
+        if any("truncated" in m for m in got.messages.values()) and end - t > min_chunk_ns:
+            chunk_ns = max(min_chunk_ns, (end - t) // 2)
+            continue
+        # a row exactly on a chunk boundary comes in both chunks: keep it once
+        out.rows.extend(r for r in got.rows if (r.get("start_ns") or r.get("ts_ns") or 0) < end or end == until_ns)
+        for node, msg in got.messages.items():
+            if "truncated" in msg or node not in out.messages:
+                out.messages[node] = msg
+        out.offline = sorted(set(out.offline) | set(got.offline))
+        t = end
     out.rows.sort(key=lambda r: (r.get("start_ns") or r.get("issue_ns") or r["ts_ns"], r.get("rank", -1)))
     return out
 

@@ -206,6 +206,21 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
             reply.messages[node] = msg
         return reply
 
+    async def BuildTrace(self, request, context):
+        """One Perfetto trace of a job (control/trace.py), streamed in chunks; the last carries the summary."""
+        await self._auth(context)
+        from steplens.collector.control.fetch import FetchError
+        from steplens.collector.control.trace import build_trace
+        try:
+            res = await build_trace(self.ingest, self.reader, self.clock, request.job_key, request.since_ns,
+                                    request.until_ns, request.finding_id, fetch=not request.store_only)
+        except FetchError as exc:
+            await context.abort(exc.code, str(exc))
+        step = 2 * 1024 * 1024
+        for off in range(0, len(res.data), step):
+            yield cpb.TraceChunk(data=res.data[off:off + step])
+        yield cpb.TraceChunk(summary_json=json.dumps(res.summary()))
+
     async def SetDeepMode(self, request, context):
         await self._auth(context)
         if request.enable and not (0 < request.duration_ns <= 3600 * 10**9):

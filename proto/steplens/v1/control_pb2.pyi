@@ -736,3 +736,25 @@ class TopologyReply(_message.Message):
     links: int
     topology_json: str
     def __init__(self, version: _Optional[int] = ..., origin: _Optional[str] = ..., imported_ns: _Optional[int] = ..., digest: _Optional[str] = ..., name: _Optional[str] = ..., nodes: _Optional[int] = ..., gpus: _Optional[int] = ..., nics: _Optional[int] = ..., switches: _Optional[int] = ..., links: _Optional[int] = ..., topology_json: _Optional[str] = ...) -> None: ...
+
+class TraceRequest(_message.Message):
+    __slots__ = ("job_key", "finding_id", "since_ns", "until_ns", "store_only")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    FINDING_ID_FIELD_NUMBER: _ClassVar[int]
+    SINCE_NS_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    STORE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    finding_id: str
+    since_ns: int
+    until_ns: int
+    store_only: bool
+    def __init__(self, job_key: _Optional[str] = ..., finding_id: _Optional[str] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., store_only: _Optional[bool] = ...) -> None: ...
+
+class TraceChunk(_message.Message):
+    __slots__ = ("data", "summary_json")
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_JSON_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    summary_json: str
+    def __init__(self, data: _Optional[bytes] = ..., summary_json: _Optional[str] = ...) -> None: ...

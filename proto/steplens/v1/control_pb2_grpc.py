@@ -129,6 +129,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.TopologyRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
                 _registered_method=True)
+        self.BuildTrace = channel.unary_stream(
+                '/steplens.v1.Control/BuildTrace',
+                request_serializer=steplens_dot_v1_dot_control__pb2.TraceRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.TraceChunk.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -248,6 +253,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BuildTrace(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -345,6 +356,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.GetTopology,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.TopologyRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.TopologyReply.SerializeToString,
+            ),
+            'BuildTrace': grpc.unary_stream_rpc_method_handler(
+                    servicer.BuildTrace,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.TraceRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.TraceChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -860,6 +876,33 @@ class Control:
             '/steplens.v1.Control/GetTopology',
             steplens_dot_v1_dot_control__pb2.TopologyRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.TopologyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BuildTrace(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/steplens.v1.Control/BuildTrace',
+            steplens_dot_v1_dot_control__pb2.TraceRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.TraceChunk.FromString,
             options,
             channel_credentials,
             insecure,
