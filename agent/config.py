@@ -46,8 +46,13 @@ class AgentSettings:
     reconnect_min_seconds: float = 0.5
     reconnect_max_seconds: float = 30.0
     log_level: str = "info"
+    governor: bool = True                   # the overhead governor (agent/governor.py) stretches the intervals of
+    cpu_budget_fraction: float = 0.0        # ... governed sources to keep the agent's CPU under this share of the
+    deep_cpu_budget_fraction: float = 0.03  # host's CPUs (sentinel: 0 = not governed; deep mode: 3 %)
 
     def validate(self) -> None:
+        if not 0 <= self.cpu_budget_fraction <= 1 or not 0 <= self.deep_cpu_budget_fraction <= 1:
+            raise ConfigError("cpu_budget_fraction and deep_cpu_budget_fraction must be within 0..1")
         if not self.node_id or any(c.isspace() for c in self.node_id) or len(self.node_id) > 128:
             raise ConfigError(f"node_id must be 1-128 characters without spaces, got {self.node_id!r}")
         conn.split_host_port(self.collector)

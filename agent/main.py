@@ -17,6 +17,7 @@ from steplens import conn
 from steplens.agent.config import AgentConfig
 from steplens.agent.control import CommandHandler, DeepModeScheduler
 from steplens.agent.records import Gap, Mode
+from steplens.agent.governor import Governor, GovernorSettings
 from steplens.agent.runner import BatchPolicy, Runner
 from steplens.agent.sources import load_source_class
 from steplens.agent.sources.base import HostContext
@@ -69,7 +70,9 @@ class Agent:
                 raise RuntimeError(f"cannot serve /metrics on {a.metrics_listen}: {exc.strerror or exc}") from None
         self.runner = Runner(self.ctx, specs, encode_records, self.spool,
                              BatchPolicy(a.batch_max_records, a.batch_max_bytes, a.batch_max_delay_seconds,
-                                         a.queue_max_records), observers)
+                                         a.queue_max_records), observers,
+                             Governor(GovernorSettings(a.governor, a.cpu_budget_fraction,
+                                                       a.deep_cpu_budget_fraction)))
         self.deep = DeepModeScheduler(self.runner.set_mode, lambda recs: self.runner.emit("agent", recs))
         self.ctx.mode = lambda: self.runner.mode
         tls = conn.TlsFiles(a.tls_ca, a.tls_cert, a.tls_key)
@@ -129,5 +132,8 @@ class Agent:
             mode_until_mono_ns=self.deep.until_mono_ns if self.runner.mode is Mode.DEEP else 0, final=final)
         for name, s in self.runner.states.items():
             msg.sources.add(name=name, up=s.up, reason=s.reason, last_duration_seconds=s.last_duration_seconds,
-                            steps=s.steps, errors=s.errors, records=s.records)
+                            steps=s.steps, errors=s.errors, records=s.records, cpu_cores=s.cpu_cores,
+                            rate_scale=s.rate_scale)
+        gov = self.runner.governor
+        msg.agent_cpu_cores, msg.cpu_budget_cores = gov.agent_cores, gov.budget_cores if gov.settings.enabled else 0.0
         return msg

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from steplens.agent.governor import Governor, GovernorSettings
 from steplens.agent.records import Event, Gap, Mode
 from steplens.agent.sources.base import Availability, HostContext, Source, SourceConfig
 
@@ -34,10 +35,13 @@ class SourceState:
     step_errors: int = 0
     records: int = 0
     step_started: float = 0.0  # time.monotonic() of a step in progress, 0 when idle
+    cpu_cores: float = 0.0     # its steps' CPU over the governor's last period (CPU seconds per second)
+    rate_scale: float = 1.0    # the governor's interval divisor (1: as configured)
 
     def as_dict(self) -> dict:
         return {"up": self.up, "reason": self.reason, "last_duration_seconds": self.last_duration_seconds,
-                "steps": self.steps, "errors": self.errors, "records": self.records}
+                "steps": self.steps, "errors": self.errors, "records": self.records, "cpu_cores": self.cpu_cores,
+                "rate_scale": self.rate_scale}
 
 
 @dataclass
@@ -88,8 +92,9 @@ class RecordQueue:
 class Runner:
     def __init__(self, ctx: HostContext, sources: dict[str, tuple[type[Source], SourceConfig]],
                  encode: Callable[[list], bytes], spool, policy: BatchPolicy,
-                 observers: list[Callable[[list], None]] | None = None) -> None:
+                 observers: list[Callable[[list], None]] | None = None, governor: Governor | None = None) -> None:
         self.ctx = ctx
+        self.governor = governor or Governor(GovernorSettings())
         self.spool = spool
         self.policy = policy
         self._encode = encode
@@ -119,6 +124,18 @@ class Runner:
         b = threading.Thread(target=self._batcher_main, name="batcher", daemon=True)
         self._batcher = b
         b.start()
+        g = threading.Thread(target=self._governor_main, name="governor", daemon=True)
+        self._threads.append(g)
+        g.start()
+
+    def _governor_main(self) -> None:
+        gov = self.governor
+        while not self._stop.wait(gov.settings.period_seconds):
+            gov.tick()
+            for name, c in gov.costs.items():
+                st = self.states.get(name)
+                if st is not None:
+                    st.cpu_cores, st.rate_scale = c.cores, c.scale
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop sources (each gets its share of timeout), then flush the queue into the spool."""
@@ -142,6 +159,7 @@ class Runner:
 
     def set_mode(self, mode: Mode) -> None:
         self._mode = mode
+        self.governor.set_deep(mode is Mode.DEEP)
         for name, inst in list(self._instances.items()):
             try:
                 inst.set_mode(mode)
@@ -177,11 +195,13 @@ class Runner:
             except Exception:
                 state.errors += 1
         state.up, state.reason = True, avail.reason
+        self.governor.register(name, bool(getattr(cls, "governed", True)))
         next_at = time.monotonic()
         try:
             while not self._stop.is_set():
                 t0 = time.monotonic()
                 state.step_started = t0
+                c0 = time.thread_time()
                 try:
                     recs = inst.step()
                     ok = True
@@ -192,6 +212,7 @@ class Runner:
                     log.debug("source %s step failed", name, exc_info=True)
                     recs = []
                 dt = time.monotonic() - t0
+                self.governor.add_cpu(name, time.thread_time() - c0)
                 state.step_started = 0.0
                 state.last_duration_seconds = dt
                 state.steps += 1
@@ -205,6 +226,7 @@ class Runner:
                     self.queue.put_many(name, recs)
                 interval = cfg.deep_interval_seconds if (self._mode is Mode.DEEP and cfg.deep_interval_seconds) \
                     else cfg.interval_seconds
+                interval /= self.governor.scale(name)   # stretched over the CPU budget (agent/governor.py)
                 next_at += interval
                 now = time.monotonic()
                 if next_at < now:  # overran: skip the missed ticks rather than bursting

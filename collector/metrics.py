@@ -24,10 +24,11 @@ def _hist(name: str, doc: str, h, labels: list[str] | None = None, values: list[
 
 
 class CollectorExporter:
-    def __init__(self, reader, engine, ingest=None) -> None:
+    def __init__(self, reader, engine, ingest=None, deepdives=None) -> None:
         self.reader = reader
         self.engine = engine
         self.ingest = ingest
+        self.deepdives = deepdives
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
         self.scrape_errors = 0
@@ -79,6 +80,18 @@ class CollectorExporter:
                                 "pass (max_jobs_per_cycle reached).", value=e.jobs_waiting)
         yield CounterMetricFamily("steplens_collector_analysis_store_failures", "Findings merges not committed.",
                                   value=e.store_failures)
+        if self.deepdives is not None:
+            dd = CounterMetricFamily("steplens_collector_deep_dives", "Deep dives by how they ended up (scheduled: "
+                                     "started; done, failed: analysed).", labels=["status"])
+            for status, n in sorted(self.deepdives.counts.items()):
+                dd.add_metric([status], n)
+            yield dd
+            sk = CounterMetricFamily("steplens_collector_deep_dives_skipped", "Findings that started no deep dive, "
+                                     "by reason (kind, detector, severity, cooldown, rate limit, overhead budget).",
+                                     labels=["reason"])
+            for why, n in sorted(self.deepdives.skipped.items()):
+                sk.add_metric([why], n)
+            yield sk
         yield CounterMetricFamily("steplens_collector_analysis_cause_errors", "Passes whose causes step failed "
                                   "(the findings kept the detectors' causes).", value=e.cause_errors)
         yield CounterMetricFamily("steplens_collector_analysis_cause_seconds", "Time spent attaching causes.",

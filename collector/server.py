@@ -15,6 +15,7 @@ import grpc
 
 from steplens import conn
 from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig
+from steplens.collector.analysis.deepdive import DeepDiveConfig, DeepDives
 from steplens.collector.analysis.engine import AnalysisEngine
 from steplens.collector.control.fetch import thread_fetcher
 from steplens.collector.control.service import ControlService
@@ -43,6 +44,7 @@ class CollectorSettings:
     detector_configs: dict[str, DetectorConfig] = field(default_factory=dict)  # name -> config ([detectors.*])
     detectors: dict | None = None  # name -> DetectorSpec; None: every registered one (analysis.DETECTORS)
     metrics_listen: str = ""       # HOST:PORT for /metrics ('' : none)
+    deep_dive: DeepDiveConfig = field(default_factory=DeepDiveConfig)   # [deep_dive]: findings start deep dives
 
     def validate(self) -> None:
         conn.split_host_port(self.listen)
@@ -82,6 +84,9 @@ class Collector:
         self.analysis = AnalysisEngine(Reader(settings.db), self.writer, analysis, settings.detectors,
                                        settings.detector_configs, now_ns=self.clock.now_ns)
         self.control.engine = self.analysis
+        self.deepdives = DeepDives(self.ingest, Reader(settings.db), self.writer, self.clock, self.analysis.hub,
+                                   settings.deep_dive)
+        self.control.deepdives = self.deepdives
         self.metrics = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -113,9 +118,11 @@ class Collector:
         await self.server.start()
         self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock)
         self.analysis.start()
+        self.deepdives.start()
         if s.metrics_listen:
             from steplens.collector.metrics import CollectorExporter, MetricsServer
-            self.metrics = MetricsServer(CollectorExporter(Reader(s.db), self.analysis, self.ingest).registry,
+            self.metrics = MetricsServer(CollectorExporter(Reader(s.db), self.analysis, self.ingest,
+                                                           self.deepdives).registry,
                                          s.metrics_listen)
         log.info("collector listening on %s (port %d), store %s, %s", s.listen, self.port, s.db,
                  "insecure (loopback only)" if s.insecure else "mutual TLS")
@@ -125,6 +132,7 @@ class Collector:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        await self.deepdives.stop()
         await asyncio.to_thread(self.analysis.stop)
         if self.server is not None:
             await self.server.stop(grace)

@@ -75,11 +75,16 @@ def test_trace_of_a_four_rank_job_loads_in_perfettos_trace_processor(tmp_path):
                                           stderr=open(tmp_path / f"rank{rank}.err", "wb")))
         wait_for(lambda: len([p for p in collector.cli("procs") if p["job_key"] == "e2e-trace"]) == 4, 60,
                  what="4 ranks in procs")
-        time.sleep(3)
+        time.sleep(14)   # the dive's reference window (10 s, 1 s before it) in the job's steady state
         assert all(p.poll() is None for p in procs), (tmp_path / "rank0.err").read_text()[-3000:]
-        deep = collector.cli("deep", "start", "--duration", "3s", "--lead-ms", "200")
-        assert deep["delivered"] == ["node-a"], deep
-        time.sleep(5)
+        # an operator's deep dive of the job (analysis/deepdive.py): its node, a reference window, ranked causes
+        deep = collector.cli("deep", "start", "--job", "e2e-trace", "--duration", "3s", "--lead-ms", "200")
+        assert deep["delivered"] == ["node-a"] and deep["deep_dive"]["ranks"] == [0, 1, 2, 3], deep
+
+        def dive_done():
+            rows = collector.cli("deep", "list", "--job", "e2e-trace")
+            return rows[0] if rows and rows[0]["status"] in ("done", "failed") else None
+        dive = wait_for(dive_done, 60, interval=1.0, what="the deep dive analysed")
         (sync / "stop").touch()
         steplens = os.path.join(REPO, ".venv", "bin", "steplens")
         r = subprocess.run([steplens, "--collector", collector.address, "--insecure", "trace", "e2e-trace",
@@ -104,6 +109,11 @@ def test_trace_of_a_four_rank_job_loads_in_perfettos_trace_processor(tmp_path):
         collector.stop()
         shutil.rmtree(short, ignore_errors=True)
 
+    # the dive: switched on its one node (ModeChange), 1 kHz stacks of every rank, rank 3 (the slow one) ranked first
+    assert dive["status"] == "done" and dive["command_id"] == deep["command_id"], dive
+    assert list(dive["started"]) == ["node-a"] and dive["start_spread_ns"] == 0
+    assert dive["data"]["ranks"] == 4 and dive["data"]["deep_samples"] > 4 * 1000, dive["data"]
+    assert dive["causes"] and dive["causes"][0]["rank"] == 3, dive["causes"][:3]
     assert summary["ranks"] == [0, 1, 2, 3] and summary["nodes"] == ["node-a"] and not summary["offline"]
     with TraceProcessorWasm.load(str(out)) as tp:
         tracks = tp.query("select id, name, parent_id from track")

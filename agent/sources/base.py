@@ -88,6 +88,9 @@ class Source:
     name: ClassVar[str] = ""
     config_class: ClassVar[type[SourceConfig]] = SourceConfig
     description: ClassVar[str] = ""
+    # the overhead governor may stretch its interval (agent/governor.py); False for sources that drain kernel
+    # buffers or rings that would overflow or wrap if read less often
+    governed: ClassVar[bool] = True
 
     def __init__(self, ctx: HostContext, config: SourceConfig) -> None:
         self.ctx = ctx

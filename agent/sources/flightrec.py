@@ -548,6 +548,7 @@ class _Target:
 
 
 class FlightrecSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "flightrec"
     description = ("torch.distributed Flight Recorder entries (seq, pg, sizes) via the bootstrap's worker-server "
                    "socket, and Python GC time from the bootstrap's <pid>.gc")

@@ -159,6 +159,7 @@ class _Call(ct.Structure):
 
 
 class GpuprobesSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "gpuprobes"
     config_class = GpuprobesConfig
     description = "NCCL API calls and CUDA kernel launches of workload processes (eBPF uprobes on libnccl/libcudart/libcuda)"

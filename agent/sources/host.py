@@ -68,6 +68,7 @@ _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 @dataclass
 class HostConfig(SourceConfig):
+    deep_interval_seconds: float = 0.25  # deep mode: the counters a deep dive ranks causes by, 4 per second
     cpu_per_core: bool = True  # per-core utilization and iowait percent
     cpu_frequency: bool = True  # per-core frequency (sysfs cpufreq, else /proc/cpuinfo)
     processes: bool = True  # per-process figures for the workloads the procs source found

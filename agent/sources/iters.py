@@ -117,6 +117,7 @@ def read_ring(path: str, after: int = -1) -> Ring:
 
 
 class ItersSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "iters"
     description = ("iterations of serving engines and training loops (exact bounds, phase, batch and token counts) "
                    "from the bootstrap's <pid>.iters rings")

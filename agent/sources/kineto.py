@@ -115,6 +115,7 @@ class _Proc:
 
 
 class KinetoSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "kineto"
     description = ("Kineto traces on demand over a dynolog-compatible socket (jobs launched with "
                    "KINETO_USE_DAEMON=1): comm ops, kernels and launches")

@@ -51,6 +51,7 @@ class NccltopoConfig(SourceConfig):
 
 
 class NccltopoSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "nccltopo"
     config_class = NccltopoConfig
     description = "NCCL communicator membership: comm hash -> rank -> host/pid/GPU (NCCL init logs, NCCL RAS)"

@@ -264,6 +264,7 @@ def _ip(addr: int) -> str:
 
 
 class NetflowsSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "netflows"
     config_class = NetflowsConfig
     description = "per-TCP-connection bytes/packets/retransmits/RTT/PID and idle-gap flows (eBPF raw tracepoints)"

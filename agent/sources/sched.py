@@ -108,6 +108,7 @@ def _state_offset() -> int:
 
 
 class SchedSource(Source):
+    governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "sched"
     config_class = SchedConfig
     description = "per-thread on/off-CPU and run-queue time of workload threads (eBPF raw tracepoints; deep: off-CPU stacks)"

@@ -120,6 +120,19 @@ resolve_after_seconds = 10.0
 [detectors.sentinel]
 window_seconds = 40.0
 resolve_after_seconds = 6.0
+
+# a ~0.1 s step: no progress for 4 s (40 steps) is a hang here (the production floor is 15 s)
+[detectors.hang]
+floor_seconds = 4.0
+
+# a finding starts a 6 s deep dive on the job's hosts (analysis/deepdive.py); the bed injects a fault every
+# minute or so, hence a short cool-down and a loose budget (production defaults: 10 s, 10 min, 5 % of the hour)
+[deep_dive]
+duration_seconds = 6.0
+reference_seconds = 8.0
+cooldown_seconds = 20.0
+max_per_hour = 120
+max_deep_fraction = 0.5
 """
 
 

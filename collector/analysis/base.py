@@ -87,6 +87,8 @@ class AnalysisSettings:
     flows_ignore_ports: list = field(default_factory=list)  # TCP ports whose flows are no job's (the collector's
                                            # own listen ports are added by the collector)
     flows_segmenter: str = "gap"           # step division of a pair's flows: gap (natural break) | bocd (reference)
+    idle_watch_seconds: float = 3600.0     # a job whose data stopped (hung in an op no source reports, stopped)
+                                           # is still run through the hang detector, up to now, this long
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:
@@ -101,6 +103,8 @@ class AnalysisSettings:
             raise ConfigError(f"flows_segmenter must be gap or bocd, got {self.flows_segmenter!r}")
         if not all(isinstance(p, int) and 0 < p < 65536 for p in self.flows_ignore_ports):
             raise ConfigError(f"flows_ignore_ports must be TCP ports (1..65535), got {self.flows_ignore_ports}")
+        if not 0 <= self.idle_watch_seconds <= 7 * 86400:
+            raise ConfigError(f"idle_watch_seconds must be within 0..604800, got {self.idle_watch_seconds}")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
             raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
 

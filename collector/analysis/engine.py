@@ -237,6 +237,8 @@ class AnalysisEngine:
         self._memos: collections.OrderedDict[str, dict] = collections.OrderedDict()  # job -> per-step memo
         self._memo_lock = threading.Lock()
         self._marks: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, float]] = {}   # job -> (newest data mark, monotonic time it last moved)
+        self.idle_runs = 0
         self._rowid = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -404,7 +406,44 @@ class AnalysisEngine:
             self.lag.observe(max(0.0, (self.now_ns() - mark) / 1e9))
             ran += 1
             self._duty(cpu)
-        return ran + self._flow_pass()
+        return ran + self._idle_pass(marks) + self._flow_pass()
+
+    def _idle_pass(self, marks: dict[str, int]) -> int:
+        """Jobs whose data stopped coming: run the hang detector on them up to now. A job blocked in an op that no
+        source reports as pending (gloo's send/recv, a stopped rank's peers), or whose every rank is stopped,
+        sends nothing the loop wakes on; without this pass it would never be called hung. Jobs whose processes
+        all exited are left out (the detector says so itself where they hung first)."""
+        s = self.settings
+        now_mono = time.monotonic()
+        for job, mark in marks.items():
+            old = self._seen.get(job)
+            if old is None or mark > old[0]:
+                self._seen[job] = (mark, now_mono)
+        if "hang" not in self.detectors or not self.configs["hang"].enabled or not s.idle_watch_seconds:
+            return 0
+        idle = [job for job, (mark, moved) in self._seen.items()
+                if now_mono - moved >= max(2 * s.interval_seconds, 1.0) and job not in self._marks]
+        for job in [j for j in idle if now_mono - self._seen[j][1] > s.idle_watch_seconds]:
+            del self._seen[job]
+        idle = [j for j in idle if j in self._seen]
+        if not idle:
+            return 0
+        alive = {p["job_key"] for p in self.reader.procs(alive_only=True)} if hasattr(self.reader, "procs") else set()
+        ran = 0
+        for job in idle:
+            if self._stop.is_set() or job not in alive:
+                continue
+            c0 = time.thread_time()
+            try:
+                self.run_job(job, until_ns=self.now_ns(), data_ns=self._seen[job][0], only=("hang",))
+                self.idle_runs += 1
+            except Exception as exc:
+                log.error("idle hang check of job %s failed: %s", job, exc)
+            cpu = time.thread_time() - c0
+            self.cpu_seconds += cpu
+            ran += 1
+            self._duty(cpu)
+        return ran
 
     def _duty(self, cpu: float) -> None:
         f = self.settings.max_cpu_fraction

@@ -286,17 +286,22 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
              now - p["pending_since_ns"] >= bound_ns]
     if not last or now - newest_step < bound_ns:
         return []
-    if progress and not stuck:
-        return []  # ops complete (a long step, a checkpoint): not a hang
     ranks = {r["rank"]: r for r in job.get("ranks", []) if r.get("rank", -1) >= 0}
     if ranks and all(r.get("alive") is False for r in ranks.values()):
         return []  # every process has exited: the job ended (or died), it does not hang
     procs = {(r["node_id"], r["pid"]): k for k, r in ranks.items() if r.get("pid")}
     for p in progress:
         procs.setdefault((p["node_id"], p["pid"]), p["rank"])
+    states = _states(reader, window, procs, max(window.since_ns, newest_step - int(bound_ns)))
+    # nothing pending in the Flight Recorder: ops complete (a long step, a checkpoint), not a hang, unless a
+    # rank's process stopped, blocked or went away after its own newest step. Its peers then wait in ops the
+    # recorder does not keep (gloo's send/recv of a pipeline) and report nothing pending (testbed: a stopped
+    # stage-1 rank; its CommProgress shows nothing pending while the job stands still).
+    halted = [k for k, st in states.items() if st["since_ns"] >= last.get(k, 0)]
+    if progress and not stuck and not halted:
+        return []
     onset = min([p["pending_since_ns"] for p in stuck] or [newest_step])
     onset = max(onset, newest_step) if stuck else newest_step
-    states = _states(reader, window, procs, max(window.since_ns, newest_step - int(bound_ns)))
     for k, r in ranks.items():
         if r.get("alive") is False and k not in states:
             states[k] = {"state": "exited", "since_ns": 0, "message": ""}

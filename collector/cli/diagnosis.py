@@ -24,7 +24,8 @@ def finding_json(f: cpb.Finding) -> dict:
             "peak_severity": f.peak_severity, "summary": f.summary,
             "suspects": [{"kind": s.kind, "id": s.id, "score": s.score, "cause": s.cause,
                           "evidence": json.loads(s.evidence_json or "{}")} for s in f.suspects],
-            "evidence": json.loads(f.evidence_json or "{}"), "confirmations": f.confirmations}
+            "evidence": json.loads(f.evidence_json or "{}"), "confirmations": f.confirmations,
+            "deep_dive": json.loads(f.deep_dive_json) if f.deep_dive_json else None}
 
 
 def _since_ns(text: str) -> int:

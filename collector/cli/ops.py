@@ -53,6 +53,18 @@ def _us(ns: int) -> str:
     return f"{ns / 1e3:.0f}µs" if abs(ns) < 10**7 else f"{ns / 1e6:.1f}ms"
 
 
+def _cpu(n: dict) -> str:
+    """The agent's own CPU (% of a core), its governor's budget, and its costliest source with its rate scale."""
+    text = f"{100 * n['agent_cpu_cores']:.1f}%"
+    if n["cpu_budget_cores"]:
+        text += f" (≤{100 * n['cpu_budget_cores']:.1f}%)"
+    top = max(n["sources"].items(), key=lambda kv: kv[1]["cpu_cores"], default=None)
+    if top and top[1]["cpu_cores"] > 0:
+        text += f"; {top[0]} {100 * top[1]['cpu_cores']:.1f}%" + (f" x{top[1]['rate_scale']:.2f}"
+                                                                   if top[1]["rate_scale"] < 1 else "")
+    return text
+
+
 def cmd_nodes(stub, args) -> int:
     reply = stub.ListNodes(cpb.ListRequest(node_id=args.node or ""), timeout=args.timeout)
     nodes = []
@@ -63,12 +75,14 @@ def cmd_nodes(stub, args) -> int:
             "clock_uncertainty_ns": n.clock_uncertainty_ns, "clock_drift_ppm": n.clock_drift_ppm,
             "clock_rtt_ns": n.clock_rtt_ns,
             "sources": {s.name: {"up": s.up, "reason": s.reason, "last_duration_seconds": s.last_duration_seconds,
-                                 "errors": s.errors} for s in n.sources},
+                                 "errors": s.errors, "cpu_cores": s.cpu_cores, "rate_scale": s.rate_scale}
+                        for s in n.sources},
             "spool_backlog": n.spool_backlog, "records_produced": n.records_produced,
             "records_acked": n.records_acked, "records_dropped": n.records_dropped,
             "records_stored": n.records_stored, "records_rejected": n.records_rejected,
             "batches_stored": n.batches_stored, "batches_duplicate": n.batches_duplicate, "gaps": n.gaps,
-            "mode": n.mode, "mode_until_ns": n.mode_until_ns})
+            "mode": n.mode, "mode_until_ns": n.mode_until_ns, "agent_cpu_cores": n.agent_cpu_cores,
+            "cpu_budget_cores": n.cpu_budget_cores})
     if args.json:
         print(json.dumps(nodes, indent=2))
         return 0
@@ -79,9 +93,9 @@ def cmd_nodes(stub, args) -> int:
         rows.append([n["node_id"], "yes" if n["connected"] else "no", _ago(n["last_seen_ns"]),
                      f"±{_us(n['clock_uncertainty_ns'])}", ",".join(up) or "-", "; ".join(down) or "-",
                      n["spool_backlog"], n["records_produced"], n["records_stored"], n["records_dropped"],
-                     n["records_rejected"], n["gaps"], n["mode"]])
+                     n["records_rejected"], n["gaps"], n["mode"], _cpu(n)])
     print(_table(rows, ["NODE", "CONN", "LAST SEEN", "CLOCK", "UP", "DOWN (why)", "BACKLOG", "PRODUCED", "STORED",
-                        "DROPPED", "REJECTED", "GAPS", "MODE"]))
+                        "DROPPED", "REJECTED", "GAPS", "MODE", "AGENT CPU (budget; costliest, scale)"]))
     return 0
 
 
@@ -648,20 +662,51 @@ def cmd_commops(stub, args) -> int:
 
 
 def cmd_deep(stub, args) -> int:
+    if args.action == "list":
+        return _deep_list(stub, args)
     enable = args.action == "start"
+    if args.job and not enable:
+        raise SystemExit("steplens deep stop: --job is for start; stop takes --nodes")
     req = cpb.DeepRequest(node_ids=args.nodes.split(",") if args.nodes else [], enable=enable,
                           lead_ms=args.lead_ms, duration_ns=int(parse_duration(args.duration) * 1e9) if enable else 0,
-                          sources=args.sources.split(",") if args.sources else [])
+                          sources=args.sources.split(",") if args.sources else [], job_key=args.job or "")
     reply = stub.SetDeepMode(req, timeout=args.timeout + 10)
     out = {"command_id": reply.command_id, "start_ns": reply.start_ns, "delivered": list(reply.delivered),
            "offline": list(reply.offline), "messages": dict(reply.messages)}
+    if reply.deep_dive_json:
+        out["deep_dive"] = json.loads(reply.deep_dive_json)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"deep mode {args.action}: command {reply.command_id}; delivered to {len(reply.delivered)} node(s)")
         for node, msg in sorted(reply.messages.items()):
             print(f"  {node}: {msg}")
+        if args.job:
+            print(f"ranked causes when the window is over: steplens deep list --job {args.job}")
     return 0 if not reply.offline else 1
+
+
+def _deep_list(stub, args) -> int:
+    reply = stub.ListDeepDives(cpb.DeepDivesRequest(job_key=args.job or "", limit=args.limit), timeout=args.timeout)
+    rows = json.loads(reply.deep_dives_json or "[]")
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    if not rows:
+        print("no deep dives")
+        return 0
+    table = []
+    for d in rows:
+        top = d["causes"][0] if d["causes"] else None
+        spread = d.get("start_spread_ns")
+        table.append([d["command_id"], d["job_key"], d["trigger"], d["finding_id"] or "-", _ago(d["start_ns"]),
+                      f"{d['duration_ns'] / 1e9:.1f}s", str(len(d["nodes"])),
+                      "-" if spread is None else f"{spread / 1e6:.2f}ms", d["status"],
+                      f"rank {top['rank']} {top['kind']} {top['id']} ({top['cause']}, {top['score']:.0f})"
+                      if top else (d["note"] or "-")])
+    print(_table(table, ["COMMAND", "JOB", "TRIGGER", "FINDING", "START", "FOR", "NODES", "SPREAD", "STATUS",
+                         "TOP CAUSE"]))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -733,8 +778,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true", help="one JSON list: rank, comm_id, op, seq, bytes, start_ns, "
                                                          "end_ns, source, ... (cluster times)")
     sp.set_defaults(func=cmd_commops)
-    sp = sub.add_parser("deep", help="start or stop synchronized deep mode on agents")
-    sp.add_argument("action", choices=["start", "stop"])
+    sp = sub.add_parser("deep", help="synchronized deep mode on agents; with --job a deep dive of that job (its "
+                                     "nodes, a reference window, ranked causes); list: the deep dives")
+    sp.add_argument("action", choices=["start", "stop", "list"])
+    sp.add_argument("--job", help="start: a deep dive of this job (its nodes); list: only this job's")
+    sp.add_argument("--limit", type=int, default=100, help="list: at most this many, newest first")
     sp.add_argument("--nodes", help="comma-separated node ids (default: every connected agent)")
     sp.add_argument("--duration", default="30s", help="how long (start only; e.g. 30s, 5m)")
     sp.add_argument("--lead-ms", type=int, default=500, help="start this long from now, so all agents start together")

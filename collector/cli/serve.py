@@ -23,7 +23,7 @@ else:  # pragma: no cover
 DEFAULT_CONFIG_PATH = "/etc/steplens/collector.toml"
 _KEYS = {"db", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
          "operator_cns", "retention", "log_level", "metrics_listen"}
-_TABLES = {"collector", "analysis", "detectors"}
+_TABLES = {"collector", "analysis", "detectors", "deep_dive"}
 
 
 def parse_duration(text: str) -> float:
@@ -51,6 +51,7 @@ def _settings(args) -> tuple[CollectorSettings, str]:
         if unknown:
             raise ValueError(f"{path}: unknown table(s) {', '.join(sorted(unknown))} (known: {', '.join(sorted(_TABLES))})")
     analysis, detector_configs = analysis_config(doc, path or "config")
+    deep_dive = deep_dive_config(doc, path or "config")
     for key in _KEYS:
         value = getattr(args, key, None)
         if value not in (None, ""):
@@ -64,8 +65,15 @@ def _settings(args) -> tuple[CollectorSettings, str]:
         token=conn.read_token(table.get("token_file", "")),
         operator_cns=tuple(table.get("operator_cns", ["steplens-operator"])),
         retention_seconds=parse_duration(table.get("retention", "7d")), metrics_listen=table.get("metrics_listen", ""),
-        analysis=analysis, detector_configs=detector_configs)
+        analysis=analysis, detector_configs=detector_configs, deep_dive=deep_dive)
     return s, table.get("log_level", "info")
+
+
+def deep_dive_config(doc: dict, where: str):
+    """[deep_dive] of a collector config (analysis/deepdive.py): unknown keys and bad values are errors."""
+    from steplens.collector.analysis.base import build_config
+    from steplens.collector.analysis.deepdive import DeepDiveConfig
+    return build_config(DeepDiveConfig, doc.get("deep_dive", {}), f"{where}: [deep_dive]")
 
 
 def analysis_config(doc: dict, where: str):

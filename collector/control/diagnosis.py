@@ -22,8 +22,8 @@ from steplens.v1 import control_pb2 as cpb
 MAX_TOPOLOGY_BYTES = 64 << 20
 
 
-def finding_pb(f: Finding) -> cpb.Finding:
-    return cpb.Finding(
+def finding_pb(f: Finding, deep: dict | None = None) -> cpb.Finding:
+    return cpb.Finding(deep_dive_json=json.dumps(deep) if deep else "",
         id=f.id, job_key=f.job_key, kind=f.kind, detector=f.detector, status=f.status, onset_ns=f.onset_ns,
         last_ns=f.last_ns, resolved_ns=f.resolved_ns, severity=f.severity,
         peak_severity=max(f.peak_severity, f.severity), summary=f.summary,
@@ -194,7 +194,14 @@ class DiagnosisControl:
         await self._auth(context)
         rows = await asyncio.to_thread(self.reader.findings, request.job_key, request.since_ns, request.open_only,
                                        request.limit or 1000)
-        return cpb.FindingList(findings=[finding_pb(f) for f in rows])
+        deep = await asyncio.to_thread(self._deep_of, rows)
+        return cpb.FindingList(findings=[finding_pb(f, deep.get(f.id)) for f in rows])
+
+    def _deep_of(self, findings) -> dict:
+        """finding id -> the deep dive that observed it (Reader.deep_dives_for)."""
+        if not findings or not hasattr(self.reader, "deep_dives_for"):
+            return {}
+        return self.reader.deep_dives_for(findings)
 
     async def Diagnose(self, request, context):
         await self._auth(context)
@@ -228,11 +235,14 @@ class DiagnosisControl:
         sub = self.engine.hub.subscribe(asyncio.get_running_loop(), request.job_key)
         try:
             if request.include_open:
-                for f in await asyncio.to_thread(self.reader.findings, request.job_key, 0, True, 10000):
-                    yield cpb.FindingEvent(event="open", finding=finding_pb(f))
+                rows = await asyncio.to_thread(self.reader.findings, request.job_key, 0, True, 10000)
+                deep = await asyncio.to_thread(self._deep_of, rows)
+                for f in rows:
+                    yield cpb.FindingEvent(event="open", finding=finding_pb(f, deep.get(f.id)))
             while True:
                 event, f, dropped = await sub.get()
-                yield cpb.FindingEvent(event=event, finding=finding_pb(f), dropped=dropped)
+                deep = await asyncio.to_thread(self._deep_of, [f]) if event != "opened" else {}
+                yield cpb.FindingEvent(event=event, finding=finding_pb(f, deep.get(f.id)), dropped=dropped)
         finally:
             self.engine.hub.unsubscribe(sub)
 

@@ -55,7 +55,8 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
                 if k == "sources":
                     for name, s in v.items():
                         n.sources.add(name=name, up=s["up"], reason=s["reason"],
-                                      last_duration_seconds=s["last_duration_seconds"], errors=s["errors"])
+                                      last_duration_seconds=s["last_duration_seconds"], errors=s["errors"],
+                                      cpu_cores=s["cpu_cores"], rate_scale=s["rate_scale"])
                 else:
                     setattr(n, k, v)
             # a live stream knows better than the store whether it is connected right now
@@ -225,4 +226,38 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
         await self._auth(context)
         if request.enable and not (0 < request.duration_ns <= 3600 * 10**9):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "duration must be within 0..3600 s")
+        if request.job_key:
+            return await self._deep_dive(request, context)
         return await start_deep_mode(self.ingest, self.clock, request, command_id=uuid.uuid4().hex[:12])
+
+    async def _deep_dive(self, request, context):
+        """An operator's deep dive of one job (analysis/deepdive.py): its nodes, a reference window before it,
+        ranked causes attached to the job's newest open finding (if any) when the window is over."""
+        dives = getattr(self, "deepdives", None)
+        if dives is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "deep dives are not set up on this collector")
+        if request.node_ids:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "--job picks the nodes: leave out --nodes")
+        if not request.enable:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "stopping is per node (deep stop [--nodes])")
+        open_ = await asyncio.to_thread(self.reader.findings, request.job_key, 0, True, 1)
+        try:
+            dd = await dives.start_dive(request.job_key, open_[0].id if open_ else "", "operator",
+                                        duration_ns=request.duration_ns, lead_ms=request.lead_ms, force=True)
+        except LookupError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        if dd is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no node of the job is connected")
+        rows = await asyncio.to_thread(self.reader.deep_dives, "", None, dd.command_id, 1)
+        reply = cpb.DeepReply(command_id=dd.command_id, start_ns=dd.start_ns, delivered=dd.delivered,
+                              offline=[n for n in dd.nodes if n not in dd.delivered],
+                              deep_dive_json=json.dumps(rows[0]) if rows else "")
+        for node, msg in dd.messages.items():
+            reply.messages[node] = msg
+        return reply
+
+    async def ListDeepDives(self, request, context):
+        await self._auth(context)
+        rows = await asyncio.to_thread(self.reader.deep_dives, request.job_key, None, request.command_id,
+                                       request.limit or 100)
+        return cpb.DeepDivesReply(deep_dives_json=json.dumps(rows))

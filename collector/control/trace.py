@@ -68,9 +68,9 @@ def window_of(reader, job_key: str, finding_id: str, since_ns: int, until_ns: in
         if not found:
             raise FetchError(grpc.StatusCode.NOT_FOUND, f"no finding {finding_id!r} of job {job_key!r}")
         f = found[0]
-        deep = (f.evidence or {}).get("deep_dive") or {}
-        if deep.get("start_ns") and deep.get("duration_ns"):
-            return deep["start_ns"] - deep.get("reference_ns", 0), deep["start_ns"] + deep["duration_ns"]
+        d = reader.deep_dives_for([f]).get(f.id) if hasattr(reader, "deep_dives_for") else None
+        if d and d["start_ns"]:
+            return min(d["reference_since_ns"] or d["start_ns"], d["start_ns"]), d["start_ns"] + d["duration_ns"]
         return f.onset_ns - FINDING_MARGIN_NS, (f.resolved_ns or f.last_ns) + FINDING_MARGIN_NS
     until = until_ns or now_ns
     since = since_ns or until - 60 * 10**9

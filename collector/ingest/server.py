@@ -287,14 +287,16 @@ class IngestService:
 
     def _on_status(self, session: Session, st: ipb.AgentStatus) -> None:
         sources = {x.name: {"up": x.up, "reason": x.reason, "last_duration_seconds": x.last_duration_seconds,
-                            "steps": x.steps, "errors": x.errors, "records": x.records} for x in st.sources}
+                            "steps": x.steps, "errors": x.errors, "records": x.records, "cpu_cores": x.cpu_cores,
+                            "rate_scale": x.rate_scale or 1.0} for x in st.sources}
         mode = "deep" if st.mode == 2 else "sentinel"
         until = 0
         if st.mode_until_mono_ns and session.clock is not None:
             until = session.clock.to_cluster(st.mode_until_mono_ns)
         self._update(session.agent_id, sources=sources, spool_backlog=st.spool_backlog_batches,
                      records_produced=st.records_produced, records_acked=st.records_acked,
-                     records_dropped=st.records_dropped, mode=mode, mode_until_ns=until)
+                     records_dropped=st.records_dropped, mode=mode, mode_until_ns=until,
+                     agent_cpu_cores=st.agent_cpu_cores, cpu_budget_cores=st.cpu_budget_cores)
 
     def _update(self, agent_id: str, **fields) -> None:
         fields["last_seen_ns"] = self.clock.now_ns()

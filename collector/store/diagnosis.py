@@ -79,6 +79,33 @@ def write_topology(conn: sqlite3.Connection, topo: Topology, origin: str, now_ns
     return cur.lastrowid
 
 
+_DCOLS = ("command_id, job_key, finding_id, trigger, requested_ns, start_ns, duration_ns, reference_since_ns,"
+          " reference_until_ns, nodes_json, ranks_json, status, note, result_json, updated_ns")
+
+
+def write_deep_dive(conn: sqlite3.Connection, d: dict, now_ns: int) -> int:
+    """Insert or update one deep dive (analysis/deepdive.py's DeepDive.row())."""
+    conn.execute(f"INSERT INTO deep_dives({_DCOLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) ON CONFLICT(command_id)"
+                 " DO UPDATE SET finding_id=excluded.finding_id, status=excluded.status, note=excluded.note,"
+                 " result_json=excluded.result_json, updated_ns=excluded.updated_ns",
+                 (d["command_id"], d["job_key"], d["finding_id"], d["trigger"], d["requested_ns"], d["start_ns"],
+                  d["duration_ns"], d["reference_since_ns"], d["reference_until_ns"], json.dumps(d["nodes"]),
+                  json.dumps(d["ranks"]), d["status"], d["note"], json.dumps(d.get("result") or {}), now_ns))
+    return 1
+
+
+def deep_dive_json(r: dict) -> dict:
+    """A stored deep dive as the `deep_dive` of a finding's JSON (and `steplens deep list --json`)."""
+    res = json.loads(r["result_json"] or "{}")
+    return {"command_id": r["command_id"], "job_key": r["job_key"], "finding_id": r["finding_id"],
+            "trigger": r["trigger"], "requested_ns": r["requested_ns"], "start_ns": r["start_ns"],
+            "duration_ns": r["duration_ns"], "reference_since_ns": r["reference_since_ns"],
+            "reference_until_ns": r["reference_until_ns"], "nodes": json.loads(r["nodes_json"]),
+            "ranks": json.loads(r["ranks_json"]), "status": r["status"], "note": r["note"],
+            "causes": res.get("causes", []), "started": res.get("started", {}),
+            "start_spread_ns": res.get("start_spread_ns"), "data": res.get("data", {})}
+
+
 class DiagnosisQueries:
     """Read side; mixed into queries.Reader, whose _db() opens a read-only connection."""
 
@@ -101,6 +128,48 @@ class DiagnosisQueries:
             return [finding_from_row(r) for r in _dict_rows(cur)]
         finally:
             db.conn.close()
+
+    def deep_dives(self, job_key: str = "", finding_ids: list[str] | None = None, command_id: str = "",
+                   limit: int = 100) -> list[dict]:
+        """Deep dives, newest first, as deep_dive_json() objects."""
+        cond, args = ["1=1"], []
+        if job_key:
+            cond.append("job_key = ?")
+            args.append(job_key)
+        if command_id:
+            cond.append("command_id = ?")
+            args.append(command_id)
+        if finding_ids is not None:
+            if not finding_ids:
+                return []
+            cond.append("finding_id IN (%s)" % ",".join("?" * len(finding_ids)))
+            args += list(finding_ids)
+        db = self._db()
+        try:
+            cur = db.conn.execute(f"SELECT {_DCOLS} FROM deep_dives WHERE {' AND '.join(cond)}"
+                                  " ORDER BY start_ns DESC LIMIT ?", args + [limit])
+            return [deep_dive_json(r) for r in _dict_rows(cur)]
+        finally:
+            db.conn.close()
+
+    def deep_dives_for(self, findings: list) -> dict:
+        """finding id -> the deep dive that observed it: the newest one it started, else the newest one of its job
+        whose window overlaps the finding's span (a dive covers the whole job: a second finding that opened while
+        one ran, in its cool-down, gets that one)."""
+        out: dict = {}
+        by_job: dict[str, list] = {}
+        for f in findings:
+            by_job.setdefault(f.job_key, []).append(f)
+        for job, fs in by_job.items():
+            dives = self.deep_dives(job_key=job, limit=200)
+            for f in fs:
+                own = [d for d in dives if d["finding_id"] == f.id]
+                end = (f.resolved_ns or f.last_ns) + 2 * 10**9
+                near = [d for d in dives if d["start_ns"] <= end and d["start_ns"] + d["duration_ns"] >= f.onset_ns]
+                pick = (own or near)[:1]
+                if pick:
+                    out[f.id] = pick[0]
+        return out
 
     def open_finding_counts(self) -> list[tuple[str, str, int]]:
         """(job_key, kind, open findings) for /metrics."""

@@ -53,12 +53,14 @@ class Reader(DiagnosisQueries):
                 "clock_samples": r["clock_samples"] or 0,
                 "sources": {n: {"up": bool(s.get("up")), "reason": s.get("reason", ""),
                                 "last_duration_seconds": s.get("last_duration_seconds", 0.0),
-                                "errors": s.get("errors", 0)} for n, s in sorted(sources.items())},
+                                "errors": s.get("errors", 0), "cpu_cores": s.get("cpu_cores", 0.0),
+                                "rate_scale": s.get("rate_scale", 1.0)} for n, s in sorted(sources.items())},
                 "spool_backlog": r["spool_backlog"], "records_produced": r["records_produced"],
                 "records_acked": r["records_acked"], "records_dropped": r["records_dropped"],
                 "records_stored": r["records_stored"], "records_rejected": r["records_rejected"],
                 "batches_stored": r["batches_stored"], "batches_duplicate": r["batches_duplicate"],
                 "gaps": r["gaps"], "mode": r["mode"], "mode_until_ns": r["mode_until_ns"] or 0,
+                "agent_cpu_cores": r["agent_cpu_cores"] or 0.0, "cpu_budget_cores": r["cpu_budget_cores"] or 0.0,
             })
         return out
 

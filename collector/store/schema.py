@@ -203,6 +203,26 @@ CREATE INDEX iterations_job ON iterations (job_key, end_ns);
 CREATE INDEX iterations_end ON iterations (end_ns);
 """))
 
+# synchronized deep dives (analysis/deepdive.py): who started one (a finding, or an operator), when every node was
+# told to switch (cluster time), which nodes and ranks, the reference window, and what the ranking found
+MIGRATIONS.append((13, """
+CREATE TABLE deep_dives (
+  command_id TEXT PRIMARY KEY, job_key TEXT NOT NULL, finding_id TEXT NOT NULL, trigger TEXT NOT NULL,
+  requested_ns INTEGER NOT NULL, start_ns INTEGER NOT NULL, duration_ns INTEGER NOT NULL,
+  reference_since_ns INTEGER NOT NULL, reference_until_ns INTEGER NOT NULL, nodes_json TEXT NOT NULL,
+  ranks_json TEXT NOT NULL, status TEXT NOT NULL, note TEXT NOT NULL, result_json TEXT NOT NULL,
+  updated_ns INTEGER NOT NULL
+);
+CREATE INDEX deep_dives_job ON deep_dives (job_key, start_ns);
+CREATE INDEX deep_dives_finding ON deep_dives (finding_id);
+"""))
+
+# the agent's overhead governor (agent/governor.py): its own CPU and its budget, from its status
+MIGRATIONS.append((14, """
+ALTER TABLE agents ADD COLUMN agent_cpu_cores REAL NOT NULL DEFAULT 0;
+ALTER TABLE agents ADD COLUMN cpu_budget_cores REAL NOT NULL DEFAULT 0;
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

@@ -466,6 +466,7 @@ class StoreWriter:
                                          (cutoff_ns,)).rowcount
             deleted += self.conn.execute("DELETE FROM findings WHERE status != 'open' AND updated_ns < ?",
                                          (cutoff_ns,)).rowcount
+            deleted += self.conn.execute("DELETE FROM deep_dives WHERE updated_ns < ?", (cutoff_ns,)).rowcount
             self.conn.execute("COMMIT")
         except sqlite3.Error as exc:
             try:

@@ -7,21 +7,25 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SourceHealth(_message.Message):
-    __slots__ = ("name", "up", "reason", "last_duration_seconds", "errors")
+    __slots__ = ("name", "up", "reason", "last_duration_seconds", "errors", "cpu_cores", "rate_scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     LAST_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    RATE_SCALE_FIELD_NUMBER: _ClassVar[int]
     name: str
     up: bool
     reason: str
     last_duration_seconds: float
     errors: int
-    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., errors: _Optional[int] = ...) -> None: ...
+    cpu_cores: float
+    rate_scale: float
+    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., cpu_cores: _Optional[float] = ..., rate_scale: _Optional[float] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "hostname", "agent_version", "connected", "peer", "first_seen_ns", "last_seen_ns", "clock_offset_ns", "clock_uncertainty_ns", "clock_drift_ppm", "clock_rtt_ns", "clock_samples", "sources", "spool_backlog", "records_produced", "records_acked", "records_dropped", "records_stored", "records_rejected", "batches_stored", "batches_duplicate", "gaps", "mode", "mode_until_ns")
+    __slots__ = ("node_id", "hostname", "agent_version", "connected", "peer", "first_seen_ns", "last_seen_ns", "clock_offset_ns", "clock_uncertainty_ns", "clock_drift_ppm", "clock_rtt_ns", "clock_samples", "sources", "spool_backlog", "records_produced", "records_acked", "records_dropped", "records_stored", "records_rejected", "batches_stored", "batches_duplicate", "gaps", "mode", "mode_until_ns", "agent_cpu_cores", "cpu_budget_cores")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +50,8 @@ class Node(_message.Message):
     GAPS_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_BUDGET_CORES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hostname: str
     agent_version: str
@@ -70,7 +76,9 @@ class Node(_message.Message):
     gaps: int
     mode: str
     mode_until_ns: int
-    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., connected: _Optional[bool] = ..., peer: _Optional[str] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., clock_offset_ns: _Optional[int] = ..., clock_uncertainty_ns: _Optional[int] = ..., clock_drift_ppm: _Optional[float] = ..., clock_rtt_ns: _Optional[int] = ..., clock_samples: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceHealth, _Mapping]]] = ..., spool_backlog: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., records_stored: _Optional[int] = ..., records_rejected: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps: _Optional[int] = ..., mode: _Optional[str] = ..., mode_until_ns: _Optional[int] = ...) -> None: ...
+    agent_cpu_cores: float
+    cpu_budget_cores: float
+    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., connected: _Optional[bool] = ..., peer: _Optional[str] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., clock_offset_ns: _Optional[int] = ..., clock_uncertainty_ns: _Optional[int] = ..., clock_drift_ppm: _Optional[float] = ..., clock_rtt_ns: _Optional[int] = ..., clock_samples: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceHealth, _Mapping]]] = ..., spool_backlog: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., records_stored: _Optional[int] = ..., records_rejected: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps: _Optional[int] = ..., mode: _Optional[str] = ..., mode_until_ns: _Optional[int] = ..., agent_cpu_cores: _Optional[float] = ..., cpu_budget_cores: _Optional[float] = ...) -> None: ...
 
 class GpuSample(_message.Message):
     __slots__ = ("name", "value", "ts_ns")
@@ -418,23 +426,25 @@ class GapList(_message.Message):
     def __init__(self, gaps: _Optional[_Iterable[_Union[GapRow, _Mapping]]] = ...) -> None: ...
 
 class DeepRequest(_message.Message):
-    __slots__ = ("node_ids", "enable", "start_ns", "lead_ms", "duration_ns", "sources")
+    __slots__ = ("node_ids", "enable", "start_ns", "lead_ms", "duration_ns", "sources", "job_key")
     NODE_IDS_FIELD_NUMBER: _ClassVar[int]
     ENABLE_FIELD_NUMBER: _ClassVar[int]
     START_NS_FIELD_NUMBER: _ClassVar[int]
     LEAD_MS_FIELD_NUMBER: _ClassVar[int]
     DURATION_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     node_ids: _containers.RepeatedScalarFieldContainer[str]
     enable: bool
     start_ns: int
     lead_ms: int
     duration_ns: int
     sources: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., enable: _Optional[bool] = ..., start_ns: _Optional[int] = ..., lead_ms: _Optional[int] = ..., duration_ns: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+    job_key: str
+    def __init__(self, node_ids: _Optional[_Iterable[str]] = ..., enable: _Optional[bool] = ..., start_ns: _Optional[int] = ..., lead_ms: _Optional[int] = ..., duration_ns: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ..., job_key: _Optional[str] = ...) -> None: ...
 
 class DeepReply(_message.Message):
-    __slots__ = ("command_id", "start_ns", "delivered", "offline", "messages")
+    __slots__ = ("command_id", "start_ns", "delivered", "offline", "messages", "deep_dive_json")
     class MessagesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -447,12 +457,30 @@ class DeepReply(_message.Message):
     DELIVERED_FIELD_NUMBER: _ClassVar[int]
     OFFLINE_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    DEEP_DIVE_JSON_FIELD_NUMBER: _ClassVar[int]
     command_id: str
     start_ns: int
     delivered: _containers.RepeatedScalarFieldContainer[str]
     offline: _containers.RepeatedScalarFieldContainer[str]
     messages: _containers.ScalarMap[str, str]
-    def __init__(self, command_id: _Optional[str] = ..., start_ns: _Optional[int] = ..., delivered: _Optional[_Iterable[str]] = ..., offline: _Optional[_Iterable[str]] = ..., messages: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    deep_dive_json: str
+    def __init__(self, command_id: _Optional[str] = ..., start_ns: _Optional[int] = ..., delivered: _Optional[_Iterable[str]] = ..., offline: _Optional[_Iterable[str]] = ..., messages: _Optional[_Mapping[str, str]] = ..., deep_dive_json: _Optional[str] = ...) -> None: ...
+
+class DeepDivesRequest(_message.Message):
+    __slots__ = ("job_key", "command_id", "limit")
+    JOB_KEY_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    job_key: str
+    command_id: str
+    limit: int
+    def __init__(self, job_key: _Optional[str] = ..., command_id: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class DeepDivesReply(_message.Message):
+    __slots__ = ("deep_dives_json",)
+    DEEP_DIVES_JSON_FIELD_NUMBER: _ClassVar[int]
+    deep_dives_json: str
+    def __init__(self, deep_dives_json: _Optional[str] = ...) -> None: ...
 
 class Suspect(_message.Message):
     __slots__ = ("kind", "id", "score", "cause", "evidence_json")
@@ -469,7 +497,7 @@ class Suspect(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., id: _Optional[str] = ..., score: _Optional[float] = ..., cause: _Optional[str] = ..., evidence_json: _Optional[str] = ...) -> None: ...
 
 class Finding(_message.Message):
-    __slots__ = ("id", "job_key", "kind", "detector", "status", "onset_ns", "last_ns", "resolved_ns", "severity", "peak_severity", "summary", "suspects", "evidence_json", "confirmations")
+    __slots__ = ("id", "job_key", "kind", "detector", "status", "onset_ns", "last_ns", "resolved_ns", "severity", "peak_severity", "summary", "suspects", "evidence_json", "confirmations", "deep_dive_json")
     ID_FIELD_NUMBER: _ClassVar[int]
     JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +512,7 @@ class Finding(_message.Message):
     SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIRMATIONS_FIELD_NUMBER: _ClassVar[int]
+    DEEP_DIVE_JSON_FIELD_NUMBER: _ClassVar[int]
     id: str
     job_key: str
     kind: str
@@ -498,7 +527,8 @@ class Finding(_message.Message):
     suspects: _containers.RepeatedCompositeFieldContainer[Suspect]
     evidence_json: str
     confirmations: int
-    def __init__(self, id: _Optional[str] = ..., job_key: _Optional[str] = ..., kind: _Optional[str] = ..., detector: _Optional[str] = ..., status: _Optional[str] = ..., onset_ns: _Optional[int] = ..., last_ns: _Optional[int] = ..., resolved_ns: _Optional[int] = ..., severity: _Optional[float] = ..., peak_severity: _Optional[float] = ..., summary: _Optional[str] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., evidence_json: _Optional[str] = ..., confirmations: _Optional[int] = ...) -> None: ...
+    deep_dive_json: str
+    def __init__(self, id: _Optional[str] = ..., job_key: _Optional[str] = ..., kind: _Optional[str] = ..., detector: _Optional[str] = ..., status: _Optional[str] = ..., onset_ns: _Optional[int] = ..., last_ns: _Optional[int] = ..., resolved_ns: _Optional[int] = ..., severity: _Optional[float] = ..., peak_severity: _Optional[float] = ..., summary: _Optional[str] = ..., suspects: _Optional[_Iterable[_Union[Suspect, _Mapping]]] = ..., evidence_json: _Optional[str] = ..., confirmations: _Optional[int] = ..., deep_dive_json: _Optional[str] = ...) -> None: ...
 
 class FindingsRequest(_message.Message):
     __slots__ = ("job_key", "since_ns", "open_only", "limit")

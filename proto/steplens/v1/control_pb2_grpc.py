@@ -134,6 +134,11 @@ class ControlStub:
                 request_serializer=steplens_dot_v1_dot_control__pb2.TraceRequest.SerializeToString,
                 response_deserializer=steplens_dot_v1_dot_control__pb2.TraceChunk.FromString,
                 _registered_method=True)
+        self.ListDeepDives = channel.unary_unary(
+                '/steplens.v1.Control/ListDeepDives',
+                request_serializer=steplens_dot_v1_dot_control__pb2.DeepDivesRequest.SerializeToString,
+                response_deserializer=steplens_dot_v1_dot_control__pb2.DeepDivesReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -259,6 +264,12 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListDeepDives(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -361,6 +372,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.BuildTrace,
                     request_deserializer=steplens_dot_v1_dot_control__pb2.TraceRequest.FromString,
                     response_serializer=steplens_dot_v1_dot_control__pb2.TraceChunk.SerializeToString,
+            ),
+            'ListDeepDives': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDeepDives,
+                    request_deserializer=steplens_dot_v1_dot_control__pb2.DeepDivesRequest.FromString,
+                    response_serializer=steplens_dot_v1_dot_control__pb2.DeepDivesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -903,6 +919,33 @@ class Control:
             '/steplens.v1.Control/BuildTrace',
             steplens_dot_v1_dot_control__pb2.TraceRequest.SerializeToString,
             steplens_dot_v1_dot_control__pb2.TraceChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDeepDives(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/steplens.v1.Control/ListDeepDives',
+            steplens_dot_v1_dot_control__pb2.DeepDivesRequest.SerializeToString,
+            steplens_dot_v1_dot_control__pb2.DeepDivesReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -90,7 +90,7 @@ class ClockReply(_message.Message):
     def __init__(self, probe_id: _Optional[int] = ..., t1_ns: _Optional[int] = ..., t2_mono_ns: _Optional[int] = ..., t3_mono_ns: _Optional[int] = ...) -> None: ...
 
 class SourceState(_message.Message):
-    __slots__ = ("name", "up", "reason", "last_duration_seconds", "steps", "errors", "records")
+    __slots__ = ("name", "up", "reason", "last_duration_seconds", "steps", "errors", "records", "cpu_cores", "rate_scale")
     NAME_FIELD_NUMBER: _ClassVar[int]
     UP_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +98,8 @@ class SourceState(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     RECORDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    RATE_SCALE_FIELD_NUMBER: _ClassVar[int]
     name: str
     up: bool
     reason: str
@@ -105,10 +107,12 @@ class SourceState(_message.Message):
     steps: int
     errors: int
     records: int
-    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., errors: _Optional[int] = ..., records: _Optional[int] = ...) -> None: ...
+    cpu_cores: float
+    rate_scale: float
+    def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., steps: _Optional[int] = ..., errors: _Optional[int] = ..., records: _Optional[int] = ..., cpu_cores: _Optional[float] = ..., rate_scale: _Optional[float] = ...) -> None: ...
 
 class AgentStatus(_message.Message):
-    __slots__ = ("mono_ns", "sources", "spool_backlog_batches", "spool_backlog_records", "spool_backlog_bytes", "records_produced", "records_acked", "records_dropped", "mode", "mode_until_mono_ns", "final")
+    __slots__ = ("mono_ns", "sources", "spool_backlog_batches", "spool_backlog_records", "spool_backlog_bytes", "records_produced", "records_acked", "records_dropped", "mode", "mode_until_mono_ns", "final", "agent_cpu_cores", "cpu_budget_cores")
     MONO_NS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     SPOOL_BACKLOG_BATCHES_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +124,8 @@ class AgentStatus(_message.Message):
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODE_UNTIL_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     FINAL_FIELD_NUMBER: _ClassVar[int]
+    AGENT_CPU_CORES_FIELD_NUMBER: _ClassVar[int]
+    CPU_BUDGET_CORES_FIELD_NUMBER: _ClassVar[int]
     mono_ns: int
     sources: _containers.RepeatedCompositeFieldContainer[SourceState]
     spool_backlog_batches: int
@@ -131,7 +137,9 @@ class AgentStatus(_message.Message):
     mode: _records_pb2.Mode
     mode_until_mono_ns: int
     final: bool
-    def __init__(self, mono_ns: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceState, _Mapping]]] = ..., spool_backlog_batches: _Optional[int] = ..., spool_backlog_records: _Optional[int] = ..., spool_backlog_bytes: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., mode: _Optional[_Union[_records_pb2.Mode, str]] = ..., mode_until_mono_ns: _Optional[int] = ..., final: _Optional[bool] = ...) -> None: ...
+    agent_cpu_cores: float
+    cpu_budget_cores: float
+    def __init__(self, mono_ns: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceState, _Mapping]]] = ..., spool_backlog_batches: _Optional[int] = ..., spool_backlog_records: _Optional[int] = ..., spool_backlog_bytes: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., mode: _Optional[_Union[_records_pb2.Mode, str]] = ..., mode_until_mono_ns: _Optional[int] = ..., final: _Optional[bool] = ..., agent_cpu_cores: _Optional[float] = ..., cpu_budget_cores: _Optional[float] = ...) -> None: ...
 
 class DeepMode(_message.Message):
     __slots__ = ("enable", "start_ns", "start_mono_ns", "duration_ns", "sources")

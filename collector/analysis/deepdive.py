@@ -1,0 +1,393 @@
+"""The loop closed: a finding starts a synchronized deep dive on its job's nodes, and the dive's data is ranked into
+root causes attached to the finding (LatencyPrism §4.7-4.8, with the policy the paper leaves open).
+
+  trigger    a finding opened (the analysis engine's FindingsHub) whose kind, detector and severity pass the policy,
+             or an operator (`steplens deep start --job JOB`). One cluster-time start `lead_ms` ahead, converted per
+             agent by its clock model (control/trigger.py), on every node that hosts a live rank of the job, for
+             `duration_seconds`. Refused, with the reason counted and logged: a job in its cool-down (one dive per
+             job per `cooldown_seconds`), the cluster's rate limit (`max_per_hour`), the overhead budget (a job's
+             nodes in deep mode at most `max_deep_fraction` of the last hour, the dive's own duration included),
+             no node of the job connected.
+  reference  the `reference_seconds` that end `reference_gap_seconds` before the finding's onset (the job before it
+             went wrong, at sentinel rates), or before the dive's start for an operator's dive without a finding.
+  result     after the window (plus `settle_seconds` for the agents' last batches): when each node switched (its
+             ModeChange record, cluster time) and the spread; the ranks' raw Python stacks of both windows fetched
+             from the agents (node-local detail), their steps, process and node counters, stop events and
+             connections from the store; ranked by analysis/suspicion.py. Stored in deep_dives (store migration 13),
+             shown as the finding's `deep_dive`; watchers get the finding again as `updated`.
+A dive whose nodes all refuse or are offline is stored `failed` with their answers; one whose analysis fails is
+stored `failed` with the error, its data still on the nodes (`steplens trace --finding`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+
+from steplens.collector.analysis import suspicion
+from steplens.collector.analysis.base import ConfigError
+
+log = logging.getLogger("steplens.collector.deepdive")
+
+PROC_SHARES = {"runqueue": "process_runqueue_seconds_total", "throttled": "process_cpu_throttled_seconds_total",
+               "gc": "python_gc_seconds_total"}
+NODE_SHARES = {"memory": "pressure_memory_some_seconds_total"}
+
+
+@dataclass
+class DeepDiveConfig:
+    """The collector's [deep_dive] table."""
+
+    enabled: bool = True
+    kinds: list = field(default_factory=list)       # finding kinds that start one ([]: every kind)
+    detectors: list = field(default_factory=list)   # detectors whose findings start one ([]: every detector)
+    min_severity: float = 1.0                       # a finding below this step-time ratio starts none
+    duration_seconds: float = 10.0
+    lead_ms: int = 500                              # the start instant this far ahead: every agent gets it in time
+    reference_seconds: float = 10.0
+    reference_gap_seconds: float = 1.0
+    cooldown_seconds: float = 600.0                 # per job
+    max_per_hour: int = 12                          # every job together
+    max_deep_fraction: float = 0.05                 # overhead budget: a job's deep time over the last hour
+    settle_seconds: float = 3.0
+    sources: list = field(default_factory=list)     # deep-mode sources ([]: all with a deep mode)
+
+    def validate(self) -> None:
+        for name in ("kinds", "detectors", "sources"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"{name} must be a list of strings, got {v!r}")
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"enabled must be true or false, got {self.enabled!r}")
+        if not 0.5 <= self.duration_seconds <= 600:
+            raise ConfigError(f"duration_seconds must be within 0.5..600, got {self.duration_seconds}")
+        if not 50 <= self.lead_ms <= 60_000:
+            raise ConfigError(f"lead_ms must be within 50..60000, got {self.lead_ms}")
+        if not 0 <= self.reference_seconds <= 3600 or self.reference_gap_seconds < 0:
+            raise ConfigError("reference_seconds must be within 0..3600 and reference_gap_seconds >= 0")
+        if self.cooldown_seconds < 0 or self.max_per_hour < 1 or not 0 < self.max_deep_fraction <= 1:
+            raise ConfigError("cooldown_seconds >= 0, max_per_hour >= 1 and max_deep_fraction within (0, 1]")
+        if not 0 <= self.settle_seconds <= 120:
+            raise ConfigError(f"settle_seconds must be within 0..120, got {self.settle_seconds}")
+
+
+@dataclass
+class DeepDive:
+    command_id: str
+    job_key: str
+    finding_id: str
+    trigger: str                 # finding | operator
+    requested_ns: int
+    start_ns: int
+    duration_ns: int
+    reference_since_ns: int
+    reference_until_ns: int
+    nodes: list
+    ranks: list
+    status: str = "scheduled"    # scheduled | analysing | done | failed
+    note: str = ""
+    result: dict = field(default_factory=dict)
+    delivered: list = field(default_factory=list)   # nodes that took the command (not stored: see note)
+    messages: dict = field(default_factory=dict)    # node -> its answer
+
+    def row(self) -> dict:
+        return asdict(self)
+
+
+class DeepDives:
+    """Owned by the collector; runs on its event loop (where the agents' command channels live)."""
+
+    def __init__(self, ingest, reader, writer, clock, hub, cfg: DeepDiveConfig | None = None) -> None:
+        self.ingest, self.reader, self.writer, self.clock, self.hub = ingest, reader, writer, clock, hub
+        self.cfg = cfg or DeepDiveConfig()
+        self.cfg.validate()
+        self.started: collections.deque = collections.deque()   # (cluster ns, job, duration ns) of the last hour
+        self.last_by_job: dict[str, int] = {}
+        self.skipped = collections.Counter()
+        self.counts = collections.Counter()
+        self._task: asyncio.Task | None = None
+        self._pending: set[asyncio.Task] = set()
+
+    # -- the finding stream ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.cfg.enabled and self.hub is not None and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._watch())
+
+    async def stop(self) -> None:
+        for t in [self._task, *self._pending]:
+            if t is not None:
+                t.cancel()
+        self._task = None
+
+    async def _watch(self) -> None:
+        sub = self.hub.subscribe(asyncio.get_running_loop())
+        try:
+            while True:
+                event, finding, _ = await sub.get()
+                if event == "opened":
+                    try:
+                        await self.on_finding(finding)
+                    except Exception as exc:   # one bad dive never stops the watch
+                        log.error("deep dive for finding %s failed to start: %s", finding.id, exc)
+        finally:
+            self.hub.unsubscribe(sub)
+
+    def policy(self, finding) -> str:
+        """Why this finding starts no dive ('' when it does)."""
+        c = self.cfg
+        if c.kinds and finding.kind not in c.kinds:
+            return "kind"
+        if c.detectors and finding.detector not in c.detectors:
+            return "detector"
+        if finding.severity < c.min_severity and finding.kind != "hang":
+            return "severity"
+        return ""
+
+    async def on_finding(self, finding) -> DeepDive | None:
+        why = self.policy(finding)
+        if why:
+            self.skipped[why] += 1
+            return None
+        ref_until = finding.onset_ns - int(self.cfg.reference_gap_seconds * 1e9)
+        return await self.start_dive(finding.job_key, finding.id, "finding", ref_until)
+
+    # -- starting one ---------------------------------------------------------------------------------------
+    def admission(self, job_key: str, duration_ns: int, now: int, nodes: int) -> str:
+        c = self.cfg
+        hour = 3600 * 10**9
+        while self.started and self.started[0][0] < now - hour:
+            self.started.popleft()
+        last = self.last_by_job.get(job_key)
+        if last is not None and now - last < c.cooldown_seconds * 1e9:
+            return f"cooldown: this job's last dive started {(now - last) / 1e9:.0f} s ago " \
+                   f"(cooldown_seconds {c.cooldown_seconds:.0f})"
+        if len(self.started) >= c.max_per_hour:
+            return f"rate limit: {len(self.started)} dives in the last hour (max_per_hour {c.max_per_hour})"
+        spent = sum(d for _, j, d in self.started if j == job_key) + duration_ns
+        if spent > c.max_deep_fraction * hour:
+            return f"overhead budget: {spent / 1e9:.0f} s of deep mode in the hour would pass " \
+                   f"max_deep_fraction {c.max_deep_fraction} ({c.max_deep_fraction * 3600:.0f} s)"
+        if not nodes:
+            return "no node of the job is connected"
+        return ""
+
+    async def start_dive(self, job_key: str, finding_id: str, trigger: str, ref_until_ns: int = 0,
+                         duration_ns: int = 0, lead_ms: int = 0, force: bool = False) -> DeepDive | None:
+        """Start one dive on the job's nodes; None when the policy refuses it (counted in `skipped`, logged), or
+        raises LookupError for a job with no live process."""
+        from steplens.collector.control.trigger import start_deep_mode
+        from steplens.v1 import control_pb2 as cpb
+        c = self.cfg
+        procs = [p for p in await asyncio.to_thread(self.reader.procs) if p["job_key"] == job_key and p["alive"]]
+        if not procs:
+            raise LookupError(f"no live process of job {job_key!r} is known")
+        nodes = sorted({p["node_id"] for p in procs})
+        connected = [n for n in nodes if n in self.ingest.sessions]
+        duration = duration_ns or int(c.duration_seconds * 1e9)
+        now = self.clock.now_ns()
+        why = self.admission(job_key, duration, now, len(connected))
+        if why and not (force and connected):
+            self.skipped[why.split(":")[0]] += 1
+            log.info("no deep dive for job %s (%s): %s", job_key, finding_id or trigger, why)
+            return None
+        command_id = "dd-" + uuid.uuid4().hex[:10]
+        reply = await start_deep_mode(self.ingest, self.clock, cpb.DeepRequest(
+            node_ids=nodes, enable=True, duration_ns=duration, lead_ms=lead_ms or c.lead_ms, sources=c.sources),
+            command_id)
+        ref_until = ref_until_ns or reply.start_ns - int(c.reference_gap_seconds * 1e9)
+        dd = DeepDive(command_id, job_key, finding_id, trigger, now, reply.start_ns, duration,
+                      ref_until - int(c.reference_seconds * 1e9), ref_until, nodes,
+                      sorted({p["rank"] for p in procs if p["rank"] is not None and p["rank"] >= 0}))
+        messages = dict(reply.messages)
+        dd.delivered, dd.messages = list(reply.delivered), messages
+        if not reply.delivered:
+            dd.status, dd.note = "failed", "no node took the command: " + "; ".join(
+                f"{n}: {messages.get(n, 'offline')}" for n in nodes)
+        else:
+            self.started.append((now, job_key, duration))
+            self.last_by_job[job_key] = now
+            if reply.offline:
+                dd.note = "not on: " + "; ".join(f"{n} ({messages.get(n, 'offline')})" for n in reply.offline)
+        self.counts[dd.status] += 1
+        await self._write(dd)
+        log.info("deep dive %s for job %s (%s): %d node(s) from %d for %.1f s%s", command_id, job_key,
+                 finding_id or trigger, len(reply.delivered), reply.start_ns, duration / 1e9,
+                 f" ({dd.note})" if dd.note else "")
+        if dd.status != "failed":
+            task = asyncio.get_running_loop().create_task(self._finish(dd))
+            self._pending.add(task)
+            task.add_done_callback(self._pending.discard)
+        return dd
+
+    async def _write(self, dd: DeepDive) -> None:
+        from steplens.collector.store import diagnosis as store
+        from steplens.collector.store.writer import StoreJob
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        job = StoreJob(lambda conn: store.write_deep_dive(conn, dd.row(), self.clock.now_ns()),
+                       lambda outcome, n, note: loop.call_soon_threadsafe(
+                           lambda: fut.done() or fut.set_result((outcome, note))))
+        while not self.writer.submit(job):
+            await asyncio.sleep(0.01)
+        outcome, note = await fut
+        if outcome != "stored":
+            log.error("deep dive %s not stored: %s", dd.command_id, note)
+
+    # -- after the window ---------------------------------------------------------------------------------------
+    async def _finish(self, dd: DeepDive) -> None:
+        end = dd.start_ns + dd.duration_ns
+        await asyncio.sleep(max(0.0, (end - self.clock.now_ns()) / 1e9) + self.cfg.settle_seconds)
+        dd.status = "analysing"
+        try:
+            dd.result = await self.analyse(dd)
+            dd.status = "done"
+        except Exception as exc:
+            dd.status, dd.note = "failed", f"analysis failed: {type(exc).__name__}: {exc}"
+            log.error("deep dive %s: %s", dd.command_id, dd.note)
+        self.counts[dd.status] += 1
+        await self._write(dd)
+        if dd.finding_id and self.hub is not None:
+            from steplens.collector.analysis.findings import Change
+            found = await asyncio.to_thread(self.reader.findings, dd.job_key, 0, False, 1, [dd.finding_id])
+            if found:
+                self.hub.publish([Change("updated", found[0])])
+
+    async def analyse(self, dd: DeepDive) -> dict:
+        from steplens.collector.control.fetch import fetch_paged
+        t0 = time.perf_counter()
+        end = dd.start_ns + dd.duration_ns
+        deep = await fetch_paged(self.ingest, self.reader, self.clock, dd.job_key, [], dd.start_ns, end, ["stacks"])
+        ref = await fetch_paged(self.ingest, self.reader, self.clock, dd.job_key, [], dd.reference_since_ns,
+                                dd.reference_until_ns, ["stacks"]) if dd.reference_until_ns > dd.reference_since_ns \
+            else None
+        res = await asyncio.to_thread(analyse_dive, self.reader, dd, deep.rows, ref.rows if ref else [])
+        res["fetch"] = {"messages": deep.messages, "offline": deep.offline}
+        res["seconds"] = round(time.perf_counter() - t0, 3)
+        return res
+
+    def metrics(self) -> dict:
+        return {"started": dict(self.counts), "skipped": dict(self.skipped), "pending": len(self._pending)}
+
+
+def mode_switches(reader, dd: DeepDive) -> dict[str, int]:
+    """When each node switched to deep mode for this dive: its ModeChange record (cluster time)."""
+    out = {}
+    for node in dd.nodes:
+        for e in reader.node_events(node, ("mode",), dd.requested_ns - 10**9, dd.start_ns + dd.duration_ns + 10**9,
+                                    limit=200):
+            if (e.get("entity") or "") == "deep" and dd.command_id in (e.get("message") or ""):
+                out[node] = e["ts_ns"]
+                break
+    return out
+
+
+def analyse_dive(reader, dd: DeepDive, deep_samples: list[dict], ref_samples: list[dict],
+                 cfg: suspicion.SuspicionConfig | None = None) -> dict:
+    """The dive's ranking from what the agents and the store hold (runs in a thread)."""
+    started = mode_switches(reader, dd)
+    a, b = dd.start_ns, dd.start_ns + dd.duration_ns
+    ra, rb = dd.reference_since_ns, dd.reference_until_ns
+    ranks = gather(reader, dd.job_key, (a, b), (ra, rb), deep_samples, ref_samples, cfg or suspicion.SuspicionConfig())
+    ranking = suspicion.rank_causes(ranks, cfg)
+    return {"started": started, "start_spread_ns": (max(started.values()) - min(started.values())) if started
+            else None, "causes": ranking["causes"], "rank_scores": ranking["ranks"], "roles": ranking["roles"],
+            "data": {"ranks": len(ranks), "deep_samples": sum(d.samples for d in ranks.values()),
+                     "reference_samples": sum(d.ref_samples for d in ranks.values()),
+                     "deep_cycles": sum(len(d.cycles) for d in ranks.values())}}
+
+
+def gather(reader, job_key: str, deep: tuple[int, int], ref: tuple[int, int], deep_samples: list[dict],
+           ref_samples: list[dict], cfg: suspicion.SuspicionConfig) -> dict[int, suspicion.RankData]:
+    a, b = deep
+    ra, rb = ref
+    procs = {}
+    for p in reader.job_processes(job_key):
+        if p["rank"] >= 0 and (not p["exited_ns"] or p["exited_ns"] >= ra):
+            procs[p["rank"]] = p
+    steps = reader.steps(job_key, since_ns=min(a, ra) if rb > ra else a, with_comms=True)
+    by_pid = {(p["node_id"], p["pid"]): r for r, p in procs.items()}
+
+    def samples_of(rows):
+        out: dict[int, list] = {}
+        for s in rows:
+            r = by_pid.get((s.get("node_id"), s["pid"]))
+            if r is not None:
+                out.setdefault(r, []).append(s)
+        return out
+    ds, rs = samples_of(deep_samples), samples_of(ref_samples)
+    out = {}
+    node_cache: dict[str, tuple] = {}
+    for r, p in procs.items():
+        d = suspicion.RankData(r, p["node_id"])
+        mine = sorted((s["start_ns"], s["end_ns"]) for s in steps if s["rank"] == r)
+        in_deep = [(s0, s1) for s0, s1 in mine if s0 >= a and s1 <= b]
+        for st in steps:
+            if st["rank"] == r and st["end_ns"] >= min(a, ra):
+                comms = st.get("comms")
+                if comms is None:
+                    comms = json.loads(st.get("comms_json") or "[]")
+                d.comms.update(c["comm_id"] for c in comms if c.get("op") in suspicion.COLLECTIVES)
+        main = suspicion.main_thread(ds.get(r, []))
+        d.samples = len(main)
+        d.cycles = suspicion.cycle_shares(main, in_deep if len(in_deep) >= 3 else suspicion.bins(a, b),
+                                          cfg.max_frames)
+        rmain = suspicion.main_thread(rs.get(r, []))
+        d.ref_samples = len(rmain)
+        d.profile = suspicion.leaf_profile(rmain if len(rmain) >= 20 else main)
+        # reference bins where the rank was iterating (a step of it ended there): not its start-up or a stall
+        ends = [s1 for _, s1 in mine]
+        ref_bins = [(lo, hi) for lo, hi in suspicion.bins(ra, rb) if not mine or any(lo <= e < hi for e in ends)]
+        d.ref_cycles = suspicion.cycle_shares(rmain, ref_bins, cfg.max_frames) if rb > ra else []
+        node, pid, ticks = p["node_id"], p["pid"], p["start_ticks"]
+        ent = f"pid:{pid}:{ticks}"
+        pm = reader.metric_points(node, list(PROC_SHARES.values()), [ent], min(a, ra), b)
+        for name, metric in PROC_SHARES.items():
+            pts = pm.get((metric, ent), [])
+            d.resources[name] = suspicion.interval_shares(pts, a, b)
+            d.ref_resources[name] = suspicion.interval_shares(pts, ra, rb) if rb > ra else []
+        if node not in node_cache:
+            nm = reader.metric_points(node, list(NODE_SHARES.values()), [""], min(a, ra), b)
+            conns = reader.conn_stats_of(node, min(a, ra), b) if hasattr(reader, "conn_stats_of") else []
+            node_cache[node] = (nm, conns)
+        nm, _ = node_cache[node]
+        for name, metric in NODE_SHARES.items():
+            pts = nm.get((metric, ""), [])
+            d.resources[name] = suspicion.interval_shares(pts, a, b)
+            d.ref_resources[name] = suspicion.interval_shares(pts, ra, rb) if rb > ra else []
+        out[r] = d
+    # the network: every node's connections, each node judged on those with its address at either end
+    rows = [c for _, conns in node_cache.values() for c in conns]
+    for r, d in out.items():
+        mine = {c["src"] for c in node_cache[d.node][1] if c.get("src")}
+        d.resources["network"] = suspicion.network_shares(rows, a, b, mine) if mine else []
+        d.links = suspicion.network_links(rows, a, b, mine) if mine else []
+        d.ref_resources["network"] = suspicion.network_shares(rows, ra, rb, mine) if mine and rb > ra else []
+    for r, d in out.items():
+        p = procs[r]
+        node, pid, ticks = p["node_id"], p["pid"], p["start_ticks"]
+        spans = stopped_spans(reader, node, pid, ticks, min(a, ra) - 60 * 10**9, b)
+        d.resources["stopped"] = suspicion.stopped_shares(spans, a, b)
+        d.ref_resources["stopped"] = suspicion.stopped_shares(spans, ra, rb) if rb > ra else []
+        out[r] = d
+    return out
+
+
+def stopped_spans(reader, node: str, pid: int, ticks: int, a: int, b: int) -> list[tuple[int, int]]:
+    """When the process was stopped: from each process_stopped Event to the next process_running (or b)."""
+    spans, since = [], None
+    for e in reader.process_events(a, b, [node], ("process_stopped", "process_running")):
+        if e["pid"] != pid or e["start_ticks"] != ticks:
+            continue
+        if e["kind"] == "process_stopped" and since is None:
+            since = e["ts_ns"]
+        elif e["kind"] == "process_running" and since is not None:
+            spans.append((since, e["ts_ns"]))
+            since = None
+    if since is not None:
+        spans.append((since, b))
+    return spans

@@ -1,0 +1,171 @@
+"""The deep-dive trigger (analysis/deepdive.py): its policy and admission (kinds, severity, cool-down, rate limit,
+overhead budget), its config's errors; and the loop in one process on a real store: a finding opened on the
+analysis engine's hub -> one DeepMode command with the same cluster-time start to every node of the job -> the
+ModeChange records' spread, the ranking from the stored counters, the dive attached to the finding."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+
+import pytest
+
+from steplens.collector.analysis.base import ConfigError, build_config
+from steplens.collector.analysis.deepdive import DeepDiveConfig, DeepDives
+from steplens.collector.analysis.engine import FindingsHub
+from steplens.collector.analysis.findings import Change, Finding, Suspect
+from steplens.collector.store.queries import Reader
+from steplens.collector.store.writer import StoreWriter
+from steplens.v1 import ingest_pb2 as ipb
+
+S = 10**9
+
+
+class _Clock:
+    def now_ns(self) -> int:
+        return time.time_ns()
+
+
+class _NodeClock:
+    offset = 5 * S     # this agent's monotonic clock reads cluster time - 5 s
+
+    def to_agent(self, ns: int) -> int:
+        return ns - self.offset
+
+    def to_cluster(self, mono: int) -> int:
+        return mono + self.offset
+
+
+class _Session:
+    def __init__(self, node: str, sent: list) -> None:
+        self.node, self.sent, self.clock = node, sent, _NodeClock()
+
+    def send_command(self, cmd):
+        self.sent.append((self.node, cmd))
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(ipb.CommandResult(command_id=cmd.command_id, ok=True, message="ok"))
+        return fut
+
+
+class _Ingest:
+    def __init__(self, nodes) -> None:
+        self.sent: list = []
+        self.sessions = {n: _Session(n, self.sent) for n in nodes}
+
+
+def _dives(cfg=None, nodes=("h0", "h1")):
+    return DeepDives(_Ingest(nodes), None, None, _Clock(), None, cfg or DeepDiveConfig())
+
+
+def _finding(kind="slowdown", severity=1.3, detector="lateness", fid="f1", job="j"):
+    return Finding(kind, time.time_ns() - 5 * S, time.time_ns(), severity, "slow", (Suspect("rank", "1", 1.0),),
+                   job_key=job, detector=detector, id=fid)
+
+
+def test_policy_filters_kind_detector_and_severity_but_not_hangs():
+    d = _dives(DeepDiveConfig(kinds=["slowdown", "hang"], detectors=["lateness", "hang"], min_severity=1.2))
+    assert d.policy(_finding()) == ""
+    assert d.policy(_finding(kind="network")) == "kind"
+    assert d.policy(_finding(detector="flows")) == "detector"
+    assert d.policy(_finding(severity=1.1)) == "severity"
+    assert d.policy(_finding(kind="hang", detector="hang", severity=0.0)) == ""
+
+
+def test_admission_cooldown_rate_limit_and_budget():
+    now = 10_000 * S
+    d = _dives(DeepDiveConfig(cooldown_seconds=600, max_per_hour=3, max_deep_fraction=0.01))
+    assert d.admission("j", 10 * S, now, 2) == ""
+    assert "no node" in d.admission("j", 10 * S, now, 0)
+    assert d.admission("j", 40 * S, now, 2).startswith("overhead budget")   # 40 s > 1 % of an hour
+    d.started.append((now - 100 * S, "j", 10 * S))
+    d.last_by_job["j"] = now - 100 * S
+    assert d.admission("j", 10 * S, now, 2).startswith("cooldown")
+    assert d.admission("k", 10 * S, now, 2) == ""
+    d.started.extend([(now - 50 * S, "k", S), (now - 40 * S, "m", S)])
+    assert d.admission("n", 10 * S, now, 2).startswith("rate limit")
+    assert d.admission("n", 10 * S, now + 3600 * S, 2) == ""   # the hour moved on: old dives leave the count
+
+
+@pytest.mark.parametrize("table, why", [({"kinds": "slowdown"}, "kinds must be a list"),
+                                        ({"duration_seconds": 0}, "duration_seconds"),
+                                        ({"bogus": 1}, "unknown key"), ({"max_deep_fraction": 2}, "max_deep_fraction"),
+                                        ({"enabled": "yes"}, "enabled")])
+def test_config_errors_are_clear(table, why):
+    with pytest.raises(ConfigError, match=why):
+        build_config(DeepDiveConfig, table, "[deep_dive]")
+
+
+def _seed(path: str, t0: int) -> None:
+    """Two ranks of job j on h0/h1; rank 1's run-queue wait rises from 2 % to 40 % at t0."""
+    conn = sqlite3.connect(path)
+    for r, node in enumerate(("h0", "h1")):
+        conn.execute("INSERT INTO processes(agent_id, pid, start_ticks, job_key, rank, local_rank, world_size,"
+                     " started_ns) VALUES (?,?,?,?,?,?,?,?)", (node, 100 + r, 7, "j", r, 0, 2, t0 - 60 * S))
+        cur = conn.execute("INSERT INTO series(agent_id, name, entity) VALUES (?,?,?)",
+                           (node, "process_runqueue_seconds_total", f"pid:{100 + r}:7"))
+        sid, v = cur.lastrowid, 0.0
+        for k in range(-40, 40):
+            t = t0 + k * S // 4
+            v += (0.4 if (r == 1 and k >= 0) else 0.02) / 4
+            conn.execute("INSERT INTO metrics(series_id, ts_ns, value) VALUES (?,?,?)", (sid, t, v))
+    conn.commit()
+    conn.close()
+
+
+def test_a_finding_starts_one_synchronized_dive_and_gets_its_ranked_causes(tmp_path):
+    db = str(tmp_path / "c.db")
+    writer = StoreWriter(db)
+    writer.start()
+    t0 = time.time_ns()
+    _seed(db, t0)
+    reader = Reader(db)
+    hub = FindingsHub()
+    ingest = _Ingest(["h0", "h1"])
+    cfg = DeepDiveConfig(duration_seconds=2.0, lead_ms=200, reference_seconds=5.0, settle_seconds=0.0)
+
+    async def run():
+        dives = DeepDives(ingest, reader, writer, _Clock(), hub, cfg)
+        dives.start()
+        await asyncio.sleep(0.05)
+        f = Finding("slowdown", t0, t0 + S, 1.4, "rank 1 is late", (Suspect("rank", "1", 1.0),), job_key="j",
+                    detector="lateness", id="f-1")
+        hub.publish([Change("opened", f)])
+        t_end = time.monotonic() + 15
+        while time.monotonic() < t_end and dives.counts.get("done", 0) + dives.counts.get("failed", 0) == 0:
+            if len(ingest.sent) >= 2 and not getattr(run, "modes", False):
+                # the agents' ModeChange records, as the writer stores them (1.5 ms apart)
+                cid = ingest.sent[0][1].command_id
+                start = ingest.sent[0][1].deep.start_ns
+                conn = sqlite3.connect(db)
+                for i, node in enumerate(("h0", "h1")):
+                    conn.execute("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value) VALUES"
+                                 " (?,?,?,?,?,?,?)", (node, start + i * 1_500_000, "agent", "mode", "deep",
+                                                      f"deep (command) command {cid}", 0))
+                conn.commit()
+                conn.close()
+                run.modes = True
+            await asyncio.sleep(0.05)
+        # the same finding opened again within the cool-down starts nothing more
+        hub.publish([Change("opened", f)])
+        await asyncio.sleep(0.2)
+        await dives.stop()
+        return dives
+    dives = asyncio.run(run())
+    writer.stop()
+    assert dives.counts["done"] == 1 and dives.skipped["cooldown"] == 1
+    deep = [(n, c) for n, c in ingest.sent if c.WhichOneof("kind") == "deep"]
+    assert [n for n, _ in deep] == ["h0", "h1"]
+    starts = {cmd.deep.start_ns for _, cmd in deep}
+    monos = {cmd.deep.start_mono_ns for _, cmd in deep}
+    assert len(starts) == 1 and monos == {next(iter(starts)) - _NodeClock.offset}
+    assert all(cmd.deep.duration_ns == 2 * S for _, cmd in deep)
+    # the window's stacks were asked of both nodes (node-local detail), converted to each one's clock
+    fetches = [c.fetch for n, c in ingest.sent if c.WhichOneof("kind") == "fetch"]
+    assert {tuple(f.kinds) for f in fetches} == {("stacks",)} and len(fetches) >= 4
+    (d,) = reader.deep_dives(finding_ids=["f-1"])
+    assert d["status"] == "done" and d["trigger"] == "finding" and d["nodes"] == ["h0", "h1"] and d["ranks"] == [0, 1]
+    assert d["start_spread_ns"] == 1_500_000 and set(d["started"]) == {"h0", "h1"}
+    assert d["reference_until_ns"] == t0 - S and d["reference_since_ns"] == t0 - 6 * S
+    top = d["causes"][0]
+    assert (top["rank"], top["kind"], top["id"], top["cause"]) == (1, "resource", "runqueue", "cpu-contention"), top

@@ -1,0 +1,144 @@
+"""The deep dive's root-cause ranking (analysis/suspicion.py): LatencyPrism's suspicion score against role peers and
+the rank's own reference window, resources and functions, the zero-std erratum, role detection; and the shares it
+reads from stored counters, stop events and connections."""
+
+from __future__ import annotations
+
+import random
+
+from steplens.collector.analysis import suspicion as sp
+
+FILE = "/job/train.py"
+DIST = "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+
+
+def _frames(*names_files):
+    return [{"function": n, "qualname": n, "file": f, "line": 1} for n, f in reversed(names_files)]  # innermost 1st
+
+
+def _cycles(rng, compute: float, n: int = 12, extra: dict | None = None) -> list[dict]:
+    out = []
+    for _ in range(n):
+        c = max(0.0, min(1.0, compute + rng.gauss(0, 0.02)))
+        d = {f"step (train.py)\x00{FILE}": 1.0, f"compute (train.py)\x00{FILE}": c,
+             f"all_reduce (distributed_c10d.py)\x00{DIST}": 1 - c}
+        for k, v in (extra or {}).items():
+            d[k] = v
+        out.append(d)
+    return out
+
+
+def _bed(rng, faulty: int, **res) -> dict[int, sp.RankData]:
+    ranks = {}
+    for r in range(4):
+        d = sp.RankData(r, f"h{r}")
+        bad = r == faulty
+        d.cycles = _cycles(rng, 0.75 if bad else 0.5)
+        d.ref_cycles = _cycles(rng, 0.5)
+        for name in ("runqueue", "throttled", "gc", "stopped", "memory", "network"):
+            base = {"network": 0.05}.get(name, 0.01)
+            d.resources[name] = [max(0.0, (res.get(name, base) if bad else base) + rng.gauss(0, 0.005))
+                                 for _ in range(20)]
+            d.ref_resources[name] = [max(0.0, base + rng.gauss(0, 0.005)) for _ in range(30)]
+        ranks[r] = d
+    return ranks
+
+
+def test_each_fault_kind_ranks_its_rank_and_cause_first():
+    rng = random.Random(7)
+    for faulty, res, cause in ((2, {"runqueue": 0.35}, "cpu-contention"), (1, {"throttled": 0.5}, "cpu-throttled"),
+                               (3, {"gc": 0.3}, "gc"), (0, {"stopped": 0.8}, "stopped"),
+                               (2, {"memory": 0.4}, "memory-pressure"), (1, {"network": 0.6}, "network")):
+        out = sp.rank_causes(_bed(rng, faulty, **res))
+        top = out["causes"][0]
+        assert (top["rank"], top["cause"]) == (faulty, cause), (res, out["causes"][:3])
+        assert max(out["ranks"].items(), key=lambda kv: kv[1])[0] == str(faulty)
+
+
+def test_a_slower_function_without_a_resource_is_compute_and_names_the_function():
+    rng = random.Random(3)
+    ranks = _bed(rng, 2)   # rank 2 computes longer, no resource moved
+    top = sp.rank_causes(ranks)["causes"][0]
+    assert top["rank"] == 2 and top["kind"] == "function" and top["cause"] == "compute"
+    assert top["id"] in ("compute (train.py)", "all_reduce (distributed_c10d.py)")
+    assert top["evidence"]["peers"]["d_beta_pp"] != 0
+
+
+def test_a_function_only_one_rank_runs_is_not_silenced_by_a_zero_std_reference():
+    """The paper's Z = 0 for a reference std < 1e-9 would score this 0; the floored std keeps it."""
+    rng = random.Random(5)
+    ranks = _bed(rng, -1)
+    key = f"collect (gc_storm.py)\x00/job/gc_storm.py"
+    for c in ranks[1].cycles:
+        c[key] = 0.3
+    out = sp.rank_causes(ranks)
+    hit = [c for c in out["causes"] if c["id"] == "collect (gc_storm.py)"]
+    assert hit and hit[0]["rank"] == 1 and hit[0]["score"] > 100
+    assert out["causes"][0]["id"] == "collect (gc_storm.py)"
+
+
+def test_resources_count_only_when_they_rise():
+    rng = random.Random(11)
+    ranks = _bed(rng, 3, runqueue=0.0)   # rank 3 waits less than its peers: not a cause
+    assert not [c for c in sp.rank_causes(ranks)["causes"] if c["kind"] == "resource" and c["rank"] == 3
+                and c["id"] == "runqueue"]
+
+
+def test_roles_come_from_innermost_frames_not_the_loop_every_rank_runs():
+    ranks = {}
+    for r in range(4):
+        leaf = ("send", "fwd0") if r < 2 else ("recv", "fwd1")
+        samples = [{"ts_ns": i, "tid": 1, "frames": _frames(("main", FILE), ("step", FILE), (leaf[i % 2], FILE))}
+                   for i in range(40)]
+        ranks[r] = sp.RankData(r, f"h{r}", profile=sp.leaf_profile(samples),
+                               ref_cycles=sp.cycle_shares(samples, [(0, 40)], 48))
+    assert sp.roles(ranks, 0.9) == {0: [1], 1: [0], 2: [3], 3: [2]}
+
+
+def test_roles_from_communicators_short_of_the_whole_job():
+    ranks = {r: sp.RankData(r, f"h{r}", comms={"pg:0", "pg:1" if r < 2 else "pg:2"}) for r in range(4)}
+    assert sp.comm_roles(ranks) == {0: [1], 1: [0], 2: [3], 3: [2]}
+    assert sp.comm_roles({r: sp.RankData(r, "h", comms={"pg:0"}) for r in range(4)}) is None   # one world group
+
+
+def test_roles_pair_ranks_alike_in_the_reference_window():
+    a = {f"fwd0 (m.py)\x00/m.py": 0.9, f"send (c.py)\x00{DIST}": 0.1}
+    b = {f"fwd1 (m.py)\x00/m.py": 0.8, f"recv (c.py)\x00{DIST}": 0.2}
+    ranks = {r: sp.RankData(r, f"h{r}", ref_cycles=[dict(a if r < 2 else b)] * 5) for r in range(4)}
+    assert sp.roles(ranks, 0.9) == {0: [1], 1: [0], 2: [3], 3: [2]}
+    ranks[3].ref_cycles = [{"other (x.py)\x00/x.py": 1.0}]
+    assert sp.roles(ranks, 0.9)[3] == [0, 1, 2]   # alike to none: the whole job
+
+
+def test_cycle_shares_are_inclusive_per_cycle():
+    samples = [{"ts_ns": t, "tid": 1, "frames": _frames(("step", FILE), ("compute", FILE))} for t in (0, 10, 20)]
+    samples += [{"ts_ns": t, "tid": 1, "frames": _frames(("step", FILE), ("all_reduce", DIST))} for t in (30,)]
+    got = sp.cycle_shares(samples, [(0, 40), (40, 80)], 48)
+    assert len(got) == 1   # the empty cycle has no shares
+    assert got[0][f"step (train.py)\x00{FILE}"] == 1.0 and got[0][f"compute (train.py)\x00{FILE}"] == 0.75
+    assert sp.function_class(DIST) == "comm" and sp.function_class(FILE) == "compute"
+    assert sp.main_thread(samples + [{"ts_ns": 5, "tid": 2, "frames": []}])[0]["tid"] == 1
+
+
+def test_shares_from_counters_stops_and_connections():
+    S = 10**9
+    assert sp.interval_shares([(0, 0.0), (S, 0.5), (2 * S, 0.5), (3 * S, 0.1)], 0, 3 * S) == [0.5, 0.0]
+    assert sp.stopped_shares([(S // 2, 2 * S)], 0, 3 * S) == [0.5, 1.0, 0.0]
+    rows = [{"start_ns": 0, "end_ns": S, "net_limited_us": 250_000, "src": "10.0.0.1", "dst": "10.0.0.2"},
+            {"start_ns": 0, "end_ns": S, "net_limited_us": 900_000, "src": "10.0.0.2", "dst": "10.0.0.3"},
+            {"start_ns": 3 * S, "end_ns": 4 * S, "net_limited_us": 0, "src": "10.0.0.1", "dst": "10.0.0.2"}]
+    assert sp.network_shares(rows, 0, 2 * S) == [0.25, 0.9]
+    # a node is judged on the connections with its address at either end: its own and its peers' to it
+    assert sp.network_shares(rows, 0, 2 * S, {"10.0.0.1"}) == [0.25]
+    assert sp.network_shares(rows, 0, 2 * S, {"10.0.0.3"}) == [0.9]
+
+
+def test_network_links_name_both_ends_most_limited_first():
+    S = 10**9
+    rows = [{"start_ns": 0, "end_ns": S, "net_limited_us": 800_000, "src": "10.0.0.1", "dst": "10.0.0.2"},
+            {"start_ns": 0, "end_ns": S, "net_limited_us": 600_000, "src": "10.0.0.2", "dst": "10.0.0.1"},
+            {"start_ns": 0, "end_ns": S, "net_limited_us": 10_000, "src": "10.0.0.2", "dst": "10.0.0.4"},
+            {"start_ns": 0, "end_ns": S, "net_limited_us": 900_000, "src": "10.0.0.3", "dst": "10.0.0.5"}]
+    got = sp.network_links(rows, 0, 2 * S, {"10.0.0.2"})
+    assert got == [{"a": "10.0.0.1", "b": "10.0.0.2", "net_limited_share": 0.7},
+                   {"a": "10.0.0.2", "b": "10.0.0.4", "net_limited_share": 0.01}]
