@@ -109,10 +109,12 @@ def test_trace_of_a_four_rank_job_loads_in_perfettos_trace_processor(tmp_path):
         collector.stop()
         shutil.rmtree(short, ignore_errors=True)
 
-    # the dive: switched on its one node (ModeChange), 1 kHz stacks of every rank, rank 3 (the slow one) ranked first
+    # the dive: switched on its one node (ModeChange), dense stacks of every rank, rank 3 (the slow one) ranked first
     assert dive["status"] == "done" and dive["command_id"] == deep["command_id"], dive
     assert list(dive["started"]) == ["node-a"] and dive["start_spread_ns"] == 0
-    assert dive["data"]["ranks"] == 4 and dive["data"]["deep_samples"] > 4 * 1000, dive["data"]
+    # denser than sentinel sampling (10 Hz): 1 kHz unless the agent's overhead governor held it back (its deep
+    # budget, 3 % of the host's CPUs, is spent well before 1 kHz on 4 ranks sharing 2 cores)
+    assert dive["data"]["ranks"] == 4 and dive["data"]["deep_samples"] > 3 * 4 * 3 * 10, dive["data"]
     assert dive["causes"] and dive["causes"][0]["rank"] == 3, dive["causes"][:3]
     assert summary["ranks"] == [0, 1, 2, 3] and summary["nodes"] == ["node-a"] and not summary["offline"]
     with TraceProcessorWasm.load(str(out)) as tp:
@@ -144,14 +146,15 @@ def test_trace_of_a_four_rank_job_loads_in_perfettos_trace_processor(tmp_path):
         assert all(by_id[i]["ts"] >= max(by_id[o]["ts"] for o in outs) for i, outs in into.items())
         late = Counter(rank_of(by_id[i]["track_id"]) for i in into)
         assert late.most_common(1)[0][0] == 3, late     # rank 3 computes longest: the others wait for it
-        # Python stacks as nested slices on every rank, denser inside the deep window (1 kHz vs 10 Hz)
+        # Python stacks as nested slices on every rank
         st = tp.query("select s.track_id, s.depth, s.name from slice s join track t on s.track_id = t.id"
                       " where t.name like 'python %'")
         assert {rank_of(s["track_id"]) for s in st} == {0, 1, 2, 3}
         assert max(s["depth"] for s in st) >= 1 and any("compute" in s["name"] for s in st)
         deep = tp.query("select s.ts, s.dur from slice s join track t on s.track_id = t.id"
                         " where t.name = 'deep dives'")
-        assert len(deep) == 1 and 2.5e9 < deep[0]["dur"] < 3.5e9, deep
+        # the operator's 3 s window (the collector may have started one of its own on a finding before it)
+        assert any(abs(d["ts"] - dive["start_ns"]) < 50_000_000 and 2.5e9 < d["dur"] < 3.5e9 for d in deep), deep
         counters = {r["name"] for r in tp.query("select distinct t.name from counter c join track t"
                                                 " on c.track_id = t.id")}
         assert any(n.startswith("cpu_utilization_percent") for n in counters), counters
