@@ -226,15 +226,9 @@ class DeepDives:
 
     async def _write(self, dd: DeepDive) -> None:
         from steplens.collector.store import diagnosis as store
-        from steplens.collector.store.writer import StoreJob
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        job = StoreJob(lambda conn: store.write_deep_dive(conn, dd.row(), self.clock.now_ns()),
-                       lambda outcome, n, note: loop.call_soon_threadsafe(
-                           lambda: fut.done() or fut.set_result((outcome, note))))
-        while not self.writer.submit(job):
-            await asyncio.sleep(0.01)
-        outcome, note = await fut
+        from steplens.collector.store.writer import StoreJob, submit_and_wait
+        outcome, _, note = await submit_and_wait(self.writer, lambda done: StoreJob(
+            lambda conn: store.write_deep_dive(conn, dd.row(), self.clock.now_ns()), done))
         if outcome != "stored":
             log.error("deep dive %s not stored: %s", dd.command_id, note)
 

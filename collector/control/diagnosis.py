@@ -249,7 +249,7 @@ class DiagnosisControl:
     async def ImportTopology(self, request, context):
         await self._auth(context)
         from steplens.collector.store.diagnosis import write_topology
-        from steplens.collector.store.writer import StoreJob
+        from steplens.collector.store.writer import StoreJob, submit_and_wait
         if not request.origin or len(request.origin) > 200:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin must be 1-200 characters")
         if len(request.topology_json) > MAX_TOPOLOGY_BYTES:
@@ -258,15 +258,9 @@ class DiagnosisControl:
             topo = await asyncio.to_thread(parse, request.topology_json)
         except TopologyError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
         now = self.clock.now_ns()
-        job = StoreJob(lambda conn: write_topology(conn, topo, request.origin, now),
-                       lambda outcome, n, note: loop.call_soon_threadsafe(
-                           lambda: fut.done() or fut.set_result((outcome, n, note))))
-        while not self.ingest.writer.submit(job):
-            await asyncio.sleep(0.01)
-        outcome, version, note = await fut
+        outcome, version, note = await submit_and_wait(self.ingest.writer, lambda done: StoreJob(
+            lambda conn: write_topology(conn, topo, request.origin, now), done))
         if outcome != "stored":
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"topology not stored: {note}")
         c = topo.counts()

@@ -138,7 +138,7 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
 
     async def ImportFlows(self, request, context):
         await self._auth(context)
-        from steplens.collector.store.writer import ImportJob
+        from steplens.collector.store.writer import ImportJob, submit_and_wait
         rows, problems = [], []
         for i, f in enumerate(request.flows):
             if not f.src or not f.dst or f.end_ns < f.start_ns or not f.start_ns or f.sport > 65535 or f.dport > 65535:
@@ -150,13 +150,8 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems[:5]))
         if not request.origin or len(request.origin) > 200:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "origin must be 1-200 characters")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        job = ImportJob(request.origin, rows, lambda outcome, n, note: loop.call_soon_threadsafe(
-            lambda: fut.done() or fut.set_result((outcome, n, note))))
-        while not self.ingest.writer.submit(job):
-            await asyncio.sleep(0.01)
-        outcome, n, note = await fut
+        outcome, n, note = await submit_and_wait(self.ingest.writer,
+                                                 lambda done: ImportJob(request.origin, rows, done))
         if outcome != "stored":
             await context.abort(grpc.StatusCode.UNAVAILABLE, note)
         return cpb.ImportFlowsReply(imported=n)

@@ -66,6 +66,19 @@ class StoreJob:
     result: int = 0
 
 
+async def submit_and_wait(writer, make: Callable[[Callable[[str, int, str], None]], object]) -> tuple[str, int, str]:
+    """From an asyncio task: submit the job make(done) builds (a StoreJob or ImportJob), waiting while the writer's
+    queue is full, and wait for its commit: (outcome, n, note)."""
+    import asyncio
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    job = make(lambda outcome, n, note: loop.call_soon_threadsafe(
+        lambda: fut.done() or fut.set_result((outcome, n, note))))
+    while not writer.submit(job):
+        await asyncio.sleep(0.01)
+    return await fut
+
+
 @dataclass
 class AgentUpdate:
     agent_id: str
