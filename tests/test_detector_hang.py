@@ -328,3 +328,31 @@ def test_a_job_whose_processes_all_exited_does_not_hang():
         return j
     rd.jobs = gone
     assert detect(rd, Window("j", 0, 3600 * S), HangConfig()) == []
+
+
+class _NothingPending:
+    """The simulated job as gloo's pipeline shows it: the Flight Recorder reports nothing pending (the peers of the
+    stopped rank wait in send/recv, which it does not record); only the process state tells."""
+
+    def __init__(self, rd, events: bool) -> None:
+        self._rd, self._events = rd, events
+
+    def __getattr__(self, name):
+        return getattr(self._rd, name)
+
+    def comm_progress_latest(self, job_key, until_ns=0):
+        return [{**p, "pending_op": "", "pending_seq": -1, "pending_since_ns": 0}
+                for p in self._rd.comm_progress_latest(job_key, until_ns=until_ns)]
+
+    def process_events(self, *a, **k):
+        return self._rd.process_events(*a, **k) if self._events else []
+
+
+def test_a_rank_stopped_after_its_last_step_is_a_hang_even_with_nothing_pending():
+    _, _, rd = _reader("hang:21:25:26:90", "stopped")
+    stop = {r["step"]: r["end_ns"] for r in rd.rows if r["rank"] == 21}[24]
+    w = Window(scoring.JOB, 0, stop + 20 * S + 1)
+    (f,) = detect(_NothingPending(rd, events=True), w, HangConfig())
+    assert (f.kind, f.suspects[0].id, f.suspects[0].evidence["state"]) == ("hang", "21", "stopped")
+    # nothing pending and no process stopped: ops complete (a long step), not a hang
+    assert detect(_NothingPending(rd, events=False), w, HangConfig()) == []

@@ -279,6 +279,44 @@ def test_loop_stays_within_its_cpu_budget(tmp_path):
         writer.stop()
 
 
+def test_a_job_whose_data_stopped_is_run_through_the_idle_detectors_up_to_now(tmp_path):
+    """A job that stops sending (stopped, hung in an op no source reports) wakes no pass on new data; the detectors
+    marked on_idle (the hang detector) still run on it, the window ending now, while a process of it lives."""
+    import sqlite3
+    path = str(tmp_path / "s.db")
+    writer = StoreWriter(path)
+    writer.start()
+    try:
+        t = time.monotonic_ns() - 10**9
+        _write(writer, 1, [r.CommSummary(t + i, 1, COMM, "allreduce", t, 1, 1, 1, 1, job_key=job, rank=0, step=0)
+                           for i, job in enumerate(("live", "gone"))])
+        conn = sqlite3.connect(path)
+        for job, exited in (("live", None), ("gone", time.time_ns())):
+            conn.execute("INSERT INTO processes(agent_id, pid, start_ticks, job_key, rank, exited_ns) VALUES"
+                         " (?,?,?,?,?,?)", ("n0", 100 if job == "live" else 101, 1, job, 0, exited))
+        conn.commit()
+        conn.close()
+        calls = []
+
+        def spec(name, on_idle):
+            return DetectorSpec(name, name, (), DetectorConfig,
+                                lambda reader, w, cfg: calls.append((name, w.job_key, w.until_ns)) or [],
+                                on_idle=on_idle)
+        eng = AnalysisEngine(Reader(path), writer, AnalysisSettings(interval_seconds=0.05),
+                             {"probe": spec("probe", True), "other": spec("other", False)})
+        assert eng.run_pass() == 2 and len(calls) == 4
+        mark = max(u for _, _, u in calls)
+        calls.clear()
+        assert eng.run_pass() == 0 and calls == []     # nothing new, and not idle for long yet
+        time.sleep(1.1)
+        before = time.time_ns()
+        assert eng.run_pass() == 1 and eng.idle_runs == 1
+        (name, job, until), = calls
+        assert (name, job) == ("probe", "live") and until >= before > mark
+    finally:
+        writer.stop()
+
+
 def test_progressive_fetch_paths(setup):
     """Control's FetchCommOps and the detectors' reader.fetch_commops share one implementation (control/fetch.py):
     an unknown job is NOT_FOUND, a rank whose agent is gone is reported offline, and the analysis thread's

@@ -69,6 +69,8 @@ class DetectorSpec:
     kinds: tuple[str, ...]         # finding kinds it may emit
     config_class: type[DetectorConfig]
     detect: Callable[[Any, Window, DetectorConfig], list[Finding]]
+    on_idle: bool = False          # also run, with the window ending now, on a job whose data stopped coming
+                                   # (what it finds is the absence of data: a hang)
 
 
 @dataclass

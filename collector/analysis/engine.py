@@ -409,8 +409,8 @@ class AnalysisEngine:
         return ran + self._idle_pass(marks) + self._flow_pass()
 
     def _idle_pass(self, marks: dict[str, int]) -> int:
-        """Jobs whose data stopped coming: run the hang detector on them up to now. A job blocked in an op that no
-        source reports as pending (gloo's send/recv, a stopped rank's peers), or whose every rank is stopped,
+        """Jobs whose data stopped coming: run the detectors that look for that (DetectorSpec.on_idle: the hang
+        detector) on them, up to now. A job blocked in an op that no source reports as pending (gloo's send/recv, a stopped rank's peers), or whose every rank is stopped,
         sends nothing the loop wakes on; without this pass it would never be called hung. Jobs whose processes
         all exited are left out (the detector says so itself where they hung first)."""
         s = self.settings
@@ -419,7 +419,8 @@ class AnalysisEngine:
             old = self._seen.get(job)
             if old is None or mark > old[0]:
                 self._seen[job] = (mark, now_mono)
-        if "hang" not in self.detectors or not self.configs["hang"].enabled or not s.idle_watch_seconds:
+        on_idle = tuple(n for n, spec in self.detectors.items() if spec.on_idle and self.configs[n].enabled)
+        if not on_idle or not s.idle_watch_seconds:
             return 0
         idle = [job for job, (mark, moved) in self._seen.items()
                 if now_mono - moved >= max(2 * s.interval_seconds, 1.0) and job not in self._marks]
@@ -435,10 +436,10 @@ class AnalysisEngine:
                 continue
             c0 = time.thread_time()
             try:
-                self.run_job(job, until_ns=self.now_ns(), data_ns=self._seen[job][0], only=("hang",))
+                self.run_job(job, until_ns=self.now_ns(), data_ns=self._seen[job][0], only=on_idle)
                 self.idle_runs += 1
             except Exception as exc:
-                log.error("idle hang check of job %s failed: %s", job, exc)
+                log.error("idle check of job %s failed: %s", job, exc)
             cpu = time.thread_time() - c0
             self.cpu_seconds += cpu
             ran += 1

@@ -598,4 +598,5 @@ SPEC = DetectorSpec(
     kinds=("hang",),
     config_class=HangConfig,
     detect=detect,
+    on_idle=True,
 )
