@@ -410,9 +410,10 @@ class AnalysisEngine:
 
     def _idle_pass(self, marks: dict[str, int]) -> int:
         """Jobs whose data stopped coming: run the detectors that look for that (DetectorSpec.on_idle: the hang
-        detector) on them, up to now. A job blocked in an op that no source reports as pending (gloo's send/recv, a stopped rank's peers), or whose every rank is stopped,
-        sends nothing the loop wakes on; without this pass it would never be called hung. Jobs whose processes
-        all exited are left out (the detector says so itself where they hung first)."""
+        detector) on them, up to now. A job blocked in an op that no source reports as pending (gloo's send/recv,
+        a stopped rank's peers), or whose every rank is stopped, sends nothing the loop wakes on; without this pass
+        it would never be called hung. Jobs whose processes all exited are left out (the detector says so itself
+        where they hung first)."""
         s = self.settings
         now_mono = time.monotonic()
         for job, mark in marks.items():
