@@ -1,6 +1,6 @@
 """The overhead governor: what each source costs and what the agent costs in all, kept under a CPU budget.
 
-Measured every `period` seconds: each source's step CPU time (its thread's CPU clock around step(), so what the
+Measured every `period` seconds: each source's CPU time (its thread's CPU clock, read once per step, so what the
 source itself burns), and the agent process's whole CPU time (every thread: sources, batcher, transport, gRPC).
 On a host whose cores the job keeps busy, the agent's CPU is time the job's ranks do not get, so the budget is a
 share of the host's CPUs: `budget_fraction` in sentinel mode (0 by default: not governed), `deep_budget_fraction`
