@@ -124,5 +124,20 @@ def test_stack_spans_merge_samples_and_break_at_gaps():
     assert [(s[0], s[1], s[2], s[3]) for s in stack_spans([(0, ["m"]), (5, ["m"])], 5, 8)] == [(0, 8, 0, "m")]
 
 
+def test_the_trace_subset_has_perfettos_own_field_numbers_and_enum_values():
+    """proto/steplens/perfetto/trace.proto against Perfetto's own TracePacket descriptor (the perfetto package)."""
+    from perfetto.protos.perfetto.trace import perfetto_trace_pb2 as theirs
+
+    from steplens.perfetto import trace_pb2 as ours
+    for msg in ours.DESCRIPTOR.message_types_by_name.values():
+        ref = getattr(theirs, msg.name).DESCRIPTOR
+        for f in msg.fields:
+            g = ref.fields_by_name[f.name]
+            assert (f.number, f.type) == (g.number, g.type), (msg.name, f.name)
+        for e in msg.enum_types:
+            values = {v.name: v.number for v in ref.enum_types_by_name[e.name].values}
+            assert all(values[v.name] == v.number for v in e.values), (msg.name, e.name)
+
+
 def test_rates_of_a_cumulative_counter_skip_resets():
     assert _rates([(0, 0.0), (S, 10.0), (2 * S, 5.0), (3 * S, 7.0)]) == [(S, 10.0), (3 * S, 2.0)]
