@@ -8,6 +8,7 @@ then `step()` is called on its own thread at its interval and returns Records. O
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
 import time
 from dataclasses import dataclass, field
@@ -160,3 +161,21 @@ def _coerce(value: Any, default: Any, where: str) -> Any:
 
 def host_path(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
+
+
+def runtime_files(patterns, extensions: tuple[str, ...]) -> dict[str, dict[int, str]]:
+    """The bootstrap's per-process files <pid>.<ext> in the directories the glob patterns match, by extension and
+    pid (the first directory, in pattern then name order, wins for a pid); a directory that cannot be listed is
+    skipped."""
+    found: dict[str, dict[int, str]] = {ext: {} for ext in extensions}
+    for pattern in patterns:
+        for d in sorted(glob.glob(pattern)):
+            try:
+                names = os.listdir(d)
+            except OSError:
+                continue
+            for n in names:
+                stem, _, ext = n.partition(".")
+                if ext in found and stem.isdigit():
+                    found[ext].setdefault(int(stem), os.path.join(d, n))
+    return found

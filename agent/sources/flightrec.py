@@ -102,7 +102,7 @@ from dataclasses import dataclass, field
 from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, RealtimeClock, dtype_bytes, normalize_op,
                                    time_problem)
 from steplens.agent.records import CommOp, CommProgress, Event, Metric, ProcessInfo
-from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
+from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig, runtime_files
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
 RETIRE_GRACE_NS = 3_000_000_000   # a completed op the watchdog has not retired after this is emitted untimed
@@ -579,21 +579,8 @@ class FlightrecSource(Source):
 
     def _runtime_files(self) -> tuple[dict[int, str], dict[int, str]]:
         """The bootstrap's <pid>.sock and <pid>.gc files in socket_dirs, by pid (the first directory wins)."""
-        sockets: dict[int, str] = {}
-        gcs: dict[int, str] = {}
-        for pattern in self.config.socket_dirs:
-            for d in sorted(glob.glob(pattern)):
-                try:
-                    names = os.listdir(d)
-                except OSError:
-                    continue
-                for n in names:
-                    stem, dot, ext = n.partition(".")
-                    if ext == "sock" and stem.isdigit():
-                        sockets.setdefault(int(stem), os.path.join(d, n))
-                    elif ext == "gc" and stem.isdigit():
-                        gcs.setdefault(int(stem), os.path.join(d, n))
-        return sockets, gcs
+        found = runtime_files(self.config.socket_dirs, ("sock", "gc"))
+        return found["sock"], found["gc"]
 
     def _report(self, out: list, key, kind: str, message: str, once: bool = True) -> None:
         if once:

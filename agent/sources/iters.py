@@ -28,7 +28,6 @@ agent CPU per engine process per second.
 
 from __future__ import annotations
 
-import glob
 import os
 import struct
 import time
@@ -36,7 +35,7 @@ from dataclasses import dataclass, field
 
 from steplens.agent.commlog import FUTURE_SLACK_NS, RealtimeClock
 from steplens.agent.records import Event, Iteration, Metric
-from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig
+from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig, runtime_files
 from steplens.agent.sources.procs import _read_environ, _read_stat, job_key_from_env
 
 SUFFIX = ".iters"
@@ -136,18 +135,7 @@ class ItersSource(Source):
         self.read_total = self.torn_total = self.lost_total = self.dropped_total = 0
 
     def _rings(self) -> dict[int, str]:
-        found: dict[int, str] = {}
-        for pattern in self.config.ring_dirs:
-            for d in sorted(glob.glob(pattern)):
-                try:
-                    names = os.listdir(d)
-                except OSError:
-                    continue
-                for n in names:
-                    stem = n[:-len(SUFFIX)]
-                    if n.endswith(SUFFIX) and stem.isdigit():
-                        found.setdefault(int(stem), os.path.join(d, n))
-        return found
+        return runtime_files(self.config.ring_dirs, (SUFFIX.lstrip("."),))[SUFFIX.lstrip(".")]
 
     def _event(self, out: list, key, kind: str, message: str, once: bool = True) -> None:
         if once:
