@@ -193,8 +193,10 @@ def cmd_record(args) -> int:
         formats.write(samples, fh, args.format, name=f"steplens pid {args.pid}", interval_ns=int(period * 1e9),
                       include_idle=args.idle)
     n = len(samples)
+    cpu_write = _time.process_time() - cpu0 - cpu
     print(f"steplens-agent: {n} samples in {wall:.2f}s ({n / wall:.0f} Hz achieved of {args.rate:g}), "
-          f"{errors} failed, {cpu / max(n, 1) * 1e6:.0f} µs CPU per sample; wrote {args.output}"
+          f"{errors} failed, {cpu / max(n, 1) * 1e6:.0f} µs CPU per sample "
+          f"(+{cpu_write / max(n, 1) * 1e6:.0f} µs writing them); wrote {args.output}"
           + (f"; stopped early: {ended}" if ended else ""), file=sys.stderr)
     return 0
 

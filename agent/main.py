@@ -82,6 +82,7 @@ class Agent:
             self.spool, self.status, CommandHandler(self.deep, a.state_dir, self.ctx.workloads),
             hostname=conn.hostname(),
             boot_id=_boot_id(a.proc_root))
+        self.runner.on_source_started = self.transport.status_soon  # `steplens nodes` sees a source up at once
         self._stopped = threading.Event()
         self._stop_lock = threading.Lock()
 

@@ -11,16 +11,25 @@ from __future__ import annotations
 
 import collections
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
 
-from steplens.agent.governor import Governor, GovernorSettings
+from steplens.agent.governor import Governor, GovernorSettings, name_native_thread
 from steplens.agent.records import Event, Gap, Mode
 from steplens.agent.sources.base import Availability, HostContext, Source, SourceConfig
 
 log = logging.getLogger("steplens.agent.runner")
+
+
+def _release_build_state() -> None:
+    """Drop what starting an eBPF source needed and running it does not (the kernel's BTF, ~6 MB): read again if
+    another source starts later."""
+    ebpf = sys.modules.get("steplens.agent.ebpf")
+    if ebpf is not None:
+        ebpf.release_btf()
 
 
 @dataclass
@@ -35,6 +44,7 @@ class SourceState:
     step_errors: int = 0
     records: int = 0
     step_started: float = 0.0  # time.monotonic() of a step in progress, 0 when idle
+    idle: bool = False         # waiting for a workload process (Source.idle)
     cpu_cores: float = 0.0     # its steps' CPU over the governor's last period (CPU seconds per second)
     rate_scale: float = 1.0    # the governor's interval divisor (1: as configured)
 
@@ -50,6 +60,9 @@ class BatchPolicy:
     max_bytes: int = 1024 * 1024
     max_delay_seconds: float = 1.0
     queue_max_records: int = 100_000
+    # while the node has no workload process and is in sentinel mode, batches wait this many times longer: host
+    # metrics are still taken every interval, but each batch costs a spool write, a send and an ack
+    idle_delay_factor: float = 5.0
 
 
 class RecordQueue:
@@ -59,6 +72,7 @@ class RecordQueue:
         self._items: collections.deque = collections.deque()
         self._max = max_records
         self._cond = threading.Condition()
+        self._woken = False
         self.dropped_total = 0
 
     def put_many(self, source: str, records: list) -> None:
@@ -73,11 +87,17 @@ class RecordQueue:
                 self.dropped_total += over
             self._cond.notify()
 
+    def wake(self) -> None:
+        """End every take() waiting now (shutdown: flush what is there)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
     def take(self, max_items: int, wait_seconds: float, min_items: int) -> list:
-        """Wait up to wait_seconds for min_items, then take at most max_items."""
+        """Wait up to wait_seconds for min_items (or a wake()), then take at most max_items."""
         deadline = time.monotonic() + wait_seconds
         with self._cond:
-            while len(self._items) < min_items:
+            while len(self._items) < min_items and not self._woken:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -112,6 +132,7 @@ class Runner:
         self._queue_drops_reported = 0
         self.batch_errors = 0
         self.records_rejected = 0   # records the encoder refused, left out of their batch
+        self.on_source_started: Callable[[], None] | None = None  # after each source's start, up or not
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +150,7 @@ class Runner:
         g.start()
 
     def _governor_main(self) -> None:
+        name_native_thread("sl-governor")
         gov = self.governor
         while not self._stop.wait(gov.settings.period_seconds):
             gov.tick()
@@ -142,6 +164,7 @@ class Runner:
         if self._stop.is_set() and self._batcher_stop.is_set():
             return
         self._stop.set()
+        self.ctx.workloads.wake()   # sources waiting for a workload (Source.idle) look at the stop event
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -149,6 +172,7 @@ class Runner:
             if t.is_alive():
                 log.warning("source %s did not stop within %.1fs; abandoning its thread", name, timeout)
         self._batcher_stop.set()
+        self.queue.wake()
         if getattr(self, "_batcher", None) is not None:
             self._batcher.join(max(1.0, deadline - time.monotonic()))
 
@@ -172,7 +196,15 @@ class Runner:
         self.queue.put_many(source, records)
 
     # -- threads ---------------------------------------------------------------------------
+    def _started(self, state: SourceState) -> None:
+        if self.on_source_started is not None:
+            try:
+                self.on_source_started()
+            except Exception:
+                log.debug("on_source_started failed", exc_info=True)
+
     def _source_main(self, name: str, cls: type[Source], cfg: SourceConfig) -> None:
+        name_native_thread(f"sl-{name}")
         state = self.states[name]
         try:
             avail: Availability = cls.probe(self.ctx)
@@ -180,6 +212,7 @@ class Runner:
             avail = Availability.no(f"probe failed: {type(exc).__name__}: {exc}")
         if not avail.ok:
             state.up, state.reason = False, avail.reason
+            self._started(state)
             return
         try:
             inst = cls(self.ctx, cfg)
@@ -187,7 +220,10 @@ class Runner:
         except Exception as exc:
             state.up, state.reason = False, f"start failed: {type(exc).__name__}: {exc}"
             state.errors += 1
+            self._started(state)
             return
+        finally:
+            _release_build_state()
         self._instances[name] = inst
         if self._mode is not Mode.SENTINEL:
             try:
@@ -195,11 +231,20 @@ class Runner:
             except Exception:
                 state.errors += 1
         state.up, state.reason = True, avail.reason
+        self._started(state)
         self.governor.register(name, bool(getattr(cls, "governed", True)))
         next_at = time.monotonic()
         cpu_mark = time.thread_time()   # this thread's CPU: its steps (and the loop around them), for the governor
         try:
             while not self._stop.is_set():
+                if not self.ctx.workloads.snapshot() and inst.idle():
+                    # nothing to do until a workload appears: wait for one instead of stepping
+                    state.idle, state.reason = True, "idle: waiting for a workload process"
+                    self.ctx.workloads.wait_nonempty(self._stop)
+                    state.idle = False
+                    next_at = time.monotonic()
+                    cpu_mark = time.thread_time()
+                    continue
                 t0 = time.monotonic()
                 state.step_started = t0
                 try:
@@ -272,10 +317,14 @@ class Runner:
                 st.up, st.reason = False, f"stalled: step running for {now - st.step_started:.1f}s"
 
     def _batcher_main(self) -> None:
+        name_native_thread("sl-batcher")
         p = self.policy
         while True:
             stopping = self._batcher_stop.is_set()
-            items = self.queue.take(p.max_records, 0.05 if stopping else p.max_delay_seconds, p.max_records)
+            delay = p.max_delay_seconds
+            if not self.ctx.workloads.snapshot() and self._mode is Mode.SENTINEL:
+                delay *= p.idle_delay_factor
+            items = self.queue.take(p.max_records, 0.05 if stopping else delay, p.max_records)
             drops = self.queue.dropped_total - self._queue_drops_reported
             if drops:
                 self._queue_drops_reported += drops

@@ -1,10 +1,10 @@
 """Python-stack sampler benchmark: our out-of-process reader next to py-spy, on the same target.
 
-Prints, side by side in one run: our CPU µs per sample vs py-spy's (`py-spy record --nonblocking`),
-the achieved rate at 100 Hz and 1 kHz (and our ceiling when asked for 5 kHz), the target's slowdown
-at 100 Hz and 1 kHz (interleaved runs, medians), and how often the target's threads were seen
-stopped while sampling. Goals (issue): <= 1/5 of py-spy's CPU per sample, >= 2 kHz on one process,
-target slowdown < 0.5 % at 100 Hz, zero time stopped in the default mode.
+Prints, side by side in one run: our CPU µs per sample vs py-spy's (`py-spy record --nonblocking`)
+and their ratio at 10, 100, 250 and 1,000 Hz, the achieved rates (and our ceiling when asked for
+5 kHz), the target's slowdown at each rate (interleaved runs, medians), and how often the target's
+threads were seen stopped while sampling. Goals (issue): <= 1/5 of py-spy's CPU per sample at every
+rate, >= 2 kHz on one process, target slowdown < 0.5 % at 100 Hz, zero time stopped in the default mode.
 
 Processes:
   target   a CPU-bound CPython program (pyenv 3.12 by default, --python): one busy main thread
@@ -23,17 +23,20 @@ CPU per sample. A run's whole CPU includes a fixed start-up cost (ours: a Python
 its imports, ~0.2 CPU s; py-spy: reading the target's binaries) that has nothing to do with the
 sampling loop of a long-running agent. So each round also runs every tool/rate for 1 s, and the
 headline is the marginal cost: (CPU_long - CPU_short) / (samples_long - samples_short), median
-over rounds. The whole-command figure (CPU / samples of the long run) and our own in-loop figure
-(process_time around the loop, printed by `record`) are shown next to it.
+over rounds. Each rate has its own window (--windows; 45 s at 10 Hz, so that even there a long run
+has some 450 samples more than its short one). The whole-command figure (CPU / samples of the long
+run) and our own in-process figure (process_time around `record`'s loop, plus writing the output,
+both printed by `record`: no start-up in it, so it is the steadier one) are shown next to it.
 
 Samples. Both tools sample every thread of the target each tick; --idle makes both report
 idle threads, so py-spy's "Samples: N" (one per thread stack) / thread count = ticks, and our
 "N samples" is ticks already. A "sample" below is one tick: all threads of the process.
 
-Slowdown. Each round: baseline (no sampler), ours@100, py-spy@100, ours@1k, py-spy@1k (reversed in
-odd rounds), then the short runs; one more baseline after the last round. A run's throughput is
-measured over [spawn + 0.75 s, spawn + 0.75 s + --seconds], inside its sampling period (the sampler
-runs --seconds + 1 s); slowdown = 1 - throughput / mean(baseline before, baseline after), twice:
+Slowdown. Each round: baseline (no sampler), then ours and py-spy at 10, 100, 250 and 1,000 Hz
+(reversed in odd rounds), then the short runs; one more baseline after the last round. A run's
+throughput is measured over [spawn + 0.75 s, spawn + 0.75 s + its window], inside its sampling period
+(the sampler runs the window + 1 s); slowdown = 1 - throughput / mean(baseline before, baseline
+after), twice:
   wall  units per second: what the job loses, stops included, but also any CPU time that other
         processes take from the target's core (on a busy shared machine this dominates; the busy
         thread's share of its core is printed per run);
@@ -47,10 +50,11 @@ Stopped. Our default mode never stops the target (no ptrace; PythonProcess.stopp
 grows with --stop). It is also checked: during every sampler run the bench reads
 /proc/PID/task/TID/stat of each target thread every 5 ms and counts observations in state t/T.
 
-    .venv/bin/python bench/pystacks.py                       # 5 rounds x 5 s windows (~4 min)
-    .venv/bin/python bench/pystacks.py --quick               # 1 round x 2 s
+    .venv/bin/python bench/pystacks.py                       # 2 rounds, 45/8/5/4 s windows (~5.5 min)
+    .venv/bin/python bench/pystacks.py --quick               # 1 round, 10/3/2/2 s windows (~2.5 min)
     .venv/bin/python bench/pystacks.py --python /root/.pyenv/versions/3.11.7/bin/python3 --keep
     .venv/bin/python bench/pystacks.py --profile 2000        # then cProfile 2000 PythonProcess.sample()
+    .venv/bin/python bench/pystacks.py --agent "python /tmp/old_agent.py"   # another build of ours (A/B)
 
 The machine is shared and noisy (2 cores): the baselines' spread is printed; a slowdown inside it
 is noise. The last line of stdout is one JSON object with the headline figures.
@@ -75,6 +79,9 @@ import time
 GOAL_CPU_RATIO = 0.2
 GOAL_MAX_RATE_HZ = 2000
 GOAL_SLOWDOWN_100HZ_PERCENT = 0.5
+RATES = (10.0, 100.0, 250.0, 1000.0)
+WINDOWS = "10:45,100:8,250:5,1000:4"        # seconds measured per run, by rate (default run)
+QUICK_WINDOWS = "10:10,100:3,250:2,1000:2"  # --quick
 LEAD_S = 0.75          # window starts this long after a sampler is spawned (its start-up)
 SHORT_S = 1            # duration of the short runs (fixed-cost estimate); py-spy takes whole seconds
 POLL_S = 0.005         # stopped-state poll period
@@ -259,7 +266,8 @@ class StopPoller:
             os.close(fd)
 
 
-_OURS_RE = re.compile(r"(\d+) samples in ([\d.]+)s .*?, (\d+) failed, (\d+) µs CPU per sample")
+_OURS_RE = re.compile(r"(\d+) samples in ([\d.]+)s .*?, (\d+) failed, (\d+) µs CPU per sample"
+                      r"(?: \(\+(\d+) µs writing them\))?")
 _PYSPY_RE = re.compile(r"Samples: (\d+) Errors: (\d+)")
 
 
@@ -267,7 +275,7 @@ class Bench:
     def __init__(self, args, tmp: str, children: Children, target: Target) -> None:
         self.args, self.tmp, self.children, self.target = args, tmp, children, target
         self.poller = StopPoller(target.pid, target.tids)
-        self.agent = _console_script("steplens-agent", "steplens.agent.cli")
+        self.agent = args.agent.split() if args.agent else _console_script("steplens-agent", "steplens.agent.cli")
         cpu = args.sampler_cpu
         self.preexec = (lambda: os.sched_setaffinity(0, {cpu})) if cpu >= 0 else None
 
@@ -296,13 +304,16 @@ class Bench:
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{err_text[-2000:]}")
         r = {"tool": tool, "rate": rate, "duration": duration, "cpu_s": ru.ru_utime + ru.ru_stime,
-             "polls": p1 - p0, "stopped_obs": s1 - s0, "wall_s": t_exit - t_spawn, "failed": 0, "loop_us": None}
+             "polls": p1 - p0, "stopped_obs": s1 - s0, "wall_s": t_exit - t_spawn, "failed": 0, "loop_us": None,
+             "inproc_us": None}
         if tool == "ours":
             m = _OURS_RE.search(err_text)
             if not m:
                 raise RuntimeError(f"cannot parse steplens-agent record's summary:\n{err_text[-2000:]}")
             r["samples"], r["sampling_s"] = int(m.group(1)), float(m.group(2))
             r["failed"], r["loop_us"] = int(m.group(3)), int(m.group(4))
+            if m.group(5) is not None:   # loop + writing the output: everything but start-up, per sample
+                r["inproc_us"] = r["loop_us"] + int(m.group(5))
         else:
             m = _PYSPY_RE.search(err_text)
             stacks = int(m.group(1)) if m else self._raw_count(out)
@@ -342,8 +353,8 @@ def run(args, tmp: str, children: Children) -> dict:
         pass
     time.sleep(args.warmup)
     D = args.seconds
-    long_d = D + 1
-    conds = [("ours", 100.0), ("py-spy", 100.0), ("ours", 1000.0), ("py-spy", 1000.0)]
+    win = args.windows
+    conds = [(tool, rate) for rate in RATES for tool in ("ours", "py-spy")]
     baselines: list[float | None] = []
     longs: dict[tuple, list[dict]] = {c: [] for c in conds}
     shorts: dict[tuple, list[dict]] = {c: [] for c in conds}
@@ -351,7 +362,7 @@ def run(args, tmp: str, children: Children) -> dict:
         baselines.append(bench.baseline(D))
         order = conds if rnd % 2 == 0 else conds[::-1]
         for tool, rate in order:
-            r = bench.sampler(tool, rate, long_d, D)
+            r = bench.sampler(tool, rate, win[rate] + 1, win[rate])
             r["round"] = rnd
             longs[(tool, rate)].append(r)
         for tool, rate in order:
@@ -366,7 +377,7 @@ def run(args, tmp: str, children: Children) -> dict:
               + "; ".join(f"{tool}@{rate:g} {tp(longs[(tool, rate)][-1]['throughput'])}"
                           for tool, rate in conds), flush=True)
     baselines.append(bench.baseline(D))
-    maxr = bench.sampler("ours", float(args.max_rate), long_d, D)
+    maxr = bench.sampler("ours", float(args.max_rate), D + 1, D)
     maxr["round"] = args.rounds - 1
 
     def slowdown(r: dict, key: str) -> float | None:
@@ -392,6 +403,7 @@ def run(args, tmp: str, children: Children) -> dict:
             "cpu_us_marginal": _med(marg),
             "cpu_us_whole": _med([r["cpu_s"] / r["samples"] * 1e6 for r in L if r["samples"]]),
             "cpu_us_loop": _med([r["loop_us"] for r in L]),
+            "cpu_us_inproc": _med([r["inproc_us"] for r in L]),
             "fixed_cpu_s": _med(fixed),
             "stopped_obs": sum(r["stopped_obs"] for r in L + S), "polls": sum(r["polls"] for r in L + S),
             "failed": sum(r["failed"] for r in L + S), "startup_s": _med([r["startup_s"] for r in L]),
@@ -441,9 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--python", default=_default_python(), help="interpreter of the target (default: pyenv 3.12)")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--seconds", type=int, default=5, help="measured window per run, whole seconds (default 5)")
-    p.add_argument("--quick", action="store_true", help="smoke test: 1 round, 2 s windows")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default 2)")
+    p.add_argument("--windows", default=WINDOWS, help=f"seconds measured per run, by rate (default {WINDOWS})")
+    p.add_argument("--seconds", type=int, default=5, help="baseline window and our max-rate run, whole seconds "
+                   "(default 5)")
+    p.add_argument("--quick", action="store_true", help=f"smoke test: 1 round, windows {QUICK_WINDOWS}, 2 s")
+    p.add_argument("--agent", default=None, help="command line to run as steplens-agent (default: this venv's; "
+                   "for an A/B against another build)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (target, outputs, logs)")
     p.add_argument("--max-rate", type=int, default=5000, help="rate asked of ours for its ceiling (default 5000)")
     p.add_argument("--depth", type=int, default=22, help="recursion depth of the busy thread (default 22)")
@@ -458,7 +474,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="afterwards, cProfile N in-process PythonProcess.sample() against the target")
     args = p.parse_args(argv)
     if args.quick:
-        args.rounds, args.seconds = 1, 2
+        args.rounds, args.seconds, args.windows = 1, 2, QUICK_WINDOWS
+    try:
+        args.windows = {float(r): int(w) for r, w in (x.split(":") for x in args.windows.split(","))}
+    except ValueError:
+        p.error(f"--windows: RATE:SECONDS,... (got {args.windows!r})")
+    if set(args.windows) != set(RATES) or min(args.windows.values()) < 2:
+        p.error(f"--windows needs every rate of {RATES} with >= 2 s")
     if args.rounds < 1 or args.seconds < 1:
         p.error("--rounds and --seconds must be >= 1")
     if (os.cpu_count() or 1) < 2 or args.target_cpu < 0 or args.sampler_cpu < 0:
@@ -482,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
             return 100.0 * (max(v) - min(v)) / statistics.median(v) if v else 0.0
         py_spy_version = subprocess.run([args.py_spy, "--version"], capture_output=True, text=True).stdout.strip()
         print()
+        wins = ", ".join(f"{w} s at {r:g} Hz" for r, w in args.windows.items())
         print(f"== pystacks: Python {t.version} target, {t.threads} threads, ~{args.depth + 4} frames on the busy "
-              f"thread; {args.rounds} rounds x {args.seconds} s windows; {os.cpu_count()} CPUs; {res['pinned']} ==")
+              f"thread; {args.rounds} rounds, windows {wins}; {os.cpu_count()} CPUs; {res['pinned']} ==")
         print(f"ours = steplens-agent record --idle (default mode: no ptrace); py-spy = {py_spy_version} "
               f"record --nonblocking --idle --format raw")
         print(f"baselines ({len(bw)}): {statistics.median(bw):,.0f} units/s (max-min spread {spread(bw):.1f} %), "
@@ -492,9 +515,9 @@ def main(argv: list[str] | None = None) -> int:
         print("slowdown: 'wall' = drop in units/s; 'cpu' = drop in units per CPU second of the busy thread "
               "(cache/memory interference and stops only, not CPU taken by other processes)")
         print()
-        print(f"{'tool':<7}{'rate':>6}{'achieved':>9}{'CPU µs/sample':>14}{'whole':>7}{'in-':>6}{'CPU':>6}"
-              f"{'target':>7}{'slowdown % wall':>24}{'slowdown % cpu':>24}{'stopped':>12}")
-        print(f"{'':<7}{'Hz':>6}{'Hz':>9}{'(marginal)':>14}{'cmd':>7}{'loop':>6}{'%':>6}{'core %':>7}"
+        print(f"{'tool':<7}{'rate':>6}{'achieved':>9}{'CPU µs/sample':>14}{'whole':>7}{'in-':>6}{'in-':>6}"
+              f"{'CPU':>6}{'target':>7}{'slowdown % wall':>24}{'slowdown % cpu':>24}{'stopped':>12}")
+        print(f"{'':<7}{'Hz':>6}{'Hz':>9}{'(marginal)':>14}{'cmd':>7}{'loop':>6}{'proc':>6}{'%':>6}{'core %':>7}"
               f"{'median [min..max]':>24}{'median [min..max]':>24}{'obs/polls':>12}")
 
         def sd(r, key):
@@ -503,40 +526,51 @@ def main(argv: list[str] | None = None) -> int:
         for (tool, rate), r in rows.items():
             print(f"{tool:<7}{rate:>6.0f}{r['achieved_hz']:>9.0f}{_fmt(r['cpu_us_marginal'], '.0f'):>14}"
                   f"{_fmt(r['cpu_us_whole'], '.0f'):>7}{_fmt(r['cpu_us_loop'], '.0f'):>6}"
+                  f"{_fmt(r['cpu_us_inproc'], '.0f'):>6}"
                   f"{_fmt(r['cpu_percent'], '.1f'):>6}{_fmt(r['share'], '.0f'):>7}{sd(r, 'wall'):>24}"
                   f"{sd(r, 'cpu'):>24}{str(r['stopped_obs']) + '/' + str(r['polls']):>12}")
         ms = res["max_slowdown"]
         share = mx["throughput"]["share"] * 100 if mx.get("throughput") else None
         print(f"{'ours':<7}{args.max_rate:>6}{mx['achieved_hz']:>9.0f}{'':>14}"
               f"{mx['cpu_s'] / max(mx['samples'], 1) * 1e6:>7.0f}{_fmt(mx['loop_us'], '.0f'):>6}"
+              f"{_fmt(mx['inproc_us'], '.0f'):>6}"
               f"{mx['cpu_s'] / mx['wall_s'] * 100:>6.1f}{_fmt(share, '.0f'):>7}"
               f"{_fmt(ms['wall'], '+.2f') + ' (1 run)':>24}{_fmt(ms['cpu'], '+.2f') + ' (1 run)':>24}"
               f"{str(mx['stopped_obs']) + '/' + str(mx['polls']):>12}")
-        o100, p100, o1k, p1k = (rows[c] for c in [("ours", 100.0), ("py-spy", 100.0), ("ours", 1000.0),
-                                                 ("py-spy", 1000.0)])
 
         def ratio(a, b):
             return a / b if a is not None and b else None
-        r100 = ratio(o100["cpu_us_marginal"], p100["cpu_us_marginal"])
-        r1k = ratio(o1k["cpu_us_marginal"], p1k["cpu_us_marginal"])
+
+        def hz(rate):
+            return f"{rate / 1000:g} kHz" if rate >= 1000 else f"{rate:g} Hz"
+        ours = {rate: rows[("ours", rate)] for rate in RATES}
+        spy = {rate: rows[("py-spy", rate)] for rate in RATES}
+        ratios = {rate: ratio(ours[rate]["cpu_us_marginal"], spy[rate]["cpu_us_marginal"]) for rate in RATES}
+        ratios_inproc = {rate: ratio(ours[rate]["cpu_us_inproc"], spy[rate]["cpu_us_marginal"]) for rate in RATES}
         print()
-        print(f"CPU per sample ours/py-spy   {_fmt(r100, '.2f')} at 100 Hz, {_fmt(r1k, '.2f')} at 1 kHz (goal <= "
-              f"{GOAL_CPU_RATIO}); whole command {_fmt(ratio(o100['cpu_us_whole'], p100['cpu_us_whole']), '.2f')}"
-              f" / {_fmt(ratio(o1k['cpu_us_whole'], p1k['cpu_us_whole']), '.2f')}")
-        print(f"fixed CPU per command        ours {_fmt(o100['fixed_cpu_s'], '.3f')} s, py-spy "
-              f"{_fmt(p100['fixed_cpu_s'], '.3f')} s (start-up, attach, output; not in the marginal figure)")
+        print("CPU per sample ours/py-spy   " + ", ".join(f"{_fmt(ratios[r], '.2f')} at {hz(r)}" for r in RATES)
+              + f" (goal <= {GOAL_CPU_RATIO} at each)")
+        print("  ours in-process/py-spy     " + ", ".join(f"{_fmt(ratios_inproc[r], '.2f')}" for r in RATES)
+              + " (ours: loop + writing the output, no start-up: the steadier figure)")
+        print("  whole command              " + ", ".join(
+            f"{_fmt(ratio(ours[r]['cpu_us_whole'], spy[r]['cpu_us_whole']), '.2f')}" for r in RATES))
+        print(f"fixed CPU per command        ours {_fmt(_med([ours[r]['fixed_cpu_s'] for r in RATES]), '.3f')} s, "
+              f"py-spy {_fmt(_med([spy[r]['fixed_cpu_s'] for r in RATES]), '.3f')} s (start-up, attach, output; "
+              f"not in the marginal figure)")
         print(f"ours max rate                {mx['achieved_hz']:.0f} Hz, asked {args.max_rate} (goal >= "
               f"{GOAL_MAX_RATE_HZ}); {mx['failed']} failed samples")
+        o100, p100 = ours[100.0], spy[100.0]
         print(f"target slowdown at 100 Hz    ours {_fmt(o100['slowdown_wall'], '+.2f')} % wall, "
               f"{_fmt(o100['slowdown_cpu'], '+.2f')} % cpu; py-spy {_fmt(p100['slowdown_wall'], '+.2f')} % wall, "
               f"{_fmt(p100['slowdown_cpu'], '+.2f')} % cpu (goal < {GOAL_SLOWDOWN_100HZ_PERCENT} %; baseline spread "
               f"{spread(bw):.1f} % wall, {spread(bc):.1f} % cpu)")
-        stopped_ours = o100["stopped_obs"] + o1k["stopped_obs"] + mx["stopped_obs"]
-        polls_ours = o100["polls"] + o1k["polls"] + mx["polls"]
+        stopped_ours = sum(ours[r]["stopped_obs"] for r in RATES) + mx["stopped_obs"]
+        polls_ours = sum(ours[r]["polls"] for r in RATES) + mx["polls"]
         print(f"stopped, default mode        0 ns by construction (no ptrace); {stopped_ours} of {polls_ours} "
               f"thread-state polls during our runs saw t/T (py-spy --nonblocking: "
-              f"{p100['stopped_obs'] + p1k['stopped_obs']} of {p100['polls'] + p1k['polls']}); failed samples: "
-              f"ours {o100['failed'] + o1k['failed']}, py-spy errors {p100['failed'] + p1k['failed']}")
+              f"{sum(spy[r]['stopped_obs'] for r in RATES)} of {sum(spy[r]['polls'] for r in RATES)}); failed "
+              f"samples: ours {sum(ours[r]['failed'] for r in RATES)}, py-spy errors "
+              f"{sum(spy[r]['failed'] for r in RATES)}")
         if args.keep:
             print(f"kept {tmp}")
         if args.profile:
@@ -544,36 +578,36 @@ def main(argv: list[str] | None = None) -> int:
 
         def rnd(v, n=1):
             return None if v is None else round(v, n)
-        headline = {
-            "ours_cpu_us_per_sample_100hz": rnd(o100["cpu_us_marginal"]),
-            "pyspy_cpu_us_per_sample_100hz": rnd(p100["cpu_us_marginal"]),
-            "cpu_ratio_100hz": rnd(r100, 3),
-            "ours_cpu_us_per_sample_1khz": rnd(o1k["cpu_us_marginal"]),
-            "pyspy_cpu_us_per_sample_1khz": rnd(p1k["cpu_us_marginal"]),
-            "cpu_ratio_1khz": rnd(r1k, 3),
-            "ours_cpu_us_per_sample_whole_cmd_100hz": rnd(o100["cpu_us_whole"]),
-            "pyspy_cpu_us_per_sample_whole_cmd_100hz": rnd(p100["cpu_us_whole"]),
-            "ours_cpu_us_per_sample_in_loop_1khz": rnd(o1k["cpu_us_loop"]),
-            "ours_achieved_hz_100": rnd(o100["achieved_hz"]), "ours_achieved_hz_1k": rnd(o1k["achieved_hz"]),
-            "pyspy_achieved_hz_100": rnd(p100["achieved_hz"]), "pyspy_achieved_hz_1k": rnd(p1k["achieved_hz"]),
+        headline = {}
+        for r in RATES:
+            k = f"{r / 1000:g}khz" if r >= 1000 else f"{r:g}hz"
+            headline.update({
+                f"ratio_cpu_per_sample_{k}": rnd(ratios[r], 3),
+                f"ratio_cpu_per_sample_inproc_{k}": rnd(ratios_inproc[r], 3),
+                f"ours_cpu_us_per_sample_{k}": rnd(ours[r]["cpu_us_marginal"]),
+                f"ours_cpu_us_per_sample_inproc_{k}": rnd(ours[r]["cpu_us_inproc"]),
+                f"pyspy_cpu_us_per_sample_{k}": rnd(spy[r]["cpu_us_marginal"]),
+                f"ours_achieved_hz_{k}": rnd(ours[r]["achieved_hz"]),
+                f"pyspy_achieved_hz_{k}": rnd(spy[r]["achieved_hz"]),
+                f"slowdown_ours_{k}_percent": rnd(ours[r]["slowdown_wall"], 3),
+                f"slowdown_pyspy_{k}_percent": rnd(spy[r]["slowdown_wall"], 3),
+                f"slowdown_cpu_ours_{k}_percent": rnd(ours[r]["slowdown_cpu"], 3),
+                f"slowdown_cpu_pyspy_{k}_percent": rnd(spy[r]["slowdown_cpu"], 3),
+            })
+        headline.update({
             "ours_max_rate_hz": rnd(mx["achieved_hz"]),
-            "slowdown_ours_100hz_percent": rnd(o100["slowdown_wall"], 3),
-            "slowdown_ours_1khz_percent": rnd(o1k["slowdown_wall"], 3),
-            "slowdown_pyspy_100hz_percent": rnd(p100["slowdown_wall"], 3),
-            "slowdown_pyspy_1khz_percent": rnd(p1k["slowdown_wall"], 3),
-            "slowdown_cpu_ours_100hz_percent": rnd(o100["slowdown_cpu"], 3),
-            "slowdown_cpu_ours_1khz_percent": rnd(o1k["slowdown_cpu"], 3),
-            "slowdown_cpu_pyspy_100hz_percent": rnd(p100["slowdown_cpu"], 3),
-            "slowdown_cpu_pyspy_1khz_percent": rnd(p1k["slowdown_cpu"], 3),
+            "ours_fixed_cpu_s": rnd(_med([ours[r]["fixed_cpu_s"] for r in RATES]), 3),
+            "pyspy_fixed_cpu_s": rnd(_med([spy[r]["fixed_cpu_s"] for r in RATES]), 3),
             "baseline_spread_wall_percent": rnd(spread(bw), 2), "baseline_spread_cpu_percent": rnd(spread(bc), 2),
             "target_core_share_min_percent": rnd(min(bs), 1),
             "stopped_observations_default_mode": stopped_ours, "stopped_polls_default_mode": polls_ours,
             "stopped_ns_default_mode": 0,
             "python": ".".join(t.version.split(".")[:2]), "target_threads": t.threads,
-            "rounds": args.rounds, "window_seconds": args.seconds, "pinned": args.target_cpu >= 0,
+            "rounds": args.rounds, "window_seconds_by_rate": {f"{r:g}": w for r, w in args.windows.items()},
+            "pinned": args.target_cpu >= 0,
             "goal_cpu_ratio": GOAL_CPU_RATIO, "goal_max_rate_hz": GOAL_MAX_RATE_HZ,
             "goal_slowdown_100hz_percent": GOAL_SLOWDOWN_100HZ_PERCENT,
-        }
+        })
         print(json.dumps(headline), flush=True)
         return 0
     except RuntimeError as exc:

@@ -269,13 +269,21 @@ def test_anchors_of_a_real_optimizer_and_a_clean_exit_while_polled(tmp_path):
     go, done = tmp_path / "go", tmp_path / "done"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("STEPLENS_", "TORCH_"))}
     env.update(PYTHONPATH=SITE, STEPLENS_BOOTSTRAP="1", STEPLENS_BOOTSTRAP_POLL_S="0.05",
-               STEPLENS_RUNTIME_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+               STEPLENS_RUNTIME_DIR=str(tmp_path), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               STEPLENS_FR_SERVER_NICE="10")
     p = subprocess.Popen([VENV_PY, "-c", code, str(go), str(done)], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     try:
         sock, ring = tmp_path / f"{p.pid}.sock", tmp_path / f"{p.pid}.anchors"
         wait_for(lambda: sock.exists() or p.poll() is not None, 120, what="the worker-server socket")
         assert ring.exists(), p.stderr.read() if p.poll() is not None else "no ring"
+        # the worker server's threads run at STEPLENS_FR_SERVER_NICE (10 here; off by default), the program's own at its nice
+        nice = {}
+        for tid in os.listdir(f"/proc/{p.pid}/task"):
+            with open(f"/proc/{p.pid}/task/{tid}/stat") as fh:
+                st = fh.read()
+            nice.setdefault(st[st.find("(") + 1:st.rfind(")")], set()).add(int(st[st.rfind(")") + 2:].split()[16]))
+        assert nice.get("pt_workerserver") == {10} and nice["python"] == {os.getpriority(os.PRIO_PROCESS, 0)}, nice
         go.touch()
         marks = json.loads(p.stdout.readline())
         with open(f"/proc/{p.pid}/stat") as fh:

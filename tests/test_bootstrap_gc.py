@@ -97,7 +97,7 @@ wait("exit")
 def _source(tmp_path, procs, run_dir) -> FlightrecSource:
     ctx = HostContext(node_id="t", state_dir=str(tmp_path))
     ctx.workloads.replace({(p.pid, start_ticks(p.pid)): ProcessInfo(0, p.pid, start_ticks(p.pid)) for p in procs})
-    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run_dir)]))
+    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run_dir)], gc_interval_seconds=0))  # every step
     src.start()
     return src
 

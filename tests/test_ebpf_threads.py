@@ -1,8 +1,9 @@
-"""The eBPF sources start, step and stop on their own threads at the same time without crashing libbcc.
+"""The eBPF sources start, step and stop on their own threads at the same time without crashing.
 
-libbcc keeps every module's tables in one process-wide storage; building, destroying and resolving tables
-concurrently crashed the agent (SIGSEGV in ebpf::TableStorage::iterator, seen in a full test run). Without
-agent/ebpf's BCC_LOCK this script died with SIGSEGV in 2 of 3 runs here."""
+When bcc compiled inside the agent, libbcc's process-wide table storage crashed it when built, destroyed and
+resolved concurrently (SIGSEGV in ebpf::TableStorage::iterator; 2 of 3 runs of this script without a lock).
+Compilation now runs in helper processes (agent/ebpf/build.py, one at a time: BUILD_LOCK) and the agent's side
+is plain syscalls; this keeps the concurrent start/step/stop under test."""
 
 import os
 import subprocess

@@ -138,3 +138,57 @@ def test_a_record_the_encoder_refuses_is_dropped_and_reported_not_the_batch():
     assert rejected and all(e.entity == "outofrange" for e in rejected)
     assert runner.records_rejected == sum(e.value for e in rejected) == len(good)  # two of each per step
     assert len([r for s, r in recs if s == "ticker"]) > 5  # the batcher kept going
+
+
+class WorkloadWatcher(Source):
+    """Idle (Source.idle) while it has seen no workload: it must not be stepped then."""
+    name = "watcher"
+    description = "steps only while there are workloads"
+    steps_total = 0
+
+    def idle(self):
+        return True
+
+    def step(self):
+        WorkloadWatcher.steps_total += 1
+        return [Metric(time.monotonic_ns(), "watch", "", float(len(self.ctx.workloads.snapshot())))]
+
+
+def test_an_idle_source_waits_for_a_workload_without_stepping():
+    from steplens.agent.records import ProcessInfo
+    WorkloadWatcher.steps_total = 0
+    runner, spool = _runner([Ticker, WorkloadWatcher])
+    runner.start()
+    time.sleep(0.5)  # ~25 ticker intervals
+    assert WorkloadWatcher.steps_total == 0
+    assert runner.states["watcher"].idle and runner.states["watcher"].up
+    assert "waiting for a workload" in runner.states["watcher"].reason
+    runner.ctx.workloads.replace({(1, 1): ProcessInfo(0, 1, 1)})
+    time.sleep(0.3)
+    stepped = WorkloadWatcher.steps_total
+    assert stepped >= 5 and not runner.states["watcher"].idle
+    runner.ctx.workloads.replace({})
+    time.sleep(0.2)
+    assert WorkloadWatcher.steps_total - stepped <= 2  # at most the step in progress, then idle again
+    t0 = time.monotonic()
+    runner.stop(timeout=2.0)  # a waiting source is woken by stop, not left until its join times out
+    assert time.monotonic() - t0 < 1.5
+    assert [r for s, r in spool.records() if s == "watcher"]
+    assert not any(t.is_alive() for t in runner._threads)
+
+
+def test_batches_wait_longer_while_the_node_has_no_workload():
+    """No workload, sentinel mode: a batch waits idle_delay_factor x max_delay_seconds; with one, max_delay."""
+    from steplens.agent.records import ProcessInfo
+    runner, spool = _runner([Ticker], BatchPolicy(max_records=100_000, max_delay_seconds=0.1, idle_delay_factor=5))
+    runner.start()
+    time.sleep(1.6)
+    idle_batches = len(spool.batches)
+    runner.ctx.workloads.replace({(1, 1): ProcessInfo(0, 1, 1)})
+    time.sleep(0.6)  # the batcher's current idle wait (<= 0.5 s) ends, then 0.1 s batches
+    before = len(spool.batches)
+    time.sleep(1.0)
+    busy_batches = len(spool.batches) - before
+    runner.stop(timeout=1.0)
+    assert 2 <= idle_batches <= 5, idle_batches      # ~1.6 s / 0.5 s
+    assert busy_batches >= 6, busy_batches           # ~1.0 s / 0.1 s

@@ -1,10 +1,12 @@
-"""Shared plumbing for the agent's eBPF sources (bcc): where bcc lives, whether eBPF can run here
-and exactly why not, struct offsets from the running kernel's BTF, and rendering of the BPF C
-templates (`*.bpf.c` beside each source) by a pure function.
+"""Shared plumbing for the agent's eBPF sources: whether eBPF can run here and exactly why not, struct offsets
+from the running kernel's BTF (agent/ebpf/btf.py), rendering of the BPF C templates (`*.bpf.c` beside each
+source) by a pure function, and compiling them.
 
-bcc is Debian's `python3-bpfcc` (pure Python + ctypes over libbcc), installed under
-/usr/lib/python3/dist-packages; it is imported from there without putting the rest of that
-directory on sys.path. The PyPI package named `bcc` is unrelated.
+BPF C is compiled by bcc in a short-lived helper process (agent/ebpf/build.py): the agent itself never loads
+bcc, clang or LLVM (they cost it ~230 MB). The helper sends back the maps (fds) and bytecode; the agent loads and
+attaches the programs with plain syscalls (agent/ebpf/maps.py). bcc is Debian's `python3-bpfcc` (pure Python +
+ctypes over libbcc), installed under /usr/lib/python3/dist-packages; the helper imports it from there without
+putting the rest of that directory on sys.path. The PyPI package named `bcc` is unrelated.
 
 Kernel headers on a build host may be older than the running kernel (here: 6.1 headers, 6.18
 kernel): programs read kernel struct fields at offsets taken from BTF at run time, never from the
@@ -25,10 +27,10 @@ import importlib.util
 import os
 import platform
 import re
-import shutil
-import subprocess
 import sys
 import threading
+
+from . import btf, build, maps
 
 BCC_DIRS = ("/usr/lib/python3/dist-packages", "/usr/local/lib/python3/dist-packages")
 BTF_PATH = "/sys/kernel/btf/vmlinux"
@@ -72,10 +74,18 @@ def unavailable_reason(proc_root: str = "/proc") -> str:
                 "which links the closest available headers)")
     if not (os.path.exists("/sys/kernel/tracing/events") or os.path.exists("/sys/kernel/debug/tracing/events")):
         return "tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)"
-    try:
-        load_bcc()
-    except EbpfUnavailable as exc:
-        return str(exc)
+    return bcc_missing()
+
+
+def bcc_missing() -> str:
+    """"" when bcc (its Python package and libbcc) is installed, else what is missing; checked by looking, not by
+    importing (which would map LLVM into this process)."""
+    if not any(os.path.exists(os.path.join(base, "bcc", "__init__.py")) for base in BCC_DIRS):
+        return "bcc is not installed (Debian: apt-get install python3-bpfcc; `make install` does it)"
+    libdirs = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+               "/usr/local/lib", "/lib/x86_64-linux-gnu")
+    if not any(os.path.exists(os.path.join(d, "libbcc.so.0")) for d in libdirs):
+        return "bcc's Python package is installed but libbcc.so.0 is not (apt-get install libbpfcc)"
     return ""
 
 
@@ -90,121 +100,28 @@ def _effective_caps(proc_root: str) -> int:
     return 0
 
 
-@functools.lru_cache(maxsize=1)
-def _btf_dump() -> list[str]:
-    tool = shutil.which("bpftool") or "/usr/sbin/bpftool"
-    try:
-        out = subprocess.run([tool, "btf", "dump", "file", BTF_PATH, "format", "raw"], capture_output=True,
-                             text=True, check=True, timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise EbpfUnavailable(f"cannot read BTF with bpftool ({exc}); apt-get install bpftool") from None
-    return out.splitlines()
-
-
-_TYPE_RE = re.compile(r"^\[(\d+)\] (\w+) '([^']*)'(.*)$")
-_MEMBER_RE = re.compile(r"^\s+'([^']*)' type_id=(\d+) bits_offset=(\d+)")
-
-
-@functools.lru_cache(maxsize=1)
-def _btf_types() -> tuple[dict, dict]:
-    types: dict[int, tuple[str, str, list]] = {}
-    by_name: dict[tuple[str, str], int] = {}
-    current = None
-    for line in _btf_dump():
-        m = _TYPE_RE.match(line)
-        if m:
-            tid, kind, name = int(m.group(1)), m.group(2), m.group(3)
-            current = (kind, name, [])
-            types[tid] = current
-            if kind in ("STRUCT", "UNION") and name and (kind, name) not in by_name:
-                by_name[(kind, name)] = tid
-            continue
-        mm = _MEMBER_RE.match(line)
-        if mm and current is not None:
-            current[2].append((mm.group(1), int(mm.group(2)), int(mm.group(3))))
-    return types, by_name
-
-
 def btf_offset(struct: str, path: str) -> int:
-    """Byte offset of `path` ("a.b" through named or anonymous members) inside `struct S`."""
-    types, by_name = _btf_types()
-    tid = by_name.get(("STRUCT", struct)) or by_name.get(("UNION", struct))
-    if tid is None:
-        raise EbpfUnavailable(f"struct {struct} not found in kernel BTF")
-
-    def find(type_id: int, name: str) -> tuple[int, int] | None:
-        kind, _, members = types[type_id]
-        for mname, mtype, bits in members:
-            if mname == name:
-                return bits // 8, mtype
-            if mname in ("", "(anon)"):  # anonymous struct/union: look inside
-                inner = find(_resolve(mtype), name)
-                if inner is not None:
-                    return bits // 8 + inner[0], inner[1]
-        return None
-
-    offset = 0
-    for part in path.split("."):
-        hit = find(_resolve(tid), part)
-        if hit is None:
-            raise EbpfUnavailable(f"{struct}.{path}: no member {part!r} in kernel BTF")
-        offset += hit[0]
-        tid = hit[1]
-    return offset
+    """Byte offset of `path` ("a.b" through named or anonymous members) inside `struct S` of the kernel's BTF."""
+    try:
+        return btf.kernel().offset(struct, path)
+    except btf.BtfError as exc:
+        raise EbpfUnavailable(str(exc)) from None
 
 
-def _resolve(type_id: int) -> int:
-    """Follow typedefs and qualifiers to the struct/union they name."""
-    types, _ = _btf_types()
-    refs = _btf_refs()
-    for _ in range(32):
-        kind = types.get(type_id, ("", "", []))[0]
-        if kind not in ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG") or type_id not in refs:
-            return type_id
-        type_id = refs[type_id]
-    return type_id
-
-
-@functools.lru_cache(maxsize=1)
-def _btf_refs() -> dict[int, int]:
-    refs = {}
-    for line in _btf_dump():
-        m = _TYPE_RE.match(line)
-        if m and m.group(2) in ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG"):
-            t = re.search(r"type_id=(\d+)", m.group(4))
-            if t:
-                refs[int(m.group(1))] = int(t.group(1))
-    return refs
+def _btf_find(kind: str, name: str) -> int | None:
+    try:
+        return btf.kernel().find(kind, name)
+    except btf.BtfError as exc:
+        raise EbpfUnavailable(str(exc)) from None
 
 
 @functools.lru_cache(maxsize=None)
 def btf_tracepoint_id(tp: str) -> int | None:
     """BTF type id of `btf_trace_<tp>` (the typedef a BTF raw tracepoint program attaches to), or None."""
-    want = f"btf_trace_{tp}"
-    for line in _btf_dump():
-        m = _TYPE_RE.match(line)
-        if m and m.group(2) == "TYPEDEF" and m.group(3) == want:
-            return int(m.group(1))
-    return None
+    return _btf_find("TYPEDEF", f"btf_trace_{tp}")
 
 
-class _ProgLoadAttr(ctypes.Structure):
-    """union bpf_attr, the BPF_PROG_LOAD member (include/uapi/linux/bpf.h), up to attach_btf_obj_fd."""
-    _fields_ = [("prog_type", ctypes.c_uint32), ("insn_cnt", ctypes.c_uint32), ("insns", ctypes.c_uint64),
-                ("license", ctypes.c_uint64), ("log_level", ctypes.c_uint32), ("log_size", ctypes.c_uint32),
-                ("log_buf", ctypes.c_uint64), ("kern_version", ctypes.c_uint32), ("prog_flags", ctypes.c_uint32),
-                ("prog_name", ctypes.c_char * 16), ("prog_ifindex", ctypes.c_uint32),
-                ("expected_attach_type", ctypes.c_uint32), ("prog_btf_fd", ctypes.c_uint32),
-                ("func_info_rec_size", ctypes.c_uint32), ("func_info", ctypes.c_uint64),
-                ("func_info_cnt", ctypes.c_uint32), ("line_info_rec_size", ctypes.c_uint32),
-                ("line_info", ctypes.c_uint64), ("line_info_cnt", ctypes.c_uint32),
-                ("attach_btf_id", ctypes.c_uint32), ("attach_btf_obj_fd", ctypes.c_uint32),
-                ("_rest", ctypes.c_char * 64)]
-
-
-class _RawTpOpenAttr(ctypes.Structure):
-    """union bpf_attr, the BPF_RAW_TRACEPOINT_OPEN member."""
-    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_rest", ctypes.c_char * 60)]
+_ProgLoadAttr, _RawTpOpenAttr = maps.ProgLoadAttr, maps.RawTpOpenAttr
 
 
 _SYS_BPF = 321  # x86-64
@@ -212,19 +129,16 @@ _BPF_PROG_LOAD, _BPF_RAW_TRACEPOINT_OPEN = 5, 17
 _BPF_PROG_TYPE_TRACING, _BPF_TRACE_RAW_TP = 26, 23
 
 
+@functools.lru_cache(maxsize=None)
 def btf_struct_id(name: str) -> int | None:
     """BTF type id of `struct name` in the kernel's BTF, or None."""
-    return _btf_types()[1].get(("STRUCT", name))
+    return _btf_find("STRUCT", name)
 
 
 @functools.lru_cache(maxsize=None)
 def btf_func_id(name: str) -> int | None:
     """BTF type id of the kernel FUNC `name` (an iterator target is `bpf_iter_<target>`), or None."""
-    for line in _btf_dump():
-        m = _TYPE_RE.match(line)
-        if m and m.group(2) == "FUNC" and m.group(3) == name:
-            return int(m.group(1))
-    return None
+    return _btf_find("FUNC", name)
 
 
 _BPF_LINK_CREATE, _BPF_ITER_CREATE = 28, 33
@@ -276,18 +190,16 @@ def refused_by_env(kind: str) -> str:
     return ""
 
 
-def _load_tracing(bpf, fn_name: str, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
-    """Load the bytecode bcc compiled for `fn_name` (map fds already in it, kfunc placeholders rewritten) as
+def _load_tracing(module, fn_name: str, attach_type: int, btf_id: int, prog_name: str, what: str) -> int:
+    """Load the bytecode bcc compiled for `fn_name` (map fds renumbered to ours, kfunc placeholders rewritten) as
     BPF_PROG_TYPE_TRACING with this expected attach type and BTF target; the program fd, or EbpfUnavailable
     with the verifier's last lines."""
     if platform.machine() != "x86_64":
         raise EbpfUnavailable("BTF tracing programs are loaded by syscall number only on x86-64 here")
-    lib = load_bcc().lib
-    fn = fn_name.encode()
-    start, size = lib.bpf_function_start(bpf.module, fn), lib.bpf_function_size(bpf.module, fn)
-    if not start or not size:
-        raise EbpfUnavailable(f"bcc compiled no function {fn_name}")
-    code = bytearray(ctypes.string_at(start, size))
+    try:
+        code = bytearray(module.code(fn_name))
+    except maps.BpfError as exc:
+        raise EbpfUnavailable(str(exc)) from None
     patch_kfunc_calls(code)
     return _prog_load_tracing(bytes(code), attach_type, btf_id, prog_name, f"loading {fn_name} as {what}")
 
@@ -296,29 +208,20 @@ def _prog_load_tracing(code: bytes, attach_type: int, btf_id: int, prog_name: st
     refused = refused_by_env(TRACING_KINDS.get(attach_type, "tracing"))
     if refused:
         raise EbpfUnavailable(f"{what} failed: {refused}")
-    size = len(code)
-    insns = ctypes.create_string_buffer(code, size)
-    license_ = ctypes.create_string_buffer(b"GPL")
-    log = ctypes.create_string_buffer(256 * 1024)
-    attr = _ProgLoadAttr(prog_type=_BPF_PROG_TYPE_TRACING, insn_cnt=size // 8, insns=ctypes.addressof(insns),
-                         license=ctypes.addressof(license_), log_level=1, log_size=len(log),
-                         log_buf=ctypes.addressof(log), prog_name=prog_name.encode()[:15],
-                         expected_attach_type=attach_type, attach_btf_id=btf_id)
-    fd = _libc().syscall(_SYS_BPF, _BPF_PROG_LOAD, ctypes.byref(attr), ctypes.sizeof(attr))
-    if fd < 0:
-        err = os.strerror(ctypes.get_errno())
-        tail = " | ".join(log.value.decode(errors="replace").strip().splitlines()[-4:])
-        raise EbpfUnavailable(f"{what} failed: {err}: {tail}")
-    return fd
+    try:
+        return maps.load_program(code, _BPF_PROG_TYPE_TRACING, prog_name, expected_attach_type=attach_type,
+                                 attach_btf_id=btf_id, what=what)
+    except maps.BpfError as exc:
+        raise EbpfUnavailable(str(exc)) from None
 
 
 class BtfRawTracepoint:
     """A bcc-compiled function loaded and attached as a BTF raw tracepoint ("tp_btf"): its arguments are
     typed, so kernel memory read through them is a plain load the verifier checks against BTF, not a
     bpf_probe_read_kernel() call (measured: ~35 % of a packet hook's time here), and helpers that need a
-    typed socket (bpf_sk_storage_get) are allowed. bcc 0.26 cannot load this program type itself, so the
-    bytecode bcc compiled (map fds already in it) goes through the bpf() syscall. The program lives as long
-    as the two fds: close() (or process exit) detaches it."""
+    typed socket (bpf_sk_storage_get) are allowed. bcc 0.26 cannot load this program type itself; the bytecode
+    it compiled goes through the bpf() syscall like every program here. The program lives as long as the two
+    fds: close() (or process exit) detaches it."""
 
     def __init__(self, bpf, fn_name: str, tp: str, prog_name: str) -> None:
         btf_id = btf_tracepoint_id(tp)
@@ -410,42 +313,43 @@ class MapIterator:
     close = BtfRawTracepoint.close
 
 
-def table_fd(bpf, name: str) -> int:
-    """The fd of one of a bcc module's maps, also for map types bcc's Python wrapper does not know
-    (socket-local storage)."""
-    fd = load_bcc().lib.bpf_table_fd(bpf.module, name.encode())
-    if fd < 0:
-        raise EbpfUnavailable(f"bcc module has no map {name}")
-    return fd
+def table_fd(module, name: str) -> int:
+    """The fd of one of a module's maps."""
+    try:
+        return module.table_fd(name)
+    except KeyError as exc:
+        raise EbpfUnavailable(str(exc)) from None
 
 
-# libbcc keeps the tables of every module of the process in one shared storage: building a module (compile),
-# destroying one (cleanup) and resolving a table by name all walk or change it, and doing two at once on
-# different threads crashes inside libbcc (seen: SIGSEGV in ebpf::TableStorage::iterator when one source
-# stopped while another resolved a table). The agent runs each source on its own thread, so all three go
-# through this one lock; a table resolved once is cached by bcc and later reads are map syscalls only.
-BCC_LOCK = threading.RLock()
+# One compilation at a time: each is a helper process running clang/LLVM (~150 MB and one core for a second or
+# two); sources starting on their threads at once queue here instead of multiplying that.
+BUILD_LOCK = threading.Lock()
 
 
-def compile_program(text: str, tables: tuple[str, ...] = ()):
-    """bcc.BPF(text=...) under the process-wide lock (concurrent bcc/LLVM compilations in one process also
-    fail: headers not found), with `tables` resolved while it is held."""
-    bcc = load_bcc()
-    with BCC_LOCK:
-        b = bcc.BPF(text=text.encode() if isinstance(text, str) else text)
+def compile_program(text: str, tables: tuple[str, ...] = ()) -> "maps.Module":
+    """Compile BPF C in the helper process (agent/ebpf/build.py): the module with its maps; `tables` must exist.
+    EbpfUnavailable with the compiler's message on failure."""
+    with BUILD_LOCK:
         try:
-            for name in tables:
-                b[name.encode()]
-        except Exception:
-            b.cleanup()
-            raise
-        return b
+            specs, functions = build.compile_text(text)
+        except build.BuildError as exc:
+            raise EbpfUnavailable(str(exc)) from None
+    module = maps.Module(specs, functions)
+    missing = [name for name in tables if name not in {t["name"] for t in specs}]
+    if missing:
+        module.cleanup()
+        raise EbpfUnavailable(f"the compiled BPF module has no map {', '.join(missing)}")
+    return module
 
 
-def cleanup(b) -> None:
-    """Detach and free a bcc module under the process-wide lock."""
-    with BCC_LOCK:
-        b.cleanup()
+def cleanup(module) -> None:
+    """Detach and free a module (idempotent)."""
+    module.cleanup()
+
+
+def release_btf() -> None:
+    """Drop the kernel BTF read for offsets and ids (read again when next needed)."""
+    btf.release()
 
 
 def render(template: str, **values) -> str:

@@ -17,6 +17,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -95,7 +96,7 @@ class DynologEndpoint:
                 os.chmod(self.address, 0o666)  # workload processes may run as other users
             else:
                 sock.bind(self.address)
-            sock.settimeout(0.2)
+            # blocking: close() wakes the loop with a datagram of its own (no periodic wake-up while idle)
         except OSError:
             sock.close()
             raise
@@ -117,8 +118,19 @@ class DynologEndpoint:
             except OSError:
                 if self._stop.is_set():
                     return
+                time.sleep(0.01)  # a persistent error must not spin
                 continue
+            if self._stop.is_set():
+                return
             self.handle(data, addr)
+
+    def _wake(self) -> None:
+        """Unblock recvfrom() in _loop: an empty datagram to our own address."""
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(b"", self.address)
+        except OSError:
+            pass
 
     def handle(self, data: bytes, addr) -> None:
         """Answer one datagram; anything unexpected is counted and dropped, never raised."""
@@ -153,6 +165,7 @@ class DynologEndpoint:
         """Stop the thread and release the name. Idempotent."""
         self._stop.set()
         if self._thread is not None:
+            self._wake()
             self._thread.join(timeout_s)
             self._thread = None
         if self._sock is not None:

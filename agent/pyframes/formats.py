@@ -57,14 +57,33 @@ def write_collapsed(samples: Iterable[Sample], fh: TextIO, include_idle: bool = 
     correctly, and it can be reversed.
     """
     counts: Counter[str] = Counter()
+    # the sampler hands out the same frames list (and Frame objects) while a stack stays the same, so
+    # rendered text is memoized by object identity (each entry holds its object, so an id stays its own)
+    stack_text: dict[int, tuple] = {}
+    frame_text: dict[int, tuple] = {}
+    thread_text: dict[tuple, str] = {}
     for sample in samples:
         process = f"process {sample.pid}"
         for thread in sample.threads:
             if not (include_idle or thread.active):
                 continue
-            parts = [process, _escape(_thread_label(thread))]
-            parts.extend(_escape(_frame_label(f)) for f in reversed(thread.frames))
-            counts[";".join(parts)] += 1
+            label = thread_text.get((thread.name, thread.tid))
+            if label is None:
+                label = thread_text[(thread.name, thread.tid)] = _escape(_thread_label(thread))
+            frames = thread.frames
+            memo = stack_text.get(id(frames))
+            if memo is not None and memo[0] is frames:
+                text = memo[1]
+            else:
+                parts = []
+                for f in reversed(frames):
+                    t = frame_text.get(id(f))
+                    if t is None or t[0] is not f:
+                        t = frame_text[id(f)] = (f, _escape(_frame_label(f)))
+                    parts.append(t[1])
+                text = ";".join(parts)
+                stack_text[id(frames)] = (frames, text)
+            counts[f"{process};{label};{text}" if text else f"{process};{label}"] += 1
     for stack in sorted(counts):
         fh.write(f"{stack} {counts[stack]}\n")
 

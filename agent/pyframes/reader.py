@@ -14,8 +14,21 @@ and is never reported as a stack. Code objects are cached by address with a fing
 (filename, name, line table pointers, first line) that is re-checked when an instruction pointer
 falls outside the cached code or after `revalidate_seconds`, so a reused address is not misread.
 
-Cost (this machine): see bench/pystacks.py; 3.11+ frames come from one 4 KiB block read per data
-stack page rather than one read per frame.
+Cost (this machine: bench/pystacks.py, bench/README.md). At the low rates of sentinel mode every
+sample starts cold (the machine has run other work since the last one), and what a sample costs is
+then about proportional to what it does (measured here at 10 Hz: ~35 µs for the first pread after the
+sleep, ~5 µs for each further one, ~20 µs for a /proc line, Python several times its warm cost). So
+a sample does little of either:
+- one pread each for _PyRuntime's head (with the GIL on 3.9-3.11), an interpreter's links and its GIL
+  (3.12+), each thread state, and the 4 KiB blocks holding a walked thread's frames (3.11+: a data
+  stack page holds many frames);
+- a thread that has not been on a CPU since its state was last read from /proc (an unchanged
+  schedstat, see _task) keeps its stack without any read of it;
+- a frame whose bytes were seen before is decoded by one dict lookup (the memo); below the first frame
+  of a walk found at its old address with its old bytes, the rest of the thread's last walk is checked
+  by one C-level comparison and reused (_frames_interp), so a deep stack costs about its changed top.
+Batching the reads into one process_vm_readv was tried and dropped: through ctypes it cost more
+cold (~115 µs for one call) than the preads it saved.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import re
 import struct
 import time
 from dataclasses import dataclass, field
+from operator import getitem
 
 from steplens.agent.pyframes import elf, layouts
 from steplens.agent.pyframes.linetable import DECODERS
@@ -38,6 +52,9 @@ _VERSION_RE = re.compile(r"python(\d)\.(\d+)")
 MAX_DEPTH = 4096
 MAX_THREADS = 20000
 BLOCK = 4096
+_DEPTH = range(MAX_DEPTH)
+_FAST = 200   # frames walked before a walk starts to check for loops (a torn read can make one)
+_EMPTY: dict = {}
 
 
 class NotPython(PyFramesError):
@@ -80,6 +97,12 @@ def _maps(pid: int, proc_root: str) -> list[tuple[int, int, str, int, str]]:
     return out
 
 
+def _span_of(*offsets: int) -> tuple[int, int]:
+    """(first offset, size) of one read covering 8 bytes at each offset; size 0 when that is over a block."""
+    lo, hi = min(offsets), max(offsets) + 8
+    return lo, (hi - lo if hi - lo <= BLOCK else 0)
+
+
 def layouts_permission(pid: int):
     from steplens.agent.pyframes.memory import NoPermission
     return NoPermission(f"cannot read /proc/{pid}/maps: needs root or CAP_SYS_PTRACE")
@@ -103,14 +126,18 @@ class PythonProcess:
             raise
         self._code: dict[int, CodeInfo] = {}
         self._tid_off: int | None = None
-        self._blocks: dict[int, bytes] = {}
+        self._cur: dict[int, bytes] = {}   # this sample's 4 KiB blocks of the target
         self._touched: list[int] = []
-        self._frame_memo: dict[tuple[int, bytes], tuple] = {}  # (frame addr, frame bytes) -> (Frame, prev)
+        self._frame_memo: dict[bytes, tuple] = {}  # frame bytes -> (Frame or None, previous frame)
         self._memo_cleared = time.monotonic()
-        self._walk_cache: dict[int, tuple] = {}   # tstate -> (frame, [(block, bytes)], frames)
-        self._threads_last: dict[int, tuple] = {}  # tstate -> (tid, run ns, frames, state, name)
+        self._memo_gen = 0
+        self._chains: dict[int, tuple] = {}       # tstate -> its last walk, for _frames_interp
+        # tstate -> (frame, [(block, bytes)], frames, memo generation, (first block, count) to read at once)
+        self._walk_cache: dict[int, tuple] = {}
+        self._threads_last: dict[int, tuple] = {}  # tstate -> (thread state bytes, frames) of its last walk
         self._schedstat: dict[int, int] = {}       # tid -> open fd of /proc/PID/task/TID/schedstat
-        self._tasks: dict[int, list] = {}   # tid -> [stat fd, name, name read at, state, state read at]
+        # tid -> [stat fd, name, name read at, state, state read at, schedstat before that state's read]
+        self._tasks: dict[int, list] = {}
         self._main_pthread_id = 0
         self._tid_fallback = -1
         self._gil_ptr: dict[int, int] = {}
@@ -209,6 +236,14 @@ class PythonProcess:
         else:
             self.layout = layouts.for_table(self.version)
         self._decode_line = DECODERS[self.layout.linetable]
+        # the few words a sample reads first, as one region each: the interpreters' head in _PyRuntime
+        # (with the GIL where it lives there, 3.9-3.11) and an interpreter's next and threads' head
+        lay = self.layout
+        self._rt_lo, self._rt_size = _span_of(lay.runtime_interpreters_head, *(
+            [lay.gil_last_holder, lay.gil_locked] if lay.gil_mode == "runtime" else []))
+        if not self._rt_size:
+            self._rt_lo = lay.runtime_interpreters_head
+        self._in_lo, self._in_size = _span_of(lay.interp_next, lay.interp_tstate_head)
 
     def _load_bias(self, maps, path, info) -> int | None:
         starts = [lo - off for lo, hi, perms, off, p in maps if p == path or p == path + " (deleted)"]
@@ -260,37 +295,45 @@ class PythonProcess:
 
     # -- reading helpers --------------------------------------------------------------------
     def _block(self, blk: int) -> bytes:
-        data = self._blocks.get(blk)
+        """A 4 KiB block of the target, read once per sample (a thread's frames share a few)."""
+        data = self._cur.get(blk)
         if data is None:
-            data = self.mem.read(blk, BLOCK)
-            self._blocks[blk] = data
+            data = self._cur[blk] = self.mem.read(blk, BLOCK)
         return data
-
-    def _view(self, addr: int, size: int) -> tuple[bytes, int]:
-        """(buffer, offset) holding [addr, addr + size), read through a per-sample cache of 4 KiB
-        blocks (the frames of a thread share a few pages). Blocks touched are noted for the walk."""
-        start = addr & ~(BLOCK - 1)
-        self._touched.append(start)
-        if addr + size <= start + BLOCK:
-            return self._block(start), addr - start
-        self._touched.append(start + BLOCK)
-        return self._block(start) + self._block(start + BLOCK), addr - start
 
     def _walk(self, key: int, frame: int, now: float) -> list[Frame]:
         """The frames of one thread. When every block its last walk touched reads back byte-identical
-        (an idle thread), the stack cannot have changed and the last result is reused."""
+        (an idle thread), the stack cannot have changed and the last result is reused (until the memo
+        is emptied: the result trusts its code objects just as the memo does)."""
         prev = self._walk_cache.get(key)
-        if prev is not None and prev[0] == frame:
+        if prev is not None and prev[4]:
+            # the blocks of the last walk, in one read where they lie close together (a deep stack spans
+            # several): what this walk needs is mostly among them
+            lo, n = prev[4]
+            if lo not in self._cur:
+                try:
+                    data = self.mem.read(lo, n * BLOCK)
+                    for i in range(n):
+                        self._cur[lo + i * BLOCK] = data[i * BLOCK:(i + 1) * BLOCK]
+                except ReadError:
+                    pass
+        if prev is not None and prev[0] == frame and prev[3] == self._memo_gen:
             try:
-                if all(self._block(b) == data for b, data in prev[1]):
+                for b, data in prev[1]:
+                    if self._block(b) != data:
+                        break
+                else:
                     return prev[2]
             except ReadError:
                 pass
-        self._touched = []
-        frames = (self._frames_interp(frame, now) if self.layout.frame_kind == "interp"
+        self._touched = touched = []
+        frames = (self._frames_interp(frame, now, key) if self.layout.frame_kind == "interp"
                   else self._frames_object(frame, now))
-        blocks = dict.fromkeys(self._touched)
-        self._walk_cache[key] = (frame, [(b, self._blocks[b]) for b in blocks], frames)
+        cur = self._cur
+        blocks = dict.fromkeys(touched)
+        lo, hi = (min(blocks), max(blocks)) if blocks else (0, -BLOCK)
+        span = (lo, (hi - lo) // BLOCK + 1) if 1 < (hi - lo) // BLOCK + 1 <= 4 else None
+        self._walk_cache[key] = (frame, [(b, cur[b]) for b in blocks], frames, self._memo_gen, span)
         return frames
 
     def _string(self, addr: int) -> str:
@@ -376,61 +419,165 @@ class PythonProcess:
         return frame
 
     # -- frames ----------------------------------------------------------------------------
+    # One loop per frame kind, kept tight: a sample's cost is mostly the Python work per frame. A frame
+    # whose bytes were seen before (the same code, instruction and link) decodes the same way, so the
+    # memo maps its bytes straight to (Frame or None, previous frame); the memo trusts the code objects
+    # it names and is emptied every revalidate_seconds, when they are checked again.
     def _frames_object(self, frame: int, now: float) -> list[Frame]:
         lay = self.layout
-        out = []
-        seen = set()
-        while frame:
-            if frame in seen or len(out) >= MAX_DEPTH:
-                raise TornRead("frame chain loops or is too deep")
-            seen.add(frame)
-            raw, o = self._view(frame, lay.frame_read_size)
-            code = _U64.unpack_from(raw, o + lay.frame_code)[0]
-            lasti = _I32.unpack_from(raw, o + lay.frame_lasti)[0]
-            byte_off = lasti if self.version == (3, 9) else lasti * 2
-            info = self._code_info(code, now, byte_off // 2)
-            out.append(self._frame(info, max(byte_off, 0)))
-            frame = _U64.unpack_from(raw, o + lay.frame_back)[0]
+        size = lay.frame_read_size
+        limit = BLOCK - size
+        memo_get = self._frame_memo.get
+        out: list[Frame] = []
+        if not frame:
+            return out
+        base = -1 - BLOCK
+        buf = b""
+        seen = None
+        for i in _DEPTH:
+            if i >= _FAST:   # deep, or a torn chain that loops: from here on, remember every address
+                if seen is None:
+                    seen = set()
+                if frame in seen:
+                    break
+                seen.add(frame)
+            o = frame - base
+            if o < 0 or o > limit:
+                buf, o, base = self._locate(frame, size)
+            key = buf[o + 8:o + size]   # not the refcount, which changes without the frame changing
+            hit = memo_get(key)
+            if hit is None:
+                code = _U64.unpack_from(key, lay.frame_code - 8)[0]
+                lasti = _I32.unpack_from(key, lay.frame_lasti - 8)[0]
+                byte_off = lasti if self.version == (3, 9) else lasti * 2
+                info = self._code_info(code, now, byte_off // 2)
+                hit = self._frame_memo[key] = ((self._frame(info, max(byte_off, 0)),),
+                                               _U64.unpack_from(key, lay.frame_back - 8)[0])
+            found, frame = hit
+            out += found
+            if not frame:
+                return out
+        raise TornRead("frame chain loops or is too deep")
+
+    def _frames_interp(self, frame: int, now: float, tkey: int | None = None) -> list[Frame]:
+        """The frames from `frame` down (innermost first). With tkey (the thread state), the walk before
+        of that thread is kept as a chain (see _chain): once a frame turns up at the address and with the
+        bytes it had there, the frames below it are checked in one C-level comparison of their bytes
+        instead of one Python iteration each, and reused when all are the same."""
+        if not frame:
+            return []
+        size = self.layout.frame_read_size
+        limit = BLOCK - size
+        memo_get = self._frame_memo.get
+        rec = self._chains.get(tkey) if tkey is not None else None
+        if rec is not None and rec[0] != self._memo_gen:
+            rec = None   # the memo was emptied since: decode everything afresh (code objects re-checked)
+        pos = rec[6] if rec is not None else _EMPTY
+        n_rec = len(rec[1]) if rec is not None else 0
+        out: list[Frame] = []
+        top: list[tuple] = []
+        base = -1 - BLOCK
+        buf = b""
+        seen = None
+        for i in _DEPTH:
+            if i >= _FAST:   # deep, or a torn chain that loops: from here on, remember every address
+                if seen is None:
+                    seen = set()
+                if frame in seen:
+                    break
+                seen.add(frame)
+            o = frame - base
+            if o < 0 or o > limit:
+                buf, o, base = self._locate(frame, size)
+            key = buf[o:o + size]
+            j = pos.get(frame)
+            if j is not None and j < n_rec and rec[2][j] == key and rec[1][j] == frame and self._same_below(rec, j):
+                out += rec[7][len(rec[7]) - rec[5][j]:]
+                return self._chain(tkey, rec, j, out, top, size)
+            hit = memo_get(key)
+            if hit is None:
+                hit = self._frame_memo[key] = self._decode_interp(key, now)
+            found, nxt = hit
+            out += found
+            if tkey is not None:
+                top.append((frame, key, base, o, len(found)))
+            frame = nxt
+            if not frame:
+                return self._chain(tkey, None, -1, out, top, size) if tkey is not None else out
+        raise TornRead("frame chain loops or is too deep")
+
+    def _same_below(self, rec: tuple, j: int) -> bool:
+        """Whether every frame of the chain below index j (bottom-first) reads back as it was."""
+        if not j:
+            return True
+        bases = rec[3][:j]
+        need = set(bases)
+        cur = self._cur
+        try:
+            for b in need:
+                if b not in cur:
+                    if b < 0:
+                        return False   # a frame that crossed a block boundary: not kept in a block
+                    self._block(b)
+        except ReadError:
+            return False
+        if list(map(getitem, map(cur.__getitem__, bases), rec[4][:j])) != rec[2][:j]:
+            return False
+        self._touched += need
+        return True
+
+    def _chain(self, tkey: int, rec: tuple | None, j: int, out: list, top: list, size: int) -> list[Frame]:
+        """Keep this walk of a thread as (memo generation, then bottom-first: frame addresses, frame
+        bytes, their blocks, their slices in the blocks, running count of Frames; address -> index;
+        the Frames innermost first): the frames 0..j of `rec` and, above them, the `top` just walked."""
+        if rec is not None:
+            addrs, keys, bases, slices, cnt = rec[1][:j + 1], rec[2][:j + 1], rec[3][:j + 1], rec[4][:j + 1], \
+                rec[5][:j + 1]
+            pos = rec[6]
+            total = cnt[-1]
+        else:
+            addrs, keys, bases, slices, cnt, pos, total = [], [], [], [], [], {}, 0
+        for addr, key, base, o, nf in reversed(top):
+            pos[addr] = len(addrs)
+            addrs.append(addr)
+            keys.append(key)
+            if base < 0:
+                base, o = -1, 0
+            bases.append(base)
+            slices.append(slice(o, o + size))
+            total += nf
+            cnt.append(total)
+        if len(pos) > 2 * len(addrs) + 64:   # addresses of frames long gone
+            pos = {a: i for i, a in enumerate(addrs)}
+        self._chains[tkey] = (self._memo_gen, addrs, keys, bases, slices, cnt, pos, out)
         return out
 
-    def _frames_interp(self, frame: int, now: float) -> list[Frame]:
+    def _locate(self, frame: int, size: int) -> tuple[bytes, int, int]:
+        """(buffer, offset of the frame in it, address of the buffer) for the frame loops: its 4 KiB block,
+        or both blocks joined where the frame crosses into the next one (then at an address the loops'
+        range check never accepts, so the next frame is located afresh)."""
+        base = frame & ~(BLOCK - 1)
+        o = frame - base
+        if o > BLOCK - size:
+            self._touched += (base, base + BLOCK)
+            return self._block(base) + self._block(base + BLOCK), o, -1 - 2 * BLOCK
+        self._touched.append(base)
+        return self._block(base), o, base
+
+    def _decode_interp(self, raw: bytes, now: float) -> tuple:
         lay = self.layout
-        out = []
-        seen = set()
-        mask = ~lay.code_tag_mask
-        memo = self._frame_memo
-        while frame:
-            if frame in seen or len(out) >= MAX_DEPTH:
-                raise TornRead("frame chain loops or is too deep")
-            seen.add(frame)
-            raw, o = self._view(frame, lay.frame_read_size)
-            # a frame whose bytes are unchanged since it was last decoded decodes the same way
-            fkey = (frame, raw[o:o + lay.frame_read_size])
-            hit = memo.get(fkey)
-            if hit is not None:
-                if hit[0] is not None:
-                    out.append(hit[0])
-                frame = hit[1]
-                continue
-            prev = _U64.unpack_from(raw, o + lay.frame_back)[0]
-            if raw[o + lay.frame_owner] >= 3:  # a C-stack shim frame (3.12+), not Python code
-                memo[fkey] = (None, prev)
-                frame = prev
-                continue
-            code = _U64.unpack_from(raw, o + lay.frame_code)[0] & mask
-            instr = _U64.unpack_from(raw, o + lay.frame_instr)[0]
-            units = (instr - code - lay.code_code_adaptive) // 2
-            info = self._code_info(code, now, units)
-            units = min(max(units, 0), max(info.n_units - 1, 0))
-            internal = (info.filename == "<shim>"  # 3.12's trampoline frames
-                        or code == self.init_cleanup
-                        or (info.filename == "__init__" == info.name and not info.linetable))
-            decoded = None if internal else self._frame(info, units * 2)
-            memo[fkey] = (decoded, prev)
-            if decoded is not None:
-                out.append(decoded)
-            frame = prev
-        return out
+        prev = _U64.unpack_from(raw, lay.frame_back)[0]
+        if raw[lay.frame_owner] >= 3:  # a C-stack shim frame (3.12+), not Python code
+            return (), prev
+        code = _U64.unpack_from(raw, lay.frame_code)[0] & ~lay.code_tag_mask
+        instr = _U64.unpack_from(raw, lay.frame_instr)[0]
+        units = (instr - code - lay.code_code_adaptive) // 2
+        info = self._code_info(code, now, units)
+        units = min(max(units, 0), max(info.n_units - 1, 0))
+        internal = (info.filename == "<shim>"  # 3.12's trampoline frames
+                    or code == self.init_cleanup
+                    or (info.filename == "__init__" == info.name and not info.linetable))
+        return (() if internal else (self._frame(info, units * 2),)), prev
 
     # -- threads ---------------------------------------------------------------------------
     def _native_tid(self, raw: bytes) -> int:
@@ -480,20 +627,42 @@ class PythonProcess:
                 continue
         self._tid_off = -1
 
-    def _task(self, tid: int, now: float) -> tuple[str, str]:
-        """Scheduler state (one pread on a kept-open /proc/PID/task/TID/stat) and thread name (cached)."""
+    def _task(self, tid: int, now: float) -> tuple[str, str, bool]:
+        """(scheduler state, thread name, quiet): quiet when the thread is known not to have been on a
+        CPU since the state was last read from /proc (so neither its state nor its stack has changed).
+
+        The state is the one of a pread on a kept-open /proc/PID/task/TID/stat, re-read at most every
+        state_refresh_seconds (not quiet in between). Past that, a thread last seen not running whose
+        /proc/.../schedstat (run time, wait time, times scheduled in) reads back the same as just before
+        that stat read has not been scheduled in since: quiet, its state stands (one cheaper read; a
+        thread woken but still waiting for a CPU shows as sleeping until it runs). A thread last seen
+        running gets its stat read every time: a running thread's run time is only brought up to date at
+        scheduler ticks and switches, so an unchanged schedstat says nothing about it (trusting it
+        reused stale stacks of a busy thread at 250 Hz and more). The name is re-read every 5 s.
+        """
         if self._state_override is not None and tid in self._state_override:
-            return self._state_override[tid]
+            return self._state_override[tid] + (False,)
         entry = self._tasks.get(tid)
         try:
             if entry is None:
                 base = os.path.join(self.proc_root, str(self.pid), "task", str(tid))
                 fd = os.open(base + "/stat", os.O_RDONLY | os.O_CLOEXEC)
-                with open(base + "/comm", "rb") as fh:
-                    name = fh.read().strip().decode(errors="replace")
-                entry = self._tasks[tid] = [fd, name, now, "", -1.0]
+                try:
+                    with open(base + "/comm", "rb") as fh:
+                        name = fh.read().strip().decode(errors="replace")
+                except OSError:
+                    os.close(fd)
+                    raise
+                entry = self._tasks[tid] = [fd, name, now, "", -1.0, None]
             elif now - entry[4] < self.state_refresh_seconds:
-                return entry[3], entry[1]
+                return entry[3], entry[1], False
+            if entry[3] != "running":
+                fd = self._schedstat.get(tid)
+                ss = (os.pread(fd, 96, 0) or None) if fd is not None else self._schedstat_raw(tid)
+                if ss is not None and ss == entry[5]:
+                    entry[4] = now
+                    return entry[3], entry[1], True
+                entry[5] = ss
             stat = os.pread(entry[0], 512, 0)
             if not stat:
                 raise OSError("thread gone")
@@ -503,29 +672,31 @@ class PythonProcess:
                     entry[1] = fh.read().strip().decode(errors="replace")
             entry[3] = _STATES.get(chr(stat[stat.rindex(b")") + 2]), "unknown")
             entry[4] = now
-            return entry[3], entry[1]
+            if entry[3] == "running":
+                entry[5] = None
+            return entry[3], entry[1], False
         except (OSError, ValueError):
             if entry is not None:
                 self._forget_task(tid)
-            return "unknown", ""
+            return "unknown", "", False
 
-    def _run_ns(self, tid: int) -> int:
-        """Cumulative on-CPU ns of a thread (schedstat), -1 when unavailable."""
+    def _schedstat_raw(self, tid: int) -> bytes | None:
+        """The thread's /proc/PID/task/TID/schedstat line (on-CPU ns, run-queue wait ns, times scheduled
+        in), None when unavailable."""
         fd = self._schedstat.get(tid)
         try:
             if fd is None:
                 fd = self._schedstat[tid] = os.open(os.path.join(self.proc_root, str(self.pid), "task", str(tid),
                                                                  "schedstat"), os.O_RDONLY | os.O_CLOEXEC)
-            data = os.pread(fd, 64, 0)
-            return int(data[:data.index(b" ")])
-        except (OSError, ValueError):
+            return os.pread(fd, 96, 0) or None
+        except OSError:
             fd = self._schedstat.pop(tid, None)
             if fd is not None:
                 try:
                     os.close(fd)
                 except OSError:
                     pass
-            return -1
+            return None
 
     def _forget_task(self, tid: int) -> None:
         fd = self._schedstat.pop(tid, None)
@@ -541,26 +712,42 @@ class PythonProcess:
             except OSError:
                 pass
 
-    def _gil_holder(self, interp: int) -> int:
+    def _interp_read(self, interp: int) -> tuple[int, int, int]:
+        """(next interpreter, first thread state, GIL holder's thread state or 0) of an interpreter: one
+        read where the interpreter's links and its GIL (3.12+: a struct inside it) are near each other."""
         lay = self.layout
-        try:
-            if lay.gil_mode == "runtime":
-                blob = self.mem.read(self.runtime + lay.gil_last_holder, lay.gil_locked - lay.gil_last_holder + 4)
-                locked = _I32.unpack_from(blob, lay.gil_locked - lay.gil_last_holder)[0]
-                holder = _U64.unpack_from(blob, 0)[0]
-            else:
-                gil = self._gil_ptr.get(interp)
-                if gil is None:
-                    gil = self._gil_ptr[interp] = self.mem.u64(interp + lay.interp_ceval_gil)
-                if not gil:
-                    return 0
-                lo = min(lay.gil_last_holder, lay.gil_locked)
-                blob = self.mem.read(gil + lo, max(lay.gil_last_holder + 8, lay.gil_locked + 4) - lo)
-                holder = _U64.unpack_from(blob, lay.gil_last_holder - lo)[0]
-                locked = _I32.unpack_from(blob, lay.gil_locked - lo)[0]
-            return holder if locked else 0
-        except ReadError:
-            return 0
+        lo, size = self._in_lo, self._in_size
+        gil = 0
+        blob = b""
+        if lay.gil_mode != "runtime":
+            gil = self._gil_ptr.get(interp)
+            if gil is None:
+                gil = self._gil_ptr[interp] = self.mem.u64(interp + lay.interp_ceval_gil)
+            g_lo, g_hi = min(lay.gil_last_holder, lay.gil_locked), max(lay.gil_last_holder + 8, lay.gil_locked + 4)
+            if size and gil and 0 <= gil + g_lo - interp and gil + g_hi - interp - lo <= 2 * BLOCK:
+                try:
+                    blob = self.mem.read(interp + lo, max(size, gil + g_hi - interp - lo))
+                    size = len(blob)
+                except ReadError:
+                    blob = b""    # read the links alone below, and the GIL on its own
+        if size:
+            if len(blob) < size:
+                blob = self.mem.read(interp + lo, size)
+            nxt = _U64.unpack_from(blob, lay.interp_next - lo)[0]
+            head = _U64.unpack_from(blob, lay.interp_tstate_head - lo)[0]
+        else:
+            blob = b""
+            nxt, head = self.mem.u64(interp + lay.interp_next), self.mem.u64(interp + lay.interp_tstate_head)
+        if lay.gil_mode == "runtime" or not gil:
+            return nxt, head, 0
+        at = gil - interp - lo
+        if at < 0 or at + g_hi > len(blob):
+            try:
+                blob, at = self.mem.read(gil + g_lo, g_hi - g_lo), -g_lo
+            except ReadError:
+                return nxt, head, 0
+        locked = _I32.unpack_from(blob, at + lay.gil_locked)[0]
+        return nxt, head, (_U64.unpack_from(blob, at + lay.gil_last_holder)[0] if locked else 0)
 
     def sample(self, retries: int = 3, stop_threads: bool = False) -> Sample:
         """One sample of every thread, the target running (default) or with only its Python threads
@@ -570,7 +757,7 @@ class PythonProcess:
             tids = self._python_tids or [t.tid for t in self.sample(retries).threads]
             now = time.monotonic()
             # the scheduler state as it was before we stopped them (inside, every thread is "stopped")
-            before = {tid: self._task(tid, now) for tid in tids} if self.thread_states else {}
+            before = {tid: self._task(tid, now)[:2] for tid in tids} if self.thread_states else {}
             with StoppedThreads(tids) as stopped:
                 self._state_override = before
                 try:
@@ -592,83 +779,117 @@ class PythonProcess:
         raise TornRead(f"no consistent sample of process {self.pid} after {retries + 1} tries: {last}")
 
     def _sample_once(self) -> Sample:
+        # kept lean: at a low rate every sample starts with cold caches, and its cost is then mostly the
+        # number of Python operations and system calls it makes (bench/README.md, pystacks.py)
         lay = self.layout
         now = time.monotonic()
-        self._blocks = {}
         if now - self._memo_cleared > self.revalidate_seconds or len(self._frame_memo) > 50_000:
             # decoded frames trust their code objects; re-derive them now and then (address reuse)
             self._frame_memo = {}
             self._memo_cleared = now
+            self._memo_gen += 1
         mono = time.monotonic_ns()
-        interp = self.mem.u64(self.runtime + lay.runtime_interpreters_head)
+        self._cur = {}
+        blob = self.mem.read(self.runtime + self._rt_lo, self._rt_size or 8)
+        interp = _U64.unpack_from(blob, lay.runtime_interpreters_head - self._rt_lo)[0]
         if not interp:
             raise TornRead("no interpreter (starting up or finalizing)")
+        runtime_holder = 0
+        if lay.gil_mode == "runtime":
+            if not self._rt_size:
+                blob = self.mem.read(self.runtime + lay.gil_last_holder, lay.gil_locked + 4 - lay.gil_last_holder)
+                base = lay.gil_last_holder
+            else:
+                base = self._rt_lo
+            if _I32.unpack_from(blob, lay.gil_locked - base)[0]:
+                runtime_holder = _U64.unpack_from(blob, lay.gil_last_holder - base)[0]
         threads = []
         live_tids: set[int] = set()
         all_tstates: set[int] = set()
         seen_interps = set()
+        tsize = lay.tstate_read_size
+        t_interp, t_next, t_thread_id = lay.tstate_interp, lay.tstate_next, lay.tstate_thread_id
+        native = lay.tstate_native_thread_id
+        cframe_off = lay.tstate_cframe
+        want_states = self.thread_states
+        last_walks = self._threads_last
+        read = self.mem.read
         while interp:
             if interp in seen_interps or len(seen_interps) > 64:
                 raise TornRead("interpreter list loops")
             seen_interps.add(interp)
-            holder = self._gil_holder(interp)
-            tstate = self.mem.u64(interp + lay.interp_tstate_head)
-            seen = set()
+            next_interp, tstate, holder = self._interp_read(interp)
+            holder = holder or runtime_holder
             found = []
             while tstate:
-                if tstate in seen or len(seen) > MAX_THREADS:
+                if tstate in all_tstates or len(all_tstates) > MAX_THREADS:
                     raise TornRead("thread list loops")
-                seen.add(tstate)
-                # thread states often share a page; their blocks are not part of any walk's idle check
-                mark = len(self._touched)
-                buf, o = self._view(tstate, lay.tstate_read_size)
-                del self._touched[mark:]
-                raw = buf[o:o + lay.tstate_read_size]
-                if _U64.unpack_from(raw, lay.tstate_interp)[0] != interp:
+                all_tstates.add(tstate)
+                raw = read(tstate, tsize)
+                if _U64.unpack_from(raw, t_interp)[0] != interp:
                     raise TornRead("thread state does not point back to its interpreter")
                 found.append((tstate, raw))
-                tstate = _U64.unpack_from(raw, lay.tstate_next)[0]
-            all_tstates.update(seen)
-            if lay.tstate_native_thread_id is None and found and (self._tid_off is None):
-                pthreads = [_U64.unpack_from(raw, lay.tstate_thread_id)[0] for _, raw in found]
-                # threads are prepended: the main thread is the last in the list
-                self._calibrate_tid_offset(pthreads, pthreads[-1])
-                if self._tid_off is None:
-                    self._tid_off = self._tid_fallback  # single thread for now: use it, re-check later
-                    self._recheck_tid = True
-            elif getattr(self, "_recheck_tid", False) and len(found) > 1:
-                self._recheck_tid = False
-                self._tid_off = None
+                tstate = _U64.unpack_from(raw, t_next)[0]
+            if native is None:
+                self._check_tid_offset(found)
             for tstate, raw in found:
-                thread_id = _U64.unpack_from(raw, lay.tstate_thread_id)[0]
-                tid = self._host_tid(self._native_tid(raw), now)
-                live_tids.add(tid)
-                # a thread that has not been on a CPU since the last sample (its schedstat run time is
-                # unchanged) cannot have changed its stack or its state: reuse both, one 1 µs read
-                ran_ns = self._run_ns(tid) if tid else -1
-                last = self._threads_last.get(tstate)
-                if last is not None and ran_ns >= 0 and last[0] == tid and last[1] == ran_ns \
-                        and self._state_override is None:
-                    frames, state, name = last[2], last[3], last[4]
+                if native is not None:
+                    tid = _U64.unpack_from(raw, native)[0] & 0xFFFFFFFF
                 else:
-                    if lay.tstate_cframe is not None:
-                        cframe = _U64.unpack_from(raw, lay.tstate_cframe)[0]
-                        frame = self.mem.u64(cframe + lay.cframe_current_frame) if cframe else 0
+                    tid = self._native_tid(raw)
+                if self.ns_pid:
+                    tid = self._host_tid(tid, now)
+                live_tids.add(tid)
+                # the scheduler state first (see _task): a thread that has not been on a CPU since its last
+                # walk, with the same thread state bytes, has the same stack (no read of its frames)
+                state, name, quiet = self._task(tid, now) if (want_states and tid) else ("unknown", "", False)
+                last = last_walks.get(tstate)
+                if quiet and last is not None and last[0] == raw:
+                    frames = last[1]
+                else:
+                    if cframe_off is not None:
+                        # the _PyCFrame is a local of the C function that runs the thread's Python code,
+                        # as is (3.12) the shim frame at the bottom of its frame chain: read their block
+                        at = _U64.unpack_from(raw, cframe_off)[0] + lay.cframe_current_frame
+                        o = at & (BLOCK - 1)
+                        if at - lay.cframe_current_frame == 0:
+                            frame = 0
+                        elif o <= BLOCK - 8:
+                            frame = _U64.unpack_from(self._block(at - o), o)[0]
+                        else:
+                            frame = self.mem.u64(at)
                     else:
                         frame = _U64.unpack_from(raw, lay.tstate_frame)[0]
                     frames = self._walk(tstate, frame, now)
-                    state, name = self._task(tid, now) if (self.thread_states and tid) else ("unknown", "")
-                    self._threads_last[tstate] = (tid, ran_ns, frames, state, name)
-                threads.append(ThreadStack(tid, thread_id, name, tstate == holder, state, frames))
-            interp = self.mem.u64(interp + lay.interp_next)
-        for gone in [t for t in (self._tasks.keys() | self._schedstat.keys()) if t not in live_tids]:
-            self._forget_task(gone)
+                    last_walks[tstate] = (raw, frames)
+                threads.append(ThreadStack(tid, _U64.unpack_from(raw, t_thread_id)[0], name, tstate == holder,
+                                           state, frames))
+            interp = next_interp
+        if not (self._tasks.keys() <= live_tids and self._schedstat.keys() <= live_tids):
+            for gone in (self._tasks.keys() | self._schedstat.keys()) - live_tids:
+                self._forget_task(gone)
         if len(self._walk_cache) > len(all_tstates) + 64:
             self._walk_cache = {k: v for k, v in self._walk_cache.items() if k in all_tstates}
-        if len(self._threads_last) > len(all_tstates) + 64:
-            self._threads_last = {k: v for k, v in self._threads_last.items() if k in all_tstates}
+        if len(last_walks) > len(all_tstates) + 64:
+            self._threads_last = {k: v for k, v in last_walks.items() if k in all_tstates}
+        if len(self._chains) > len(all_tstates) + 64:
+            self._chains = {k: v for k, v in self._chains.items() if k in all_tstates}
         self.samples += 1
         return Sample(mono, self.pid, threads)
+
+    def _check_tid_offset(self, found: list) -> None:
+        """3.9/3.10: (re)calibrate where glibc's struct pthread keeps the tid (see _calibrate_tid_offset)."""
+        lay = self.layout
+        if found and self._tid_off is None:
+            pthreads = [_U64.unpack_from(raw, lay.tstate_thread_id)[0] for _, raw in found]
+            # threads are prepended: the main thread is the last in the list
+            self._calibrate_tid_offset(pthreads, pthreads[-1])
+            if self._tid_off is None:
+                self._tid_off = self._tid_fallback  # single thread for now: use it, re-check later
+                self._recheck_tid = True
+        elif getattr(self, "_recheck_tid", False) and len(found) > 1:
+            self._recheck_tid = False
+            self._tid_off = None
 
     def _main_pthread(self, interp: int) -> int:
         """The main thread's pthread_t: the last thread state in the list (threads are prepended)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -62,12 +63,27 @@ class WorkloadRegistry:
 
     def __init__(self) -> None:
         self._procs: dict[tuple[int, int], ProcessInfo] = {}
+        self._cond = threading.Condition()
 
     def replace(self, procs: dict[tuple[int, int], ProcessInfo]) -> None:
-        self._procs = dict(procs)
+        with self._cond:
+            self._procs = dict(procs)
+            if procs:
+                self._cond.notify_all()
 
     def snapshot(self) -> dict[tuple[int, int], ProcessInfo]:
         return self._procs
+
+    def wait_nonempty(self, stop: threading.Event) -> None:
+        """Block (no CPU, no periodic wake-up) until there is a workload or `stop` is set and wake() called."""
+        with self._cond:
+            while not self._procs and not stop.is_set():
+                self._cond.wait()
+
+    def wake(self) -> None:
+        """Release every wait_nonempty() so its caller can look at its stop event."""
+        with self._cond:
+            self._cond.notify_all()
 
 
 @dataclass
@@ -107,6 +123,12 @@ class Source:
 
     def step(self) -> list:
         raise NotImplementedError
+
+    def idle(self) -> bool:
+        """True when this source has nothing to do until a workload process appears: while there is none, the
+        runner stops stepping it and waits for one (no wake-ups). Sources that watch the whole host (host,
+        procs, netflows) never are; workload sources are once the state of the last ones is flushed."""
+        return False
 
     def set_mode(self, mode: Mode) -> None:
         """Deep mode began or ended; sources with a deep mode change what they collect."""

@@ -62,15 +62,36 @@ truncated or non-JSON answer. The agent keeps running. An entry with a field of 
 and counted (Event flightrec_entries_malformed); one whose time does not convert to this boot's monotonic
 clock is dropped by CommLog.add (Event flightrec_records_dropped, with the reason).
 
-Cost: one dump of a full 2000-entry ring is ~0.6 MB of JSON built by the job's worker-server thread
-(it holds the recorder's mutex while copying, not the GIL) and parsed here: a dump costs in proportion to
-the ring, not to what is new. Hence one dump per process every 5 s in sentinel mode and every 1 s in deep
-mode; a job that records more than TORCH_FR_BUFFER_SIZE entries between two dumps loses the oldest ones
-(counted as lost_entries, reported). bench/commops.py (2-core VM, 2-rank gloo job using both cores): the
-agent (procs + flightrec + kineto) running vs paused inside one job +1.6 % +- 1.2 % at 1 s polling and
-+0.6 % +- 2.6 % and +1.8 % +- 0.9 % (two runs) at 5 s; separate launches with and without the logger differ
-by -1.8 .. +3.5 % across runs, launch-to-launch spread being of that size: the 0.5 % goal is below what this
-machine can resolve.
+Schedule: a dump always holds the whole ring (torch has no "entries since" request), so reading it costs in
+proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
+JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~30-40 us
+per new op to convert, store and summarize it (2-core VM, python 3.11). Every new op must be read once; the rest
+is waste. So the source checks every `interval_seconds` (1 s) and reads a process's ring only when it is due
+(`_due`, sentinel mode):
+  first          the process was just found (and the next check, for a second read that gives its op rate)
+  ring_fill      about `ring_fill` (0.5) of its ring is new: op rate (record ids per second between its last
+                 two reads) x time since the last read, or, where the bootstrap's anchor ring says how many
+                 iterations ended since (one 8-byte read of its count), iterations x ops per iteration, the
+                 larger; the ring size is the process's TORCH_FR_BUFFER_SIZE (/proc/PID/environ, else the
+                 bootstrap's default 2000) until a wrapped dump shows it
+  anchors_began  iterations began and the ops per iteration are not known yet
+  max_interval   `max_interval_seconds` (20 s) since the last read: steps and summaries are never older
+  stalled        the last read found nothing new with an op pending (a hang, or a long collective): re-read every
+                 `stalled_interval_seconds` (5 s), so a hang's CommProgress keeps coming
+  iterations_stopped  anchors were coming and stopped for max(2 s, 3 iteration times): read once, promptly
+Deep mode reads every ring at every check (`deep_interval_seconds`, 1 s), and `max_interval_seconds = 0` does so
+in sentinel mode too (the tests that look at what one read gives). The 2-rank gloo job of bench/commops.py (~85
+ops/s per rank, 2000-entry rings) is read every ~12 s instead of every 5 s. A ring that wraps between two reads
+(a rate that jumped, faster than one ring per `ring_fill` x ring / rate, or than a check) loses its oldest
+entries: counted (`lost_entries`), reported as flightrec_ring_wrapped with the count, and the measured rate
+makes the next reads come sooner. python_gc_* metrics are read every `gc_interval_seconds` (5 s).
+Cost: the source's thread runs at `nice` 19 (set on its own thread only), so parsing the dumps takes CPU the job
+leaves idle before taking it from the job (the bootstrap can nice the job's worker server too,
+STEPLENS_FR_SERVER_NICE, off by default: see there). bench/commops.py (2-core VM shared with other work; bench/README.md has the
+table): the agent's CPU per running second fell from 63 to 41 ms and the job's worker-server CPU from 22.6 to
+8.2 ms/s, with no op lost; the toggled step-time cost did not fall with it (+8.8 % +- 2.8 before, +8.3 % +- 2.5
+after, the collector on the same VM unniced), far from the 0.1 % goal: what remains is per op (convert, encode,
+store, summarize: every op must be handled once) and the collector's handling of what the agent streams.
 Progress adds one pass over the parsed entries per dump and, in a busy job (nearly always some op in flight), one
 ~80-byte record per group per poll: with 3 groups, 8 processes and 5 s polling, ~5 records/s per node.
 
@@ -95,13 +116,16 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 import types
+from collections import Counter
 from dataclasses import dataclass, field
 
 from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, RealtimeClock, dtype_bytes, normalize_op,
                                    time_problem)
-from steplens.agent.records import CommOp, CommProgress, Event, Metric, ProcessInfo
+from steplens.agent.bootstrap import DEFAULT_FR_BUFFER_SIZE
+from steplens.agent.records import CommOp, CommProgress, Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig, runtime_files
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
@@ -120,8 +144,13 @@ EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this
 
 @dataclass
 class FlightrecConfig(SourceConfig):
-    interval_seconds: float = 5.0                 # one dump per process per interval (sentinel; see Cost)
-    deep_interval_seconds: float = 1.0            # ... in deep mode
+    interval_seconds: float = 1.0                 # checks: which rings are due (sentinel; see Schedule)
+    deep_interval_seconds: float = 1.0            # deep mode: every ring read at every check
+    max_interval_seconds: float = 20.0            # sentinel: a ring is read at least this often; 0: every check
+    ring_fill: float = 0.5                        # sentinel: a ring is read when about this share of it is new
+    stalled_interval_seconds: float = 5.0         # an op pending and nothing new since the last read: re-read
+    gc_interval_seconds: float = 5.0              # python_gc_* metrics this often
+    nice: int = 19                                # this source's thread's nice value (0: left as it is)
     socket_dirs: list = field(default_factory=lambda: ["/run/steplens/fr", "/tmp/steplens-fr-*"])
     accepted_versions: list = field(default_factory=lambda: ["2.10"])  # Flight Recorder dump versions
     request_timeout_seconds: float = 2.0          # per request to one process
@@ -145,6 +174,12 @@ class FlightrecConfig(SourceConfig):
             raise ConfigError("max_response_bytes must be >= 4096 and detail_max_records >= 1000")
         if not (0 < self.progress_every_seconds <= 86400):
             raise ConfigError("progress_every_seconds must be within 0..86400 (exclusive of 0)")
+        if not (0 <= self.max_interval_seconds <= 3600) or not (0.05 <= self.ring_fill <= 1):
+            raise ConfigError("max_interval_seconds must be within 0..3600 and ring_fill within 0.05..1")
+        if self.stalled_interval_seconds < 0 or self.gc_interval_seconds < 0:
+            raise ConfigError("stalled_interval_seconds and gc_interval_seconds must be >= 0")
+        if not (0 <= self.nice <= 19):
+            raise ConfigError("nice must be within 0..19")
 
 
 class FlightrecError(Exception):
@@ -368,29 +403,52 @@ def entry_final(e: dict) -> bool:
     return e.get("state") == "completed"
 
 
+_OP_NAMES: dict[str, str] = {}      # profiling name -> normalized op (normalize_op runs a regex)
+_DTYPE_SIZES: dict[str, int] = {}   # dtype name -> bytes per element
+
+
+def _op_name(name: str) -> str:
+    op = _OP_NAMES.get(name)
+    if op is None:
+        op = normalize_op(name)
+        if len(_OP_NAMES) < 4096:
+            _OP_NAMES[name] = op
+    return op
+
+
+def _dtype_size(dtype: str) -> int:
+    n = _DTYPE_SIZES.get(dtype)
+    if n is None:
+        n = dtype_bytes(dtype)
+        if len(_DTYPE_SIZES) < 4096:
+            _DTYPE_SIZES[dtype] = n
+    return n
+
+
 def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks: int = 0, rank: int = -1,
                 world_size: int = -1, job_key: str = "") -> CommOp:
     """One Flight Recorder entry (layout 2.10) -> CommOp."""
-    pg = e.get("process_group") or ["", ""]
+    get = e.get
+    pg = get("process_group") or ["", ""]
     pg_name = str(pg[0]) if pg else ""
     pg_desc = str(pg[1]) if len(pg) > 1 else ""
     count = 0
-    for shape in e.get("input_sizes") or []:
+    for shape in get("input_sizes") or []:
         n = 1
         for d in shape:
             n *= int(d)
         count += n
-    dtypes = e.get("input_dtypes") or e.get("output_dtypes") or []
+    dtypes = get("input_dtypes") or get("output_dtypes") or []
     dtype = str(dtypes[0]) if dtypes else ""
     members = dump.members.get(pg_name, [])
     nranks = dump.pg_sizes.get(pg_name, 0)
     if not members and pg_name == "0" and world_size > 0:  # the default group is the world
         members, nranks = list(range(world_size)), world_size
-    issue = clock.to_mono(int(e.get("time_created_ns") or 0))
+    issue = clock.to_mono(int(get("time_created_ns") or 0))
     start = end = 0
     timing = "cpu_enqueue"
-    dur_ms = e.get("duration_ms")
-    if isinstance(dur_ms, (int, float)) and dur_ms >= 0 and (issue or e.get("time_discovered_started_ns")):
+    dur_ms = get("duration_ms")
+    if isinstance(dur_ms, (int, float)) and dur_ms >= 0 and (issue or get("time_discovered_started_ns")):
         # duration_ms comes from the op's CUDA events and is exact; time_discovered_*_ns are when torch's watchdog
         # noticed the start/completion, which it polls: in a recorded H100 dump (tests/fixtures/gpu-recorded)
         # the seven ops of a step were all "discovered started" in one sweep ~95 ms after they were enqueued and
@@ -399,16 +457,12 @@ def entry_to_op(e: dict, dump: Dump, clock: RealtimeClock, pid: int, start_ticks
         start = issue or clock.to_mono(int(e["time_discovered_started_ns"]))
         end = start + int(dur_ms * 1e6)
         timing = "cuda_event"
-    p2p = bool(e.get("is_p2p"))
-    return CommOp(
-        mono_ns=end or issue, timing=timing, pid=pid, comm_id=f"pg:{pg_name}",
-        op=normalize_op(str(e.get("profiling_name", ""))), start_ticks=start_ticks,
-        comm_desc=pg_desc, rank=rank, group_rank=members.index(rank) if rank in members else -1,
-        nranks=nranks, members=members, count=count, dtype=dtype, bytes=count * dtype_bytes(dtype),
-        seq=-1 if p2p else int(e.get("collective_seq_id", -1)),
-        p2p_seq=int(e.get("p2p_seq_id", -1)) if p2p else -1,
-        issue_mono_ns=issue, start_mono_ns=start, end_mono_ns=end, job_key=job_key,
-        seq_source="" if p2p else "trace")
+    p2p = bool(get("is_p2p"))
+    return CommOp(end or issue, timing, pid, f"pg:{pg_name}", _op_name(str(get("profiling_name", ""))),
+                  start_ticks, 0, -1, pg_desc, rank, members.index(rank) if rank in members else -1, nranks,
+                  members[:], -1, -1, count, dtype, count * _dtype_size(dtype),
+                  -1 if p2p else int(get("collective_seq_id", -1)), int(get("p2p_seq_id", -1)) if p2p else -1, 0,
+                  issue, start, end, job_key, "" if p2p else "trace")
 
 
 _P2P_RANKS = re.compile(r"\s+(\d+)\s*(?:->|<-)\s*(\d+)\s*$")   # NCCL's "nccl:send 0->1", "nccl:recv 1<-0"
@@ -539,12 +593,27 @@ def _exit_dump_key(name: str) -> tuple[int, int] | None:
 
 
 class _Target:
-    __slots__ = ("key", "path", "cursors", "missing", "info")
+    __slots__ = ("key", "path", "cursors", "missing", "info", "ring", "reads", "read_at", "rate", "stalled",
+                 "high_at_read", "anchors_at_read", "anchor_count", "anchor_moved_at", "anchor_rate",
+                 "ops_per_anchor", "pending")
 
-    def __init__(self, key, path, info) -> None:
+    def __init__(self, key, path, info, ring: int = 0) -> None:
         self.key, self.path, self.info = key, path, info
         self.cursors = {ep: _Cursor() for ep in ENDPOINTS + (ANCHORS,)}  # anchors: .high = last number read
         self.missing: set[str] = set()  # endpoints this process does not serve
+        # the read schedule (module docstring, Schedule); times in seconds of time.monotonic()
+        self.ring = ring                # Flight Recorder entries the process keeps (its TORCH_FR_BUFFER_SIZE)
+        self.reads = 0
+        self.read_at = 0.0
+        self.rate = -1.0                # entries recorded per second between the last two reads; -1: not known
+        self.stalled = False            # the last read: nothing new and an op pending
+        self.pending = False            # the last read: some group had an op enqueued and not completed
+        self.high_at_read = -1          # the highest record id when last read
+        self.anchors_at_read = -1       # anchors written when last read (the ring's count); -1: no ring
+        self.anchor_count = -1          # ... when last checked
+        self.anchor_moved_at = 0.0      # when the count last changed
+        self.anchor_rate = 0.0          # anchors per second between the last two reads
+        self.ops_per_anchor = -1.0      # entries per anchor between the last two reads; -1: not known
 
 
 class FlightrecSource(Source):
@@ -576,6 +645,109 @@ class FlightrecSource(Source):
         self.progress: dict[tuple[int, int], dict[str, tuple]] = {}  # per process, per comm: (last emitted, when)
         self.progress_total = 0
         self.gc_bad: dict[tuple[int, int], int] = {}  # a <pid>.gc reported bad: its inode, not read again
+        self.reads: Counter = Counter()     # ring reads by why they were due (Schedule)
+        self.checks = 0
+        self.gc_at = -1e18
+        self._renice()
+
+    def _renice(self) -> None:
+        """This source's thread to `nice` (module docstring, Cost): its work (a dump parsed, every new op
+        converted and stored) then waits for CPU the job leaves idle rather than taking it from the job. Only on
+        a thread of its own (the agent's runner), never the main thread of a program that runs the source
+        directly (tests, tools)."""
+        if not self.config.nice or threading.current_thread() is threading.main_thread():
+            return
+        try:
+            tid = threading.get_native_id()
+            if os.getpriority(os.PRIO_PROCESS, tid) < self.config.nice:
+                os.setpriority(os.PRIO_PROCESS, tid, self.config.nice)
+        except (OSError, AttributeError):
+            pass
+
+    def _ring_size(self, pid: int) -> int:
+        """The process's TORCH_FR_BUFFER_SIZE from its environment, else the bootstrap's default (which the
+        bootstrap sets inside the process, where /proc/PID/environ does not show it)."""
+        try:
+            with open(os.path.join(self.ctx.proc_root, str(pid), "environ"), "rb") as fh:
+                env = fh.read(1 << 20)
+        except OSError:
+            env = b""
+        for item in env.split(b"\0"):
+            if item.startswith(b"TORCH_FR_BUFFER_SIZE="):
+                value = item.partition(b"=")[2].strip()
+                if value.isdigit() and int(value) > 0:
+                    return int(value)
+        return DEFAULT_FR_BUFFER_SIZE
+
+    def _anchor_count(self, tgt: _Target) -> int:
+        """Anchors the process has written so far (its anchor ring's count: one 8-byte read); -1 without a ring."""
+        if ANCHORS in tgt.missing:
+            return -1
+        try:
+            fd = os.open(os.path.join(os.path.dirname(tgt.path), f"{tgt.key[0]}.{ANCHORS}"), os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return -1
+        try:
+            b = os.pread(fd, 8, _ANCHOR_COUNT_AT)
+        except OSError:
+            return -1
+        finally:
+            os.close(fd)
+        return struct.unpack("<Q", b)[0] if len(b) == 8 else -1
+
+    def _due(self, tgt: _Target, now: float) -> str:
+        """Why the process's ring is to be read at this check, "" when it is not (module docstring, Schedule)."""
+        cfg = self.config
+        if not tgt.reads:
+            return "first"
+        if cfg.max_interval_seconds <= 0:
+            return "every_check"
+        since = now - tgt.read_at
+        if since >= cfg.max_interval_seconds:
+            return "max_interval"
+        if tgt.stalled and since >= cfg.stalled_interval_seconds:
+            return "stalled"
+        if tgt.rate < 0:
+            return "rate_unknown"
+        expect = tgt.rate * since
+        count = self._anchor_count(tgt)
+        if count >= 0:
+            if count != tgt.anchor_count:
+                tgt.anchor_count, tgt.anchor_moved_at = count, now
+            new = count - tgt.anchors_at_read if tgt.anchors_at_read >= 0 else 0
+            if new > 0 and tgt.ops_per_anchor < 0:
+                return "anchors_began"      # iterations started: learn the ops per iteration
+            expect = max(expect, new * tgt.ops_per_anchor)
+            if tgt.anchor_rate > 0:         # iterations were coming and stopped: a hang's progress, promptly
+                quiet = max(2.0, 3.0 / tgt.anchor_rate)
+                if now - tgt.anchor_moved_at >= quiet and tgt.read_at < tgt.anchor_moved_at + quiet:
+                    return "iterations_stopped"
+        if expect >= cfg.ring_fill * tgt.ring:
+            return "ring_fill"
+        return ""
+
+    def _read_done(self, tgt: _Target, at: float) -> None:
+        """After a read: the op rate, the anchors per op and whether the process looks stalled (Schedule)."""
+        high = tgt.cursors[ENDPOINTS[0]].high
+        count = self._anchor_count(tgt)
+        if tgt.reads:
+            dt = max(at - tgt.read_at, 1e-3)
+            new = max(0, high - tgt.high_at_read)
+            tgt.rate = new / dt
+            if count >= 0 and tgt.anchors_at_read >= 0:
+                anchors = count - tgt.anchors_at_read
+                tgt.anchor_rate = max(0, anchors) / dt
+                if anchors > 0:
+                    tgt.ops_per_anchor = new / anchors
+            tgt.stalled = new == 0 and tgt.pending
+        if count != tgt.anchor_count:
+            tgt.anchor_count, tgt.anchor_moved_at = count, at
+        tgt.reads += 1
+        tgt.read_at, tgt.high_at_read, tgt.anchors_at_read = at, high, count
+
+    def idle(self) -> bool:
+        # no process polled and none waiting for its exit dump (EXIT_GRACE_SECONDS after it left the workloads)
+        return not self.targets and not self.gone
 
     def _runtime_files(self) -> tuple[dict[int, str], dict[int, str]]:
         """The bootstrap's <pid>.sock and <pid>.gc files in socket_dirs, by pid (the first directory wins)."""
@@ -604,13 +776,21 @@ class FlightrecSource(Source):
                 continue
             if now - self.failed.get(key, -1e18) < self.config.retry_seconds or key in self.finished:
                 continue
-            self.targets[key] = _Target(key, sockets[key[0]], info)
+            self.targets[key] = _Target(key, sockets[key[0]], info, self._ring_size(key[0]))
             if key in self.gone:  # polled before: keep its cursors, or a retry would emit the ring again
                 self.targets[key].cursors = self.gone.pop(key)[0].cursors
         ops: list[CommOp] = []
+        deep = self.ctx.mode() is Mode.DEEP
+        self.checks += 1
         for key, tgt in list(self.targets.items()):
+            why = "deep" if deep else self._due(tgt, now)
+            if not why:
+                continue
+            self.reads[why] += 1
             try:
+                at = time.monotonic()
                 ops += self._poll(tgt, out)
+                self._read_done(tgt, at)
             except FlightrecError as exc:
                 self.gone[key] = (self.targets.pop(key), now)
                 if os.path.exists(os.path.join(os.path.dirname(tgt.path), f"{key[0]}-{key[1]}{EXIT_SUFFIX}")):
@@ -627,7 +807,9 @@ class FlightrecSource(Source):
             del self.finished[key]
         for key in [k for k in self.progress if k not in self.targets]:  # exited or failed: forget
             del self.progress[key]
-        self._gc_metrics(workloads, gc_files, out)
+        if now - self.gc_at >= self.config.gc_interval_seconds:
+            self.gc_at = now
+            self._gc_metrics(workloads, gc_files, out)
         self.polls += 1
         out += self.log.add(ops)
         return out
@@ -754,6 +936,11 @@ class FlightrecSource(Source):
                     continue
                 raise
             self._progress_of(tgt, ep, dump, taken, progress, out)
+            if ep == ENDPOINTS[0]:
+                rids = [r for r in (e.get("record_id") for e in dump.entries) if type(r) is int]
+                if rids and (min(rids) > 0 or len(rids) > tgt.ring):  # wrapped, or larger than assumed
+                    tgt.ring = len(rids)
+                tgt.pending = any(enq > done for enq, _, done in dump.status.values())
             entries, lost = new_entries(dump, tgt.cursors[ep], now_ns=taken)
             if lost:
                 self.lost_entries += lost

@@ -203,9 +203,6 @@ class GpuprobesSource(Source):
         return kinds
 
     def start(self) -> None:
-        from steplens.agent.ebpf import load_bcc
-
-        load_bcc()
         with open(BPF_FILE) as fh:
             text = render_program(fh.read(), self.config)
         b = ebpf.compile_program(text, tables=("calls", "emit", "counts", "overflow", "watched"))
@@ -231,6 +228,9 @@ class GpuprobesSource(Source):
         self._deep = mode == Mode.DEEP
         if self._bpf is not None:
             self._apply_emit()
+
+    def idle(self) -> bool:
+        return not self._watched and not self._attached and not self._pending
 
     def _apply_emit(self) -> None:
         on = self.config.call_events == "always" or (self.config.call_events == "deep" and self._deep)
@@ -340,8 +340,7 @@ class GpuprobesSource(Source):
         for sym, fn, required in LIBRARIES[kind][1]:
             before = set(b.uprobe_fds)
             try:
-                with ebpf.BCC_LOCK:  # loads the function from the module: not while another source builds one
-                    b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn.encode(), pid=-1)
+                b.attach_uprobe(name=path.encode(), sym=sym.encode(), fn_name=fn.encode(), pid=-1)
             except Exception:
                 missing.append(sym)
                 if required:
@@ -356,8 +355,7 @@ class GpuprobesSource(Source):
         _, path, events = self._attached.pop(inode)
         for ev in events:
             try:
-                with ebpf.BCC_LOCK:
-                    self._bpf.detach_uprobe_event(ev)
+                self._bpf.detach_uprobe_event(ev)
             except Exception:
                 self.errors += 1
         self.missing_symbols.pop(path, None)

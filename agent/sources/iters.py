@@ -137,6 +137,11 @@ class ItersSource(Source):
     def _rings(self) -> dict[int, str]:
         return runtime_files(self.config.ring_dirs, (SUFFIX.lstrip("."),))[SUFFIX.lstrip(".")]
 
+    def idle(self) -> bool:
+        # no ring read for EXIT_GRACE_SECONDS (a bootstrapped process that procs does not count as a workload
+        # keeps its ring known, so this source keeps stepping for it)
+        return not self.infos
+
     def _event(self, out: list, key, kind: str, message: str, once: bool = True) -> None:
         if once:
             if (key, kind) in self.reported:

@@ -152,6 +152,10 @@ class KinetoSource(Source):
     def set_mode(self, mode: Mode) -> None:
         self.deep = mode is Mode.DEEP
 
+    def idle(self) -> bool:
+        with self._lock:
+            return not self.procs   # no process has polled within forget_seconds, no window open
+
     # ---- endpoint thread: must answer within libkineto's ~50 ms ----
     def _on_request(self, req) -> str:
         now = self.ctx.mono_ns()

@@ -188,8 +188,7 @@ class NetflowsConfig(SourceConfig):
                 raise ConfigError(f"interfaces: {name!r} is not an interface name")
 
 
-# resolved at compile time (see ebpf.BCC_LOCK); the socket storage map `sks` is reached by fd (bcc's Python
-# has no wrapper for it)
+# maps each build must have (checked once compiled); the socket storage map `sks` is reached by fd only
 TABLES = ("conns", "ifaces", "socks", "counters", "flows", "rxslots")
 BTF_TABLES = ("conns", "ifaces", "counters", "flows", "closes", "rec_layout", "rxslots")
 
@@ -309,9 +308,6 @@ class NetflowsSource(Source):
     def start(self) -> None:
         if self._bpf is not None:
             return
-        from steplens.agent.ebpf import load_bcc
-
-        load_bcc()
         ifindexes = self._resolve_interfaces()
         self._links: list = []
         self._iter = None
@@ -321,11 +317,10 @@ class NetflowsSource(Source):
             b = ebpf.compile_program(render_program(kernel_offsets(), self.config, btf_tp=True, hz=_jiffies_hz(),
                                                      header_btf_ids=header_btf_ids()), tables=BTF_TABLES)
             try:
-                with ebpf.BCC_LOCK:
-                    for fn, tp in BTF_ATTACH.items():
-                        self._links.append(ebpf.BtfRawTracepoint(b, fn, tp, fn))
-                    self._iter = ebpf.MapIterator(b, ITERATOR[0], ITERATOR[1], ebpf.table_fd(b, "sks"), ITERATOR[0])
-                    self._links.append(self._iter)
+                for fn, tp in BTF_ATTACH.items():
+                    self._links.append(ebpf.BtfRawTracepoint(b, fn, tp, fn))
+                self._iter = ebpf.MapIterator(b, ITERATOR[0], ITERATOR[1], ebpf.table_fd(b, "sks"), ITERATOR[0])
+                self._links.append(self._iter)
             except ebpf.EbpfUnavailable as exc:  # an older kernel or verifier: the classic build
                 self.btf_reason = str(exc)
                 self._close_links()
@@ -334,9 +329,8 @@ class NetflowsSource(Source):
         try:
             if b is None:
                 b = ebpf.compile_program(render_program(kernel_offsets(), self.config, hz=_jiffies_hz()), tables=TABLES)
-                with ebpf.BCC_LOCK:
-                    for fn, tp in ATTACH.items():
-                        b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+                for fn, tp in ATTACH.items():
+                    b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
             if ifindexes:
                 ifaces = b[b"ifaces"]
                 for idx in ifindexes:
@@ -367,27 +361,25 @@ class NetflowsSource(Source):
         by bench/ebpf.py to measure the probes' cost inside one transfer."""
         if self._bpf is None:
             return
-        with ebpf.BCC_LOCK:
-            if self._iter is not None:
-                for link in self._links:
-                    if isinstance(link, ebpf.BtfRawTracepoint) and link.prog_fd >= 0:
-                        link.detach()
-            else:
-                for fn, tp in ATTACH.items():
-                    self._bpf.detach_raw_tracepoint(tp=tp.encode())
+        if self._iter is not None:
+            for link in self._links:
+                if isinstance(link, ebpf.BtfRawTracepoint) and link.prog_fd >= 0:
+                    link.detach()
+        else:
+            for fn, tp in ATTACH.items():
+                self._bpf.detach_raw_tracepoint(tp=tp.encode())
 
     def resume(self) -> None:
         """Re-attach what pause() detached."""
         if self._bpf is None:
             return
-        with ebpf.BCC_LOCK:
-            if self._iter is not None:
-                for link in self._links:
-                    if isinstance(link, ebpf.BtfRawTracepoint):
-                        link.attach()
-            else:
-                for fn, tp in ATTACH.items():
-                    self._bpf.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+        if self._iter is not None:
+            for link in self._links:
+                if isinstance(link, ebpf.BtfRawTracepoint):
+                    link.attach()
+        else:
+            for fn, tp in ATTACH.items():
+                self._bpf.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
 
     def _close_links(self) -> None:
         for link in getattr(self, "_links", []):
@@ -599,11 +591,7 @@ class NetflowsSource(Source):
         """key -> (RX bytes, RX packets) held in the per-CPU RX slots, summed over CPUs; a slot being taken over
         (seq_a odd or != seq_b) is skipped this step."""
         out: dict[tuple, tuple[int, int]] = {}
-        table = self._bpf[b"rxslots"]
-        try:
-            items = list(table.items_lookup_batch())
-        except Exception:  # kernels without batch ops
-            items = list(table.items())
+        items = self._bpf[b"rxslots"].items(skip_zero=True)  # slots never taken are all zero: not decoded
         for _idx, per_cpu in items:
             for sl in per_cpu:
                 if not sl.used or sl.seq_a != sl.seq_b or sl.seq_a & 1:
@@ -614,11 +602,7 @@ class NetflowsSource(Source):
         return out
 
     def _read_conns(self):
-        t = self._conns
-        try:
-            return list(t.items_lookup_batch())
-        except Exception:  # kernels without batch ops
-            return list(t.items())
+        return self._conns.items()  # batched where the kernel can (agent/ebpf/maps.py)
 
     def _check_counters(self, b, now: int, out: list) -> None:
         table = b[b"counters"]

@@ -8,8 +8,10 @@ attached on the next step; exited ones are dropped and their last summary is sen
 cannot be read (not CPython, no permission) is reported once as an Event and retried after
 retry_seconds. Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
 
-Cost: one sample of a 2-thread, ~10-frame process is ~45-65 µs of agent CPU (bench/pystacks.py),
-so 10 Hz over 8 ranks comes to about 0.5% of a core (derived from that figure, not measured as such).
+Cost: at 10 Hz every sample starts with cold caches; one sample of a 4-thread process with a 26-frame
+busy thread is ~400-500 µs of agent CPU (bench/pystacks.py, `record`'s in-process figure, sleeping
+included; ~90 µs back to back), so 10 Hz over 8 ranks comes to about 3-4 % of a core (derived from
+that figure, not measured as such).
 """
 
 from __future__ import annotations
@@ -93,6 +95,12 @@ class PystacksSource(Source):
 
     def set_mode(self, mode: Mode) -> None:
         self.deep = mode is Mode.DEEP
+
+    def idle(self) -> bool:
+        if self.targets:
+            return False
+        self.detail.flush()  # the raw samples of the processes that just left are written before the wait
+        return True
 
     def step(self) -> list:
         from steplens.agent.pyframes import memory, reader

@@ -23,7 +23,7 @@ Emitted (entity `pid:<pid>:<start_ticks>:tid:<tid>`), all cumulative, Prometheus
 Deep mode (set_mode(Mode.DEEP)): a flag in a BPF array makes switch-out also take the user stack
 (bpf_get_stackid(BPF_F_USER_STACK)); at switch-in the off-CPU interval is added to (tid, stack_id). Each step
 emits, per thread, the `deep_stack_top` stacks with the most off-CPU time since the previous step as
-Event(kind="offcpu_stack", message = frames outermost first joined by ";" (bcc's sym(), module in
+Event(kind="offcpu_stack", message = frames outermost first joined by ";" (agent/ebpf/elfsyms.py, module in
 brackets, best effort; an unresolved frame is its hex address), value = seconds in that step). User stacks need
 frame pointers to go deeper than a frame or two (CPython built without them, most distro libraries too).
 Leaving deep mode clears the stack maps.
@@ -137,9 +137,8 @@ class SchedSource(Source):
                                    ", the only build (no BTF program types needed)")
 
     def start(self) -> None:
-        from steplens.agent.ebpf import btf_offset, load_bcc
+        from steplens.agent.ebpf import btf_offset
 
-        load_bcc()
         with open(BPF_FILE) as fh:
             template = fh.read()
         text = render_program(template, pid_off=btf_offset("task_struct", "pid"),
@@ -147,9 +146,8 @@ class SchedSource(Source):
                               prev_state_arg=prev_state_is_arg(platform.release()), config=self.config)
         b = ebpf.compile_program(text, tables=("deep", "offstacks", "stacks", "watched", "stats", "overflow"))
         try:
-            with ebpf.BCC_LOCK:
-                for tp, fn in PROGRAMS:
-                    b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
+            for tp, fn in PROGRAMS:
+                b.attach_raw_tracepoint(tp=tp.encode(), fn_name=fn.encode())
         except Exception:
             ebpf.cleanup(b)
             raise
@@ -170,6 +168,9 @@ class SchedSource(Source):
         self._deep = mode == Mode.DEEP
         if self._bpf is not None:
             self._apply_deep(self._deep)
+
+    def idle(self) -> bool:
+        return not self._watched   # the last step after the workloads left emitted their final values
 
     def _apply_deep(self, on: bool) -> None:
         b = self._bpf
@@ -284,8 +285,7 @@ class SchedSource(Source):
 
 def _symbol(b, addr: int, pid: int) -> str:
     try:
-        name = b.sym(addr, pid, show_module=True)
+        text = b.sym(addr, pid)
     except Exception:
         return hex(addr)
-    text = name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name)
     return hex(addr) if not text or text.startswith("[unknown]") else text

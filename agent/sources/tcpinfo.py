@@ -520,6 +520,15 @@ class TcpinfoSource(Source):
         if diag is not None:
             diag.close()
 
+    def idle(self) -> bool:
+        """With workloads_only, nothing is emitted while there is no workload: idle once the last step saw none.
+        The connection state is dropped then, so the first dump after a workload appears is a first reading
+        (zero deltas) rather than the whole idle time's traffic counted as new."""
+        if not self.config.workloads_only or self._scanned_workloads or self.ctx.workloads.snapshot():
+            return False
+        self._conns, self._seen_prev, self._complete_ns = {}, set(), None
+        return True
+
     # -- step ------------------------------------------------------------------------------------
 
     @property

@@ -20,6 +20,7 @@ from typing import Callable
 import grpc
 
 from steplens import SCHEMA_VERSION, __version__, conn
+from steplens.agent.governor import name_native_thread
 from steplens.v1 import ingest_pb2 as ipb
 from steplens.v1 import ingest_pb2_grpc as igrpc
 
@@ -70,7 +71,14 @@ class StreamClient:
         self._call = None
         self._last_acked = 0
         self._appends = 0  # bumped by every spool append, so the sender never sleeps through one
+        self._status_due = False  # a status to send now, not at the next interval (status_soon)
         spool.add_listener(self._notify)
+
+    def status_soon(self) -> None:
+        """Send the agent's status at once (a source came up or went down) instead of at the next interval."""
+        with self._wake:
+            self._status_due = True
+            self._wake.notify_all()
 
     def _notify(self) -> None:
         with self._wake:
@@ -112,6 +120,7 @@ class StreamClient:
 
     # -- connection loop -------------------------------------------------------------------
     def _main(self) -> None:
+        name_native_thread("sl-transport")
         delay = self.cfg.reconnect_min_seconds
         while not self._stop.is_set():
             started = time.monotonic()
@@ -226,11 +235,13 @@ class StreamClient:
             outbox.put(ipb.AgentMessage(status=self._status_fn(False)))
 
     def _sender(self, outbox: queue.Queue, state: dict, call) -> None:
+        name_native_thread("sl-sender")
         cfg = self.cfg
         next_status = 0.0
         while self.connected and not self._stop.is_set():
             now = time.monotonic()
-            if now >= next_status:
+            if now >= next_status or self._status_due:
+                self._status_due = False
                 outbox.put(ipb.AgentMessage(status=self._status_fn(False)))
                 next_status = now + cfg.status_interval_seconds
             seen = self._appends
@@ -248,6 +259,6 @@ class StreamClient:
                 continue
             # woken by a spool append, an ack or shutdown; otherwise only for the next status
             with self._wake:
-                if self._appends == seen:
+                if self._appends == seen and not self._status_due:
                     self._wake.wait(0.01 if self._drain.is_set()
                                     else max(0.01, min(1.0, next_status - time.monotonic())))
