@@ -14,6 +14,7 @@ from steplens.agent.sources.flightrec import ENDPOINTS, FlightrecConfig, Flightr
 
 
 def _src(tmp_path, **cfg) -> FlightrecSource:
+    cfg = {"max_interval_seconds": 20.0, "interval_seconds": 1.0, **cfg}  # the schedule on (opt-in)
     src = FlightrecSource(HostContext(node_id="t", state_dir=str(tmp_path), proc_root=str(tmp_path / "proc")),
                           FlightrecConfig(socket_dirs=[str(tmp_path)], **cfg))
     src.start()

@@ -66,8 +66,10 @@ Schedule: a dump always holds the whole ring (torch has no "entries since" reque
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
 JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~30-40 us
 per new op to convert, store and summarize it (2-core VM, python 3.11). Every new op must be read once; the rest
-is waste. So the source checks every `interval_seconds` (1 s) and reads a process's ring only when it is due
-(`_due`, sentinel mode):
+is waste. With `max_interval_seconds` > 0 (opt-in; default 0: every ring is read every `interval_seconds`, 5 s,
+as before), the source checks every `interval_seconds` (set it to 1 s) and reads a process's ring only when it is
+due (`_due`, sentinel mode). Not the default yet: with reads that sparse the step segmenter emitted no Step for
+tests/test_steps_e2e.py's DP2 x PP2 job (ops and anchors were read; the cause is not found yet):
   first          the process was just found (and the next check, for a second read that gives its op rate)
   ring_fill      about `ring_fill` (0.5) of its ring is new: op rate (record ids per second between its last
                  two reads) x time since the last read, or, where the bootstrap's anchor ring says how many
@@ -144,9 +146,13 @@ EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this
 
 @dataclass
 class FlightrecConfig(SourceConfig):
-    interval_seconds: float = 1.0                 # checks: which rings are due (sentinel; see Schedule)
+    interval_seconds: float = 5.0                 # sentinel: one read of every ring per interval (max_interval 0)
     deep_interval_seconds: float = 1.0            # deep mode: every ring read at every check
-    max_interval_seconds: float = 20.0            # sentinel: a ring is read at least this often; 0: every check
+    # > 0: the Schedule (rings read when due, at least this often, checked every interval_seconds; set the
+    # interval to 1 s then). 0 (default): every ring at every interval. Off by default: with reads that sparse
+    # the step segmenter emitted no Step at all for tests/test_steps_e2e.py's job (found after it landed, cause
+    # not yet found), so it is opt-in until that is fixed.
+    max_interval_seconds: float = 0.0
     ring_fill: float = 0.5                        # sentinel: a ring is read when about this share of it is new
     stalled_interval_seconds: float = 5.0         # an op pending and nothing new since the last read: re-read
     gc_interval_seconds: float = 5.0              # python_gc_* metrics this often
