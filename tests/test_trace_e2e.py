@@ -142,7 +142,13 @@ def test_trace_of_a_four_rank_job_loads_in_perfettos_trace_processor(tmp_path):
         for f in flows:
             into[f["slice_in"]].append(f["slice_out"])
         assert len(flows) == summary["counts"]["flows"] > 0
-        assert all(len(v) == 3 for v in into.values()), Counter(len(v) for v in into.values())
+        # a collective that straddles the window's start or end can have a member outside it (seen once in CI: 304
+        # collectives with 3 flows, 1 with 2): at most the two edge collectives may have fewer, never more
+        short = [i for i, v in into.items() if len(v) != 3]
+        assert all(len(v) <= 3 for v in into.values()) and len(short) <= 2, Counter(len(v) for v in into.values())
+        if short:
+            edge = sorted(into, key=lambda i: by_id[i]["ts"])
+            assert set(short) <= {edge[0], edge[-1]}, [by_id[i]["ts"] for i in short]
         assert all(by_id[i]["ts"] >= max(by_id[o]["ts"] for o in outs) for i, outs in into.items())
         late = Counter(rank_of(by_id[i]["track_id"]) for i in into)
         assert late.most_common(1)[0][0] == 3, late     # rank 3 computes longest: the others wait for it
