@@ -196,7 +196,8 @@ class Runner:
         self.queue.put_many(source, records)
 
     # -- threads ---------------------------------------------------------------------------
-    def _started(self, state: SourceState) -> None:
+    def _started(self) -> None:
+        """A source's start ended, up or not: tell the transport (a status at once)."""
         if self.on_source_started is not None:
             try:
                 self.on_source_started()
@@ -212,7 +213,7 @@ class Runner:
             avail = Availability.no(f"probe failed: {type(exc).__name__}: {exc}")
         if not avail.ok:
             state.up, state.reason = False, avail.reason
-            self._started(state)
+            self._started()
             return
         try:
             inst = cls(self.ctx, cfg)
@@ -220,7 +221,7 @@ class Runner:
         except Exception as exc:
             state.up, state.reason = False, f"start failed: {type(exc).__name__}: {exc}"
             state.errors += 1
-            self._started(state)
+            self._started()
             return
         finally:
             _release_build_state()
@@ -231,7 +232,7 @@ class Runner:
             except Exception:
                 state.errors += 1
         state.up, state.reason = True, avail.reason
-        self._started(state)
+        self._started()
         self.governor.register(name, bool(getattr(cls, "governed", True)))
         next_at = time.monotonic()
         cpu_mark = time.thread_time()   # this thread's CPU: its steps (and the loop around them), for the governor

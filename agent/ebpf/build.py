@@ -93,14 +93,9 @@ def compile_text(text: str, cflags: tuple[str, ...] = ()) -> tuple[list[dict], d
 
 
 def _helper_env() -> dict:
-    env = dict(os.environ)
-    # the helper imports steplens from wherever this process did (a checkout run without installing, too)
-    pkg_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    import steplens
-    root = os.path.dirname(os.path.dirname(os.path.abspath(steplens.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p) if root != pkg_parent \
-        else env.get("PYTHONPATH", "")
-    return env
+    """The helper runs this interpreter with this environment: it finds steplens the way this process did (an
+    installed or editable package, or PYTHONPATH)."""
+    return dict(os.environ)
 
 
 # ---- the helper ----------------------------------------------------------------------------------------------
