@@ -193,8 +193,8 @@ class CommandHandler:
                                              "flightrec)")
         pids = None
         if f.ranks:
-            procs = self.workloads.snapshot().values() if self.workloads is not None else []
-            pids = {p.pid for p in procs if p.rank in set(f.ranks)}
+            procs = self.workloads.known() if self.workloads is not None else []
+            pids = {p.pid for p in procs if p.rank in set(f.ranks)} | set(f.pids)
         notes, parts = [], []
         record_kinds = [k for k in kinds if k in _RECORD_KINDS]
         budget = MAX_FETCH_BYTES // 2 if record_kinds and "stacks" in kinds else MAX_FETCH_BYTES

@@ -163,6 +163,7 @@ def test_a_finding_starts_one_synchronized_dive_and_gets_its_ranked_causes(tmp_p
     # the window's stacks were asked of both nodes (node-local detail), converted to each one's clock
     fetches = [c.fetch for n, c in ingest.sent if c.WhichOneof("kind") == "fetch"]
     assert {tuple(f.kinds) for f in fetches} == {("stacks",)} and len(fetches) >= 4
+    assert all(len(f.pids) == len(f.ranks) > 0 for f in fetches)   # the ranks' pids, for ranks that exited
     (d,) = reader.deep_dives(finding_ids=["f-1"])
     assert d["status"] == "done" and d["trigger"] == "finding" and d["nodes"] == ["h0", "h1"] and d["ranks"] == [0, 1]
     assert d["start_spread_ns"] == 1_500_000 and set(d["started"]) == {"h0", "h1"}

@@ -256,7 +256,10 @@ def test_connections_and_flows_between_namespaces(netns_pair, tmp_path):
         assert {f.pid for f in tx if f.bytes >= size // 2} == {clients[name].pid}, name
         assert all(f.start_mono_ns <= f.mono_ns for f in tx)
         wire = sum(c.tx_bytes for c in conns if (c.src, c.sport) == (ADDR_A, ports[name]))
-        assert abs(sum(f.bytes for f in tx) - wire) <= 0.005 * wire, name  # every byte in some flow
+        # every byte in some flow (a CI run once saw exactly half of pp1's bytes in flows: the message says more)
+        assert abs(sum(f.bytes for f in tx) - wire) <= 0.005 * wire, (
+            name, sum(f.bytes for f in tx), wire, len(tx), [(f.bytes, f.packets) for f in tx][:40],
+            [(c.tx_bytes, c.tx_packets, c.mono_ns) for c in conns if (c.src, c.sport) == (ADDR_A, ports[name])])
         big = [f for f in tx if f.bytes >= size // 2]
         assert count * 0.75 <= len(big) <= count * 1.25, (name, len(big), [f.bytes for f in tx])
         assert abs(statistics.median(f.bytes for f in big) - size) <= 0.1 * size, name

@@ -113,15 +113,42 @@ def test_unreadable_process_is_an_event_not_an_error(tmp_path):
         ctx = HostContext("t", state_dir=str(tmp_path))
         key = (sleeper.pid, _start_ticks(sleeper.pid))
         ctx.workloads.replace({key: ProcessInfo(0, sleeper.pid, key[1])})
-        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01))
+        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, startup_grace_seconds=0))
         src.start()
         out = src.step()
         assert len(out) == 1 and out[0].kind == "pystacks_attach_failed" and "not a CPython process" in out[0].message
-        assert src.step() == []  # not retried before retry_seconds
+        assert src.step() == [] and src.failed[key][0] == 1  # not retried before its back-off (0.25 s)
+        time.sleep(0.3)
+        assert src.step() == [] and src.failed[key][0] == 2  # retried, and reported only once
         src.stop()
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_process_attached_before_its_interpreter_is_read_soon_after(tmp_path):
+    """procs sees a workload at its exec; a first attach before CPython is there fails. It is retried within a
+    second (back-off from 0.25 s), not after retry_seconds, and a young process's failure is no Event."""
+    proc = subprocess.Popen(["sh", "-c", f"sleep 0.5; exec {sys.executable} -c 'import time; time.sleep(30)'"])
+    try:
+        ctx = HostContext("t", state_dir=str(tmp_path))
+        key = (proc.pid, _start_ticks(proc.pid))
+        ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
+        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
+        src.start()
+        events = src.step()
+        assert key in src.failed and not src.targets
+        deadline = time.monotonic() + 10
+        while key not in src.targets and time.monotonic() < deadline:
+            time.sleep(0.05)
+            events += src.step()
+        assert key in src.targets and key not in src.failed
+        assert src.failed == {} and not [e for e in events if getattr(e, "kind", "") == "pystacks_attach_failed"]
+        assert time.monotonic() - (deadline - 10) < 5    # well before retry_seconds (30 s)
+        src.stop()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_stacks_reach_the_collector(tmp_path, collector, agents, target):

@@ -59,20 +59,37 @@ class WorkloadRegistry:
 
     Keyed by (pid, start_ticks) so a reused PID is never mistaken for the old process.
     Replaced as a whole each scan, so readers need no lock for a consistent view.
+    Workloads that exited are remembered (the last `history` of them): their node-local detail outlives
+    them, and a fetch by rank after a job ended must still find their pids.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, history: int = 4096) -> None:
         self._procs: dict[tuple[int, int], ProcessInfo] = {}
+        self._past: dict[tuple[int, int], ProcessInfo] = {}
+        self._history = history
         self._cond = threading.Condition()
 
     def replace(self, procs: dict[tuple[int, int], ProcessInfo]) -> None:
         with self._cond:
+            for key, info in self._procs.items():
+                if key not in procs:
+                    self._past.pop(key, None)
+                    self._past[key] = info
+            for key in [k for k in self._past if k in procs]:
+                del self._past[key]
+            while len(self._past) > self._history:
+                del self._past[next(iter(self._past))]
             self._procs = dict(procs)
             if procs:
                 self._cond.notify_all()
 
     def snapshot(self) -> dict[tuple[int, int], ProcessInfo]:
         return self._procs
+
+    def known(self) -> list[ProcessInfo]:
+        """Every workload seen: those running and the last ones that exited (oldest first)."""
+        with self._cond:
+            return list(self._past.values()) + list(self._procs.values())
 
     def wait_nonempty(self, stop: threading.Event) -> None:
         """Block (no CPU, no periodic wake-up) until there is a workload or `stop` is set and wake() called."""

@@ -5,8 +5,11 @@ Sentinel mode samples at a low rate (interval_seconds, 10 Hz by default); deep m
 ring); upstream go per-thread summaries every summary_seconds (deep_summary_seconds in deep mode):
 distinct stacks with counts, frames interned. New workload processes (from the procs source) are
 attached on the next step; exited ones are dropped and their last summary is sent. A process that
-cannot be read (not CPython, no permission) is reported once as an Event and retried after
-retry_seconds. Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
+cannot be read (not CPython, no permission) is retried with a doubling back-off from 0.25 s up to
+retry_seconds: a process attached at its exec (procs sees it at once) has no interpreter yet for a
+moment, and one failed read must not cost its first half minute of stacks. The failure is reported
+once as an Event, when the process is older than startup_grace_seconds and still cannot be read.
+Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
 
 Cost: at 10 Hz every sample starts with cold caches; one sample of a 4-thread process with a 26-frame
 busy thread is ~400-500 µs of agent CPU (bench/pystacks.py, `record`'s in-process figure, sleeping
@@ -31,7 +34,8 @@ class PystacksConfig(SourceConfig):
     summary_seconds: float = 10.0          # a summary per thread this often
     deep_summary_seconds: float = 1.0      # ... and this often in deep mode
     max_processes: int = 64                # workload processes sampled at most
-    retry_seconds: float = 30.0            # re-try attaching to a process that failed
+    retry_seconds: float = 30.0            # re-try attaching to a process that failed (back-off ceiling)
+    startup_grace_seconds: float = 5.0     # a younger process that cannot be read yet is not reported
     stop_threads: bool = False             # stop Python threads for each read (consistent, not free)
     detail_max_samples: int = 2_000_000    # node-local raw samples kept (ring)
     max_stacks_per_summary: int = 200      # distinct stacks per thread and summary; the rest are "other"
@@ -44,6 +48,8 @@ class PystacksConfig(SourceConfig):
             raise ConfigError("max_processes must be within 1..4096")
         if self.detail_max_samples < 1000:
             raise ConfigError("detail_max_samples must be at least 1000")
+        if self.retry_seconds <= 0 or self.startup_grace_seconds < 0:
+            raise ConfigError("retry_seconds must be > 0 and startup_grace_seconds >= 0")
         if self.max_stacks_per_summary < 1:
             raise ConfigError("max_stacks_per_summary must be >= 1")
 
@@ -88,7 +94,7 @@ class PystacksSource(Source):
         from steplens.agent.detail import open_shared
         self.detail = open_shared(os.path.join(self.ctx.state_dir, "detail.db"), self.config.detail_max_samples)
         self.targets: dict[tuple[int, int], _Target] = {}
-        self.failed: dict[tuple[int, int], float] = {}
+        self.failed: dict[tuple[int, int], list] = {}   # key -> [failures, last try, reported]
         self.deep = False
         self.period_start = self.ctx.mono_ns()
         self._last_flush = time.monotonic()
@@ -115,17 +121,23 @@ class PystacksSource(Source):
         for key, info in workloads.items():
             if key in self.targets or len(self.targets) >= self.config.max_processes:
                 continue
-            if now - self.failed.get(key, -1e9) < self.config.retry_seconds:
+            fail = self.failed.get(key)
+            if fail is not None and now - fail[1] < min(self.config.retry_seconds, 0.25 * 2 ** (fail[0] - 1)):
                 continue
             try:
                 proc = reader.attach(key[0], self.ctx.proc_root)
                 self.targets[key] = _Target(proc, key, ".".join(map(str, proc.version)))
                 self.failed.pop(key, None)
             except memory.ProcessGone:
-                self.failed[key] = now  # exited before we got to it; procs will report the exit
+                self._failed(key, now)  # exited before we got to it; procs will report the exit
             except memory.PyFramesError as exc:
-                self.failed[key] = now
-                out.append(Event(self.ctx.mono_ns(), "pystacks_attach_failed", f"pid:{key[0]}:{key[1]}", str(exc)))
+                fail = self._failed(key, now)
+                if not fail[2] and self._age(key) >= self.config.startup_grace_seconds:
+                    fail[2] = True
+                    out.append(Event(self.ctx.mono_ns(), "pystacks_attach_failed", f"pid:{key[0]}:{key[1]}",
+                                     str(exc)))
+        for key in [k for k in self.failed if k not in workloads]:
+            del self.failed[key]
         # sample
         for key, tgt in list(self.targets.items()):
             try:
@@ -167,6 +179,19 @@ class PystacksSource(Source):
                 out += self._summaries(tgt, mono)
             self.period_start = mono
         return out
+
+    def _failed(self, key: tuple[int, int], now: float) -> list:
+        fail = self.failed.setdefault(key, [0, now, False])
+        fail[0] += 1
+        fail[1] = now
+        return fail
+
+    @staticmethod
+    def _age(key: tuple[int, int]) -> float:
+        """Seconds since the process started (its start time in clock ticks after boot); unknown: very old."""
+        if not key[1]:
+            return float("inf")
+        return time.clock_gettime(time.CLOCK_BOOTTIME) - key[1] / os.sysconf("SC_CLK_TCK")
 
     def _summaries(self, tgt: _Target, end_mono: int) -> list:
         out = []

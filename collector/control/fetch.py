@@ -43,9 +43,12 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
     procs = await asyncio.to_thread(reader.procs)
     want = set(ranks)
     by_node: dict[str, set[int]] = {}
+    pids: dict[str, set[int]] = {}
     for p in procs:
         if p["job_key"] == job_key and (not want or p["rank"] in want):
             by_node.setdefault(p["node_id"], set()).add(p["rank"])
+            if p["rank"] is not None and p["rank"] >= 0 and p["pid"]:
+                pids.setdefault(p["node_id"], set()).add(p["pid"])
     if not by_node:
         jobs = sorted({p["job_key"] for p in procs if p["job_key"]})
         raise FetchError(grpc.StatusCode.NOT_FOUND,
@@ -64,7 +67,8 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
             continue
         nclock = session.clock
         cmd = ipb.Command(command_id=uuid.uuid4().hex[:12], fetch=ipb.FetchDetail(
-            kinds=kinds, ranks=sorted(r for r in node_ranks if r >= 0), since_ns=since_ns, until_ns=until,
+            kinds=kinds, ranks=sorted(r for r in node_ranks if r >= 0), pids=sorted(pids.get(node, ())),
+            since_ns=since_ns, until_ns=until,
             since_mono_ns=max(0, nclock.to_agent(since_ns)) if since_ns else 0,
             until_mono_ns=max(0, nclock.to_agent(until)), limit=limit))
         asks[node] = (nclock, asyncio.ensure_future(asyncio.wait_for(session.send_command(cmd), answer_timeout_s)))

@@ -156,7 +156,7 @@ class DeepMode(_message.Message):
     def __init__(self, enable: _Optional[bool] = ..., start_ns: _Optional[int] = ..., start_mono_ns: _Optional[int] = ..., duration_ns: _Optional[int] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchDetail(_message.Message):
-    __slots__ = ("kinds", "ranks", "since_ns", "until_ns", "since_mono_ns", "until_mono_ns", "limit")
+    __slots__ = ("kinds", "ranks", "since_ns", "until_ns", "since_mono_ns", "until_mono_ns", "limit", "pids")
     KINDS_FIELD_NUMBER: _ClassVar[int]
     RANKS_FIELD_NUMBER: _ClassVar[int]
     SINCE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class FetchDetail(_message.Message):
     SINCE_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     UNTIL_MONO_NS_FIELD_NUMBER: _ClassVar[int]
     LIMIT_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
     kinds: _containers.RepeatedScalarFieldContainer[str]
     ranks: _containers.RepeatedScalarFieldContainer[int]
     since_ns: int
@@ -171,7 +172,8 @@ class FetchDetail(_message.Message):
     since_mono_ns: int
     until_mono_ns: int
     limit: int
-    def __init__(self, kinds: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., since_mono_ns: _Optional[int] = ..., until_mono_ns: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+    pids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kinds: _Optional[_Iterable[str]] = ..., ranks: _Optional[_Iterable[int]] = ..., since_ns: _Optional[int] = ..., until_ns: _Optional[int] = ..., since_mono_ns: _Optional[int] = ..., until_mono_ns: _Optional[int] = ..., limit: _Optional[int] = ..., pids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SetSourceConfig(_message.Message):
     __slots__ = ("source", "toml")
