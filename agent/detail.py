@@ -117,13 +117,11 @@ class DetailStore:
         """CommOp / KernelRec records (any Record the codec knows) for the ring; kind is the class name
         in lower case ("commop", "kernelrec"). A record the codec refuses (a value out of its field's range)
         is left out, counted in `records_rejected`, and returned with the reason: the others are kept."""
-        from steplens.agent.transport.codec import encode_record
+        from steplens.agent.transport.codec import encode_each
         rejected = []
-        for rec in records:
-            try:
-                blob = encode_record(source, rec)
-            except (ValueError, TypeError, OverflowError) as exc:
-                rejected.append((rec, f"{type(exc).__name__}: {exc}"))
+        for rec, blob in zip(records, encode_each(source, records)):
+            if isinstance(blob, Exception):
+                rejected.append((rec, f"{type(blob).__name__}: {blob}"))
                 continue
             self._pending_records.append((rec.mono_ns, type(rec).__name__.lower(), getattr(rec, "pid", 0),
                                           getattr(rec, "rank", -1), blob))

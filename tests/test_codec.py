@@ -63,3 +63,22 @@ def test_non_record_is_refused_by_the_encoder():
 def test_nan_is_carried_so_the_collector_can_count_it():
     d = decode_batch(encode_records([("h", r.Metric(T, "m", "e", math.nan))]), 1, T + 1)
     assert d.metrics == [] and sum(d.rejected.values()) == 1
+
+
+def test_records_split_and_rejoin_without_decoding():
+    """The detail store keeps one serialized Record per op (encode_each: one pass, split at the framing); a fetch
+    joins them back (records_payload). A record the encoder refuses is that entry's exception, the rest stay."""
+    import pytest
+
+    from steplens.agent.transport.codec import encode_each, encode_record, records_payload, split_payload
+    ops = [rec for _, rec in COMM[:2]] * 70
+    big = r.CommOp(T, "cpu_enqueue", 1, "pg:0", "x" * 300, members=list(range(200)))   # a 2-byte varint length
+    blobs = encode_each("kineto", ops + [big])
+    assert all(isinstance(b, bytes) for b in blobs) and blobs[-1] == encode_record("kineto", big)
+    assert decode_records(records_payload(blobs)) == [("kineto", x) for x in ops + [big]]
+    assert split_payload(records_payload(blobs)) == blobs and split_payload(b"") == []
+    bad = r.CommOp(T, "cpu_enqueue", 1, "pg:0", "all_reduce", bytes=-5)   # uint64 field
+    mixed = encode_each("kineto", [ops[0], bad, ops[1]])
+    assert mixed[0] == blobs[0] and isinstance(mixed[1], ValueError) and mixed[2] == blobs[1]
+    with pytest.raises(ValueError, match="not a RecordList"):
+        split_payload(b"\x12\x00")

@@ -143,8 +143,43 @@ def encode_records(items: list[tuple[str, object]]) -> bytes:
 def encode_record(source: str, rec) -> bytes:
     """One serialized Record message (the node-local detail store keeps these; concatenating
     length-delimited Records is not needed: a fetch re-wraps them into a RecordList)."""
-    out = pb.RecordList.FromString(encode_records([(source, rec)]))
-    return out.records[0].SerializeToString()
+    return split_payload(encode_records([(source, rec)]))[0]
+
+
+def encode_each(source: str, records: list) -> list:
+    """Each record as its own serialized Record message, in one encoding pass; where the pass fails (a value out
+    of its field's range), record by record: an entry is then the exception instead of bytes."""
+    try:
+        return split_payload(encode_records([(source, rec) for rec in records]))
+    except (ValueError, TypeError, OverflowError):
+        out: list = []
+        for rec in records:
+            try:
+                out.append(encode_record(source, rec))
+            except (ValueError, TypeError, OverflowError) as exc:
+                out.append(exc)
+        return out
+
+
+def split_payload(payload: bytes) -> list[bytes]:
+    """A serialized RecordList -> its serialized Record messages, without decoding them (the inverse of
+    records_payload: each is field 1, wire type 2, a varint length, then the message)."""
+    out, i, n = [], 0, len(payload)
+    while i < n:
+        if payload[i] != 0x0A:
+            raise ValueError(f"not a RecordList: tag {payload[i]:#x} at byte {i}")
+        i += 1
+        size = shift = 0
+        while True:
+            byte = payload[i]
+            i += 1
+            size |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                break
+            shift += 7
+        out.append(payload[i:i + size])
+        i += size
+    return out
 
 
 def records_payload(records: list[bytes]) -> bytes:
