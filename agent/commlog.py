@@ -200,8 +200,9 @@ class CommLog:
         self.rejected: Counter = Counter()   # reason (DROP_REASONS, "unencodable") -> records dropped
         self.segmenter = StepSegmenter()     # per-process step boundaries from the same ops (agent/steps.py)
 
-    def add(self, ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = ()
-            ) -> list[CommSummary | Step | Event]:
+    def add(self, ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = (),
+            final: bool = False) -> list[CommSummary | Step | Event]:
+        """final: the ops are their processes' last (an exit dump; StepSegmenter.add)."""
         if not ops and not kernels:
             return []
         now = self._mono()
@@ -221,7 +222,7 @@ class CommLog:
                                 float(len(refused))))
         self.ops_total += len(ops)
         self.kernels_total += len(kernels)
-        return summarize(ops, kernels, steps) + self.segmenter.add(ops, steps) + events
+        return summarize(ops, kernels, steps) + self.segmenter.add(ops, steps, final) + events
 
     def _valid(self, records, now: int, events: list[Event]) -> list:
         keep, bad = [], {}

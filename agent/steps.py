@@ -69,12 +69,14 @@ bounded by `max_buffer_ops` per process (oldest dropped, counted), `max_anchors`
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from statistics import median
 
 from steplens.agent.records import CommOp, Step, StepComm
 
 EVIDENCE = ("profiler", "comm_pattern", "anchor")
+TAIL_TRIM = 8   # a process's last ops: learning also tries them without the last 1..TAIL_TRIM (its shutdown)
 P2P_SPLIT = ("send", "recv")  # summarized apart per communicator
 UNIFORM_CYCLES = 12  # cycles needed when every op has the same signature
 MAX_MULTIPLE = 16    # identical signatures in a row told apart by their gaps: up to 16 per step (bounds learn())
@@ -229,9 +231,11 @@ class StepSegmenter:
             del merged[:over]
         st.anchors = merged
 
-    def add(self, ops: list[CommOp], profiler_steps: list[tuple[int, int, int]] = ()) -> list[Step]:
+    def add(self, ops: list[CommOp], profiler_steps: list[tuple[int, int, int]] = (), final: bool = False
+            ) -> list[Step]:
         """ops: any processes, any order; profiler_steps: (step, start_mono_ns, end_mono_ns) of the processes
-        whose ops come in this call (a Kineto trace is one process's)."""
+        whose ops come in this call (a Kineto trace is one process's); final: these are the processes' last ops
+        (an exit dump), which may end with the collectives of their shutdown (see _learn)."""
         by_proc: dict[tuple[int, int], list[CommOp]] = {}
         for o in ops:
             by_proc.setdefault((o.pid, o.start_ticks), []).append(o)
@@ -244,7 +248,7 @@ class StepSegmenter:
             if profiler_steps:
                 pops = self._profiler(st, pops, profiler_steps, out)
             if pops:
-                self._comm_pattern(st, pops, out)
+                self._comm_pattern(st, pops, out, final)
         self.steps_emitted += len(out)
         return out
 
@@ -271,7 +275,7 @@ class StepSegmenter:
         return rest
 
     # -- comm pattern --------------------------------------------------------------------------------
-    def _comm_pattern(self, st: _Proc, ops: list[CommOp], out: list[Step]) -> None:
+    def _comm_pattern(self, st: _Proc, ops: list[CommOp], out: list[Step], final: bool = False) -> None:
         cfg = self.config
         st.buf.extend(ops)
         st.buf.sort(key=_issue)
@@ -284,7 +288,7 @@ class StepSegmenter:
             st.synced = False
         for _ in range(2):  # a pattern dropped below is learnt again at once from the same ops
             if st.pattern is None:
-                st.pattern = learn(st.buf[-(cfg.max_period_ops * (cfg.confirm_cycles + 1) + 1):], cfg)
+                st.pattern = self._learn(st.buf, TAIL_TRIM if final else 0)
                 if st.pattern is None:
                     return
                 st.mismatches, st.lost, st.cycles, st.last_cut = 0, False, [], 0
@@ -293,6 +297,24 @@ class StepSegmenter:
                 return
             st.pattern = None
             self.relearned += 1
+
+    def _learn(self, buf: list, trim_up_to: int = 0) -> Pattern | None:
+        """The pattern of the newest ops; failing that, with trim_up_to (a process's last ops, add(final=True)),
+        of the newest ops but the last 1..trim_up_to: a process read rarely gives much of its run, or all of it,
+        in its exit dump, which ends with the collectives of its shutdown (a barrier, a group's destruction);
+        they break the period at the very end, where learn() looks. Only then: a window ending at an arbitrary
+        op can show a false shorter period (a 1F1B stage's micro-batch sends and receives), and the more windows
+        are tried the likelier one does. The pattern's `anchor` is counted from the buffer's end (_align)."""
+        cfg = self.config
+        window = cfg.max_period_ops * (cfg.confirm_cycles + 1) + 1
+        for trim in range(min(trim_up_to, max(0, len(buf) - 2)) + 1):
+            end = len(buf) - trim
+            pat = learn(buf[max(0, end - window):end], cfg)
+            if pat is not None:
+                if trim:
+                    pat.anchor += trim
+                return pat
+        return None
 
     def _align(self, st: _Proc) -> None:
         """Start st.buf at a cut: the newest learnt cycle start, back one whole cycle at a time while the
@@ -394,10 +416,12 @@ class StepSegmenter:
         end = max(_end(o) for o in seg)
         evidence = "comm_pattern"
         if st.anchors and next_issue:
-            inside = [x for x in st.anchors if end <= x < next_issue]
-            if inside:  # the last optimizer step between this step's last op and the next step's first
-                end, evidence = inside[-1], "anchor"
-            st.anchors = [x for x in st.anchors if x >= next_issue]
+            # st.anchors is sorted: the last anchor in [end, next_issue) by bisection (a poll that brings many
+            # steps brings as many anchors; a scan per step was quadratic in them)
+            k = bisect_left(st.anchors, next_issue)
+            if k and st.anchors[k - 1] >= end:  # the last optimizer step between this step's last op and the next's
+                end, evidence = st.anchors[k - 1], "anchor"
+            del st.anchors[:k]
         cut = _issue(seg[0])
         cycle = cut - st.last_cut if st.last_cut else 0
         st.last_cut = cut

@@ -239,6 +239,25 @@ def _wrap_events(cdb: str) -> tuple[int, int]:
     return int(n), int(lost)
 
 
+def _deep_switches(cdb: str) -> int:
+    """Deep-mode switches the agent reported (ModeChange to deep) in the collector's database."""
+    db = sqlite3.connect(cdb, timeout=10)
+    try:
+        return db.execute("SELECT COUNT(*) FROM events WHERE kind = 'mode' AND entity = 'deep'").fetchone()[0]
+    finally:
+        db.close()
+
+
+def _ring_reads(cdb: str) -> dict[str, int]:
+    """The agent's Flight Recorder ring reads so far by reason (Metric flightrec_ring_reads_total)."""
+    db = sqlite3.connect(cdb, timeout=10)
+    try:
+        rows = db.execute("SELECT entity, last_value FROM series WHERE name = 'flightrec_ring_reads_total'").fetchall()
+    finally:
+        db.close()
+    return {e.split(":", 1)[-1]: int(v or 0) for e, v in rows}
+
+
 ABBA = ("running", "paused", "paused", "running")
 
 
@@ -277,6 +296,10 @@ def main() -> int:
     ap.add_argument("--collector-nice", type=int, default=19,
                     help="nice value of the collector (it runs on another host in a deployment; here its ingest and "
                          "detectors, ~60 ms/s of CPU while the agent streams, would compete with the job)")
+    ap.add_argument("--collector-deep-dives", action="store_true",
+                    help="let the collector start deep dives on its findings (off: this bench measures sentinel mode; "
+                         "a pausing agent makes the job's steps vary, and a dive's Kineto windows would be counted "
+                         "as the sentinel's cost)")
     ap.add_argument("--agent-nice", type=int, default=0, help="nice value of the agent (the systemd unit has Nice=5)")
     ap.add_argument("--flightrec", action="append", default=[], metavar="KEY=VALUE",
                     help="a [sources.flightrec] setting for the agent, TOML syntax (repeatable)")
@@ -301,9 +324,12 @@ def main() -> int:
         port = _free_port()
         collector = f"127.0.0.1:{port}"
         cdb = os.path.join(tmp, "c.db")
+        ctoml = os.path.join(tmp, "collector.toml")
+        with open(ctoml, "w") as fh:
+            fh.write(f"[deep_dive]\nenabled = {'true' if args.collector_deep_dives else 'false'}\n")
         coll = kids.start(["nice", "-n", str(args.collector_nice), os.path.join(VENV, "steplens-collector"), "serve",
-                           "--db", cdb, "--listen",
-                    collector, "--insecure"], stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "c.log"), "ab"))
+                           "--db", cdb, "--listen", collector, "--insecure", "--config", ctoml],
+                          stdout=subprocess.DEVNULL, stderr=open(os.path.join(tmp, "c.log"), "ab"))
         toml = os.path.join(tmp, "agent.toml")
         fr_extra = "".join(f"{kv}\n" for kv in args.flightrec + (["enabled = false"] if "flightrec" in args.disable
                                                                   else []))
@@ -341,7 +367,7 @@ deep_window_ms = 4000
         kids.stop_all()
         shutil.rmtree(tmp, ignore_errors=True)
     result.update(rounds=args.rounds, steps_per_run=args.steps, agent_nice=args.agent_nice, disabled=args.disable,
-                  collector_nice=args.collector_nice,
+                  collector_nice=args.collector_nice, collector_deep_dives=args.collector_deep_dives,
                   flightrec_settings=args.flightrec, fr_buffer_size=args.fr_buffer_size or None,
                   job_exit_failures=len(EXIT_FAILURES), goal_sentinel_toggle_slowdown_percent=0.1)
     print(json.dumps(result))
@@ -429,7 +455,7 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
     import signal
     slots: list[tuple[str, int, int]] = []
     cpu = {"agent": 0.0, "running_s": 0.0, "server": 0.0, "wall_s": 0.0, "collector": 0.0}
-    wraps0 = _wrap_events(cdb)
+    wraps0, deep0, reads0 = _wrap_events(cdb), _deep_switches(cdb), _ring_reads(cdb)
 
     def toggle(stop: threading.Event, procs) -> None:
         k = 0
@@ -458,6 +484,8 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
     time.sleep(8.0)  # the exit dumps are read at the agent's next step, its Events reach the collector
     stored, lost = _ops_lost(state, pids)
     wraps = [a - b for a, b in zip(_wrap_events(cdb), wraps0)]
+    deep = _deep_switches(cdb) - deep0
+    reads = {k: v - reads0.get(k, 0) for k, v in _ring_reads(cdb).items() if v - reads0.get(k, 0)}
     fig = toggle_figures(times, slots)
     (mean, se, n), (med, med_se, _) = fig["mean"], fig["median"]
     out = {"sentinel_toggle_slowdown_percent": round(mean, 3), "sentinel_toggle_se_percent": round(se, 3),
@@ -468,14 +496,17 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
            "agent_cpu_ms_per_running_s": round(cpu["agent"] / max(cpu["running_s"], 1e-9), 2),
            "job_fr_server_cpu_ms_per_s": round(cpu["server"] / max(cpu["wall_s"], 1e-9), 2),
            "collector_cpu_ms_per_s": round(cpu["collector"] / max(cpu["wall_s"], 1e-9), 2),
-           "ops_stored": stored, "ops_lost": lost, "ring_wraps": wraps[0], "ops_lost_reported": wraps[1]}
+           "ops_stored": stored, "ops_lost": lost, "ring_wraps": wraps[0], "ops_lost_reported": wraps[1],
+           "deep_mode_switches": deep, "ring_reads_by_reason": reads}
     print(f"sentinel job, agent running vs paused: {mean:+.3f} % +- {se:.3f} % (mean step time, s.e. over {n} ABBA "
           f"quartets of {args.segment_seconds:g} s slots; median-based {med:+.3f} % +- {med_se:.3f}); steps "
           f"{fig['step_ms'][0]:.2f} vs {fig['step_ms'][1]:.2f} ms")
     print(f"agent CPU {out['agent_cpu_ms_per_running_s']} ms per running s, job worker-server threads "
           f"{out['job_fr_server_cpu_ms_per_s']} ms/s (both ranks), collector {out['collector_cpu_ms_per_s']} ms/s; "
           f"comm ops stored {stored:,}, lost {lost} "
-          f"(ring wraps reported: {wraps[0]}, {wraps[1]} entries)", flush=True)
+          f"(ring wraps reported: {wraps[0]}, {wraps[1]} entries); deep-mode switches during the job: {deep}; "
+          f"ring reads by reason: {reads}",
+          flush=True)
     return out
 
 

@@ -14,7 +14,7 @@ from steplens.agent.sources.flightrec import ENDPOINTS, FlightrecConfig, Flightr
 
 
 def _src(tmp_path, **cfg) -> FlightrecSource:
-    cfg = {"max_interval_seconds": 20.0, "interval_seconds": 1.0, **cfg}  # the schedule on (opt-in)
+    cfg = {"max_interval_seconds": 20.0, "interval_seconds": 1.0, **cfg}  # the schedule (the defaults)
     src = FlightrecSource(HostContext(node_id="t", state_dir=str(tmp_path), proc_root=str(tmp_path / "proc")),
                           FlightrecConfig(socket_dirs=[str(tmp_path)], **cfg))
     src.start()
@@ -157,3 +157,20 @@ def test_the_source_thread_is_niced_and_the_main_thread_is_not(tmp_path):
     assert seen["nice"] == 19
     _src(tmp_path, nice=19).stop()
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
+
+
+def test_reads_by_reason_are_counted_as_metrics(tmp_path):
+    """flightrec_ring_reads_total per reason (entity <node>:<reason>): what the reads cost is for, sent with the
+    GC metrics when a count moved."""
+    src = _src(tmp_path)
+    try:
+        src.reads.update(first=2, ring_fill=3)
+        src.gc_at = -1e9
+        got = {m.entity: m.value for m in src.step() if getattr(m, "name", "") == "flightrec_ring_reads_total"}
+        assert got == {"t:first": 2.0, "t:ring_fill": 3.0}
+        src.reads.update(ring_fill=1)
+        src.gc_at = -1e9
+        got = {m.entity: m.value for m in src.step() if getattr(m, "name", "") == "flightrec_ring_reads_total"}
+        assert got == {"t:ring_fill": 4.0}
+    finally:
+        src.stop()

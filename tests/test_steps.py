@@ -413,3 +413,18 @@ def test_a_zero_grad_anchor_after_the_optimizer_step_ends_the_step():
         s = st.step - 1
         assert st.end_mono_ns == ends[s] + (zero_grad if s % 5 else 0)
     assert all(b.start_mono_ns == a.end_mono_ns for a, b in zip(steps, steps[1:]))
+
+
+def test_a_whole_job_in_its_exit_dump_ending_with_its_shutdown_collectives():
+    """A process read only at its exit (sparse reads: the flightrec Schedule) gives its whole run in one add(), and
+    its last ops are its shutdown's (here a barrier and a small all-reduce): the newest ops show no period. As the
+    process's last ops (final=True) the pattern is learnt without them; otherwise the same ops give no step."""
+    rng = random.Random(11)
+    ops, truth = dp_job(30, rng)
+    t = ops[-1].end_mono_ns + 5 * MS
+    ops += [op(t, MS, "pg:0", "barrier", 0, ops[-1].seq + 1), op(t + 3 * MS, MS, "pg:0", "all_reduce", 8, ops[-1].seq + 2)]
+    assert StepSegmenter().add(ops) == []
+    steps = StepSegmenter().add(ops, final=True)
+    assert len(steps) >= 28 and all(s.period_ops == 3 for s in steps)
+    ends = {s: e for s, _, e in truth}
+    assert all(0 <= ends[s.step - 1] - s.end_mono_ns <= TAIL for s in steps)

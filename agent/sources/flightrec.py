@@ -66,10 +66,11 @@ Schedule: a dump always holds the whole ring (torch has no "entries since" reque
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
 JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~30-40 us
 per new op to convert, store and summarize it (2-core VM, python 3.11). Every new op must be read once; the rest
-is waste. With `max_interval_seconds` > 0 (opt-in; default 0: every ring is read every `interval_seconds`, 5 s,
-as before), the source checks every `interval_seconds` (set it to 1 s) and reads a process's ring only when it is
-due (`_due`, sentinel mode). Not the default yet: with reads that sparse the step segmenter emitted no Step for
-tests/test_steps_e2e.py's DP2 x PP2 job (ops and anchors were read; the cause is not found yet):
+is waste. With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)
+and reads a process's ring only when it is due (`_due`, sentinel mode). (It was opt-in for a while: a process read
+rarely, or only at its exit, gives its whole run in one poll, ending with the collectives of its shutdown, and the
+step segmenter, which learns the step pattern from the newest ops, found none; it now also learns from the newest
+ops but the last few, StepSegmenter._learn.)
   first          the process was just found (and the next check, for a second read that gives its op rate)
   ring_fill      about `ring_fill` (0.5) of its ring is new: op rate (record ids per second between its last
                  two reads) x time since the last read, or, where the bootstrap's anchor ring says how many
@@ -86,7 +87,8 @@ in sentinel mode too (the tests that look at what one read gives). The 2-rank gl
 ops/s per rank, 2000-entry rings) is read every ~12 s instead of every 5 s. A ring that wraps between two reads
 (a rate that jumped, faster than one ring per `ring_fill` x ring / rate, or than a check) loses its oldest
 entries: counted (`lost_entries`), reported as flightrec_ring_wrapped with the count, and the measured rate
-makes the next reads come sooner. python_gc_* metrics are read every `gc_interval_seconds` (5 s).
+makes the next reads come sooner. python_gc_* metrics are read every `gc_interval_seconds` (5 s), and with them
+the reads so far per reason go out as Metric flightrec_ring_reads_total (entity <node>:<reason>, when it moved).
 Cost: the source's thread runs at `nice` 19 (set on its own thread only), so parsing the dumps takes CPU the job
 leaves idle before taking it from the job (the bootstrap can nice the job's worker server too,
 STEPLENS_FR_SERVER_NICE, off by default: see there). bench/commops.py (2-core VM shared with other work; bench/README.md has the
@@ -126,6 +128,7 @@ from dataclasses import dataclass, field
 
 from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, RealtimeClock, dtype_bytes, normalize_op,
                                    time_problem)
+from steplens.agent import fastjson
 from steplens.agent.bootstrap import DEFAULT_FR_BUFFER_SIZE
 from steplens.agent.records import CommOp, CommProgress, Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig, runtime_files
@@ -146,13 +149,11 @@ EXIT_GRACE_SECONDS = 120.0      # a gone process's cursor and info are kept this
 
 @dataclass
 class FlightrecConfig(SourceConfig):
-    interval_seconds: float = 5.0                 # sentinel: one read of every ring per interval (max_interval 0)
+    interval_seconds: float = 1.0                 # sentinel: how often rings are checked (read when due)
     deep_interval_seconds: float = 1.0            # deep mode: every ring read at every check
-    # > 0: the Schedule (rings read when due, at least this often, checked every interval_seconds; set the
-    # interval to 1 s then). 0 (default): every ring at every interval. Off by default: with reads that sparse
-    # the step segmenter emitted no Step at all for tests/test_steps_e2e.py's job (found after it landed, cause
-    # not yet found), so it is opt-in until that is fixed.
-    max_interval_seconds: float = 0.0
+    # > 0: the Schedule (rings read when due, at least this often, checked every interval_seconds).
+    # 0: every ring read at every interval (then set the interval to a few seconds: a read costs the whole ring)
+    max_interval_seconds: float = 20.0
     ring_fill: float = 0.5                        # sentinel: a ring is read when about this share of it is new
     stalled_interval_seconds: float = 5.0         # an op pending and nothing new since the last read: re-read
     gc_interval_seconds: float = 5.0              # python_gc_* metrics this often
@@ -279,7 +280,7 @@ def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
         doc = body
     else:
         try:
-            doc = json.loads(body)
+            doc = fastjson.loads(body)
         except ValueError as exc:
             raise FlightrecError("bad_json", f"not JSON ({exc})") from None
     if not isinstance(doc, dict):
@@ -652,6 +653,7 @@ class FlightrecSource(Source):
         self.progress_total = 0
         self.gc_bad: dict[tuple[int, int], int] = {}  # a <pid>.gc reported bad: its inode, not read again
         self.reads: Counter = Counter()     # ring reads by why they were due (Schedule)
+        self._reads_sent: dict[str, int] = {}
         self.checks = 0
         self.gc_at = -1e18
         self._renice()
@@ -805,7 +807,7 @@ class FlightrecSource(Source):
                 kind = "process_exited" if gone else exc.kind
                 self._report(out, key, kind, str(exc) + (" (the process exited)" if gone else ""))
                 self.failed[key] = now
-        ops += self._read_exit_dumps(out, now)
+        last = self._read_exit_dumps(out, now)
         for table in (self.gone, self.known):
             for key in [k for k, v in table.items() if now - v[1] > EXIT_GRACE_SECONDS]:
                 del table[key]
@@ -816,8 +818,14 @@ class FlightrecSource(Source):
         if now - self.gc_at >= self.config.gc_interval_seconds:
             self.gc_at = now
             self._gc_metrics(workloads, gc_files, out)
+            mono = self.ctx.mono_ns()
+            for why, n in sorted(self.reads.items()):   # what the reads cost is for (Schedule), per reason
+                if n != self._reads_sent.get(why):
+                    self._reads_sent[why] = n
+                    out.append(Metric(mono, "flightrec_ring_reads_total", f"{self.ctx.node_id}:{why}", float(n)))
         self.polls += 1
         out += self.log.add(ops)
+        out += self.log.add(last, final=True)   # the processes' last ops: may end with their shutdown's
         return out
 
     def _gc_metrics(self, workloads: dict, files: dict[int, str], out: list) -> None:
