@@ -217,6 +217,8 @@ class Bench:
                 if s == "kineto":
                     extra = f'socket_dir = "{self.ksock}"\n'
                 lines.append(f"[sources.{s}]\n{extra}enabled = {'true' if s in only else 'false'}")
+        if self.args.cpu_budget_fraction:
+            lines.insert(0, f"[agent]\ncpu_budget_fraction = {self.args.cpu_budget_fraction}")
         with open(path, "w") as fh:
             fh.write("\n".join(lines) + "\n")
         return path
@@ -308,6 +310,9 @@ def main() -> int:
                     "sees no other process as a workload, so other jobs on the machine do not disturb an idle soak")
     ap.add_argument("--only", default="", help="comma-separated sources for the main agent (default: every one)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--cpu-budget-fraction", type=float, default=0.0,
+                    help="the agent's sentinel CPU budget ([agent] cpu_budget_fraction, a share of the host's CPUs; "
+                         "0: the default, not governed)")
     args = ap.parse_args()
     if args.quick:
         args.idle_seconds = args.job_seconds = 20
@@ -418,6 +423,7 @@ def main() -> int:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
+    result["cpu_budget_fraction"] = args.cpu_budget_fraction
     print(json.dumps(result))
     return 0
 

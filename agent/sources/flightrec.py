@@ -95,7 +95,9 @@ STEPLENS_FR_SERVER_NICE, off by default: see there). bench/commops.py (2-core VM
 table): the agent's CPU per running second fell from 63 to 41 ms and the job's worker-server CPU from 22.6 to
 8.2 ms/s, with no op lost; the toggled step-time cost did not fall with it (+8.8 % +- 2.8 before, +8.3 % +- 2.5
 after, the collector on the same VM unniced), far from the 0.1 % goal: what remains is per op (convert, encode,
-store, summarize: every op must be handled once) and the collector's handling of what the agent streams.
+store, summarize: every op must be handled once) and the collector's handling of what the agent streams. With the
+schedule the default, orjson and the segmenter's bisection (bench/README.md, "Then"): agent 30-41 ms per running
+second, toggle +2.8 % to +7.7 % in three runs.
 Progress adds one pass over the parsed entries per dump and, in a busy job (nearly always some op in flight), one
 ~80-byte record per group per poll: with 3 groups, 8 processes and 5 s polling, ~5 records/s per node.
 

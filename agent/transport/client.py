@@ -26,6 +26,24 @@ from steplens.v1 import ingest_pb2_grpc as igrpc
 
 log = logging.getLogger("steplens.agent.transport")
 
+GRPC_WAIT_SLICE_SECONDS = 1.0
+
+
+def quiet_grpc_waits(seconds: float = GRPC_WAIT_SLICE_SECONDS) -> bool:
+    """grpc's synchronous API waits for a stream's next message in slices of 0.1 s (grpc._common.
+    MAXIMUM_WAIT_TIMEOUT), so that a signal handler of a thread blocked in it runs within 0.1 s: ten wake-ups a
+    second of the transport thread on an idle agent (part of its idle CPU, bench/agent_footprint.py). The agent
+    waits on its stream only in its transport thread, never in the main thread, where Python runs signal handlers,
+    so longer slices delay nothing. Best effort: False where this grpc has no such setting."""
+    try:
+        from grpc import _common
+    except ImportError:
+        return False
+    if not isinstance(getattr(_common, "MAXIMUM_WAIT_TIMEOUT", None), float):
+        return False
+    _common.MAXIMUM_WAIT_TIMEOUT = max(_common.MAXIMUM_WAIT_TIMEOUT, seconds)
+    return True
+
 _STOP = object()
 
 
@@ -121,6 +139,7 @@ class StreamClient:
     # -- connection loop -------------------------------------------------------------------
     def _main(self) -> None:
         name_native_thread("sl-transport")
+        quiet_grpc_waits()
         delay = self.cfg.reconnect_min_seconds
         while not self._stop.is_set():
             started = time.monotonic()
