@@ -110,16 +110,20 @@ class DeepModeScheduler:
 
 
 MAX_FETCH_ROWS = 100_000
+FETCH_REFRESH_SECONDS = 3.0   # at most this long for the Flight Recorder rings to be read before a comm-op fetch
 MAX_FETCH_BYTES = 6 * 1024 * 1024  # a CommandResult must fit in one gRPC message (8 MiB)
 DETAIL_KINDS = ("stacks", "commops", "kernels")
 _RECORD_KINDS = {"commops": "commop", "kernels": "kernelrec"}  # detail kind -> DetailStore records kind
 
 
 class CommandHandler:
-    def __init__(self, deep: DeepModeScheduler, state_dir: str = "", workloads=None) -> None:
+    def __init__(self, deep: DeepModeScheduler, state_dir: str = "", workloads=None,
+                 refresh: Callable[[str, float], bool] | None = None) -> None:
         self.deep = deep
         self.state_dir = state_dir
         self.workloads = workloads  # WorkloadRegistry: maps ranks to pids for FetchDetail
+        self.refresh = refresh      # Runner.refresh: comm-op sources read their rings before a fetch
+        self._refreshed_at = -1e9   # time.monotonic() of the last one (a paged fetch asks many times in a row)
 
     def __call__(self, cmd: ipb.Command) -> ipb.CommandResult:
         kind = cmd.WhichOneof("kind")
@@ -198,6 +202,9 @@ class CommandHandler:
         notes, parts = [], []
         record_kinds = [k for k in kinds if k in _RECORD_KINDS]
         budget = MAX_FETCH_BYTES // 2 if record_kinds and "stacks" in kinds else MAX_FETCH_BYTES
+        if record_kinds and self.refresh is not None and time.monotonic() - self._refreshed_at > 1.0:
+            self.refresh("flightrec", FETCH_REFRESH_SECONDS)   # rings read when due: the newest ops first
+            self._refreshed_at = time.monotonic()
         if record_kinds:
             note, payload = self._fetch_records(cmd, path, record_kinds, pids, budget)
             notes.append(note)

@@ -79,7 +79,8 @@ class Agent:
         self.transport = StreamClient(
             TransportConfig(a.collector, a.node_id, a.insecure, tls, a.window_batches, a.status_interval_seconds,
                             a.reconnect_min_seconds, a.reconnect_max_seconds),
-            self.spool, self.status, CommandHandler(self.deep, a.state_dir, self.ctx.workloads),
+            self.spool, self.status, CommandHandler(self.deep, a.state_dir, self.ctx.workloads,
+                                                        self.runner.refresh),
             hostname=conn.hostname(),
             boot_id=_boot_id(a.proc_root))
         self.runner.on_source_started = self.transport.status_soon  # `steplens nodes` sees a source up at once

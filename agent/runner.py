@@ -121,6 +121,7 @@ class Runner:
         self._observers = observers or []
         self.queue = RecordQueue(policy.queue_max_records)
         self._stop = threading.Event()
+        self._pokes: dict[str, threading.Event] = {name: threading.Event() for name in sources}  # refresh()
         self._batcher_stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._instances: dict[str, Source] = {}
@@ -159,11 +160,28 @@ class Runner:
                 if st is not None:
                     st.cpu_cores, st.rate_scale = c.cores, c.scale
 
+    def refresh(self, name: str, timeout: float = 3.0) -> bool:
+        """Have source `name` run a step now that reads what it would otherwise read later (Source.refresh: the
+        Flight Recorder rings before a FetchDetail, so node-local detail is not up to a read interval old), and
+        wait for that step, at most `timeout` s. False when the source is not running or did not finish in time."""
+        inst, state = self._instances.get(name), self.states.get(name)
+        if inst is None or state is None or not state.up or state.idle or not hasattr(inst, "refresh"):
+            return False
+        before = state.steps + (1 if state.step_started else 0)   # a step under way may have passed its checks
+        inst.refresh()
+        self._pokes[name].set()
+        deadline = time.monotonic() + timeout
+        while state.steps <= before and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(0.01)
+        return state.steps > before
+
     def stop(self, timeout: float = 5.0) -> None:
         """Stop sources (each gets its share of timeout), then flush the queue into the spool."""
         if self._stop.is_set() and self._batcher_stop.is_set():
             return
         self._stop.set()
+        for poke in self._pokes.values():
+            poke.set()
         self.ctx.workloads.wake()   # sources waiting for a workload (Source.idle) look at the stop event
         deadline = time.monotonic() + timeout
         for t in self._threads:
@@ -279,7 +297,10 @@ class Runner:
                 now = time.monotonic()
                 if next_at < now:  # overran: skip the missed ticks rather than bursting
                     next_at = now + interval - ((now - next_at) % interval)
-                self._stop.wait(next_at - now)
+                poke = self._pokes[name]
+                if poke.wait(next_at - now) and not self._stop.is_set():
+                    poke.clear()           # refresh(): a step now, then the schedule goes on from it
+                    next_at = time.monotonic()
         finally:
             try:
                 inst.stop()

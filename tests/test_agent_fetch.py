@@ -57,3 +57,16 @@ def test_fetch_by_rank_finds_workloads_that_exited(tmp_path):
     res = fresh(ipb.Command(command_id="c", fetch=ipb.FetchDetail(kinds=["stacks"], ranks=[0])))
     assert res.ok and "no workload with those ranks" in res.message
     assert _pids(fresh, ranks=[0, 1], pids=[10, 11]) == {10: 5, 11: 5}
+
+
+def test_a_comm_op_fetch_reads_the_rings_first(tmp_path):
+    """With the Flight Recorder read schedule a ring can be up to max_interval_seconds behind: a FetchDetail of
+    comm ops has the rings read first (Runner.refresh), once per second at most (a paged fetch asks many times)."""
+    DetailStore(str(tmp_path / "detail.db"), 1000, 1000).close()
+    asked = []
+    handler = CommandHandler(None, str(tmp_path), WorkloadRegistry(), lambda name, t: asked.append((name, t)) or True)
+    fetch = {"kinds": ["stacks"]}
+    assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(**fetch))).ok and asked == []
+    for _ in range(3):
+        assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(kinds=["commops"]))).ok
+    assert asked == [("flightrec", 3.0)]

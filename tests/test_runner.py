@@ -192,3 +192,44 @@ def test_batches_wait_longer_while_the_node_has_no_workload():
     runner.stop(timeout=1.0)
     assert 2 <= idle_batches <= 5, idle_batches      # ~1.6 s / 0.5 s
     assert busy_batches >= 6, busy_batches           # ~1.0 s / 0.1 s
+
+
+class Refreshable(Source):
+    """Steps every 30 s; refresh() asks its next step to read everything now (flightrec's rings before a fetch)."""
+    name = "refreshable"
+    description = "reads on request"
+
+    def start(self):
+        self.asked = False
+        self.reads = []
+
+    def refresh(self):
+        self.asked = True
+
+    def step(self):
+        asked, self.asked = self.asked, False
+        self.reads.append("fetch" if asked else "scheduled")
+        return []
+
+
+def test_refresh_runs_a_step_now_and_waits_for_it():
+    spool = ListSpool()
+    runner = Runner(HostContext("t"), {"refreshable": (Refreshable, SourceConfig(interval_seconds=30.0)),
+                                       "ticker": (Ticker, SourceConfig(interval_seconds=30.0))},
+                    encode_records, spool, BatchPolicy(max_records=500, max_delay_seconds=0.05))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 10
+        while runner.states["refreshable"].steps < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        inst = runner._instances["refreshable"]
+        assert inst.reads == ["scheduled"]
+        t0 = time.monotonic()
+        assert runner.refresh("refreshable", timeout=5.0) and inst.reads == ["scheduled", "fetch"]
+        assert time.monotonic() - t0 < 2.0          # not at the next interval, 30 s away
+        assert runner.refresh("refreshable", timeout=5.0) and inst.reads[-1] == "fetch"
+        assert not runner.refresh("ticker") and not runner.refresh("no-such-source")   # no refresh(): False at once
+    finally:
+        t0 = time.monotonic()
+        runner.stop(timeout=5.0)
+        assert time.monotonic() - t0 < 3.0         # the poke wakes a source waiting out its interval

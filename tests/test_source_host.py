@@ -198,3 +198,37 @@ def test_step_cost():
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_swap_figures_equal_psutils_on_a_host_with_swap(tmp_path):
+    """The host source reads swap from meminfo and vmstat itself (psutil's swap_memory parsed every line of both);
+    on a fixture tree with swap in use and swapping, the figures are psutil's, and a vmstat without the swap
+    counters falls back to psutil's own handling."""
+    import warnings
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    for name in ("stat", "loadavg"):
+        shutil.copy(f"/proc/{name}", proc / name)
+    shutil.copy("/proc/net/dev", proc / "net" / "dev")
+    mem = open("/proc/meminfo").read()
+    mem = "".join(("SwapTotal:       8388604 kB\n" if ln.startswith("SwapTotal:") else
+                   "SwapFree:        6291452 kB\n" if ln.startswith("SwapFree:") else ln + "\n")
+                  for ln in mem.splitlines())
+    (proc / "meminfo").write_text(mem)
+    (proc / "vmstat").write_text("nr_free_pages 1000\npswpin 1234\npswpout 56789\npswpin_extra 1\n")
+    old = psutil.PROCFS_PATH   # the source points psutil at its proc_root (module-wide)
+    try:
+        src = _source(proc_root=str(proc), sys_root=str(tmp_path / "sys"))
+        got = {m.name: m.value for m in src.step() if m.name.startswith("swap_")}
+        psutil.PROCFS_PATH = str(proc)
+        sw = psutil.swap_memory()
+        assert got == {"swap_total_bytes": sw.total, "swap_used_bytes": sw.used, "swap_in_bytes_total": sw.sin,
+                       "swap_out_bytes_total": sw.sout}
+        assert (sw.total, sw.used, sw.sin, sw.sout) == (8388604 * 1024, 2097152 * 1024, 1234 * 4096, 56789 * 4096)
+        (proc / "vmstat").write_text("nr_free_pages 1000\n")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # psutil warns that sin/sout are unknown (0)
+            got = {m.name: m.value for m in src.step() if m.name.startswith("swap_")}
+        assert got["swap_in_bytes_total"] == 0 and got["swap_total_bytes"] == 8388604 * 1024
+    finally:
+        psutil.PROCFS_PATH = old

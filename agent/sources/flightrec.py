@@ -82,6 +82,8 @@ ops but the last few, StepSegmenter._learn.)
   stalled        the last read found nothing new with an op pending (a hang, or a long collective): re-read every
                  `stalled_interval_seconds` (5 s), so a hang's CommProgress keeps coming
   iterations_stopped  anchors were coming and stopped for max(2 s, 3 iteration times): read once, promptly
+  fetch          the agent was asked for comm-op detail (FetchDetail: a trace, a diagnosis): every ring is read
+                 first (Runner.refresh), so what is fetched is not up to max_interval_seconds old
 Deep mode reads every ring at every check (`deep_interval_seconds`, 1 s), and `max_interval_seconds = 0` does so
 in sentinel mode too (the tests that look at what one read gives). The 2-rank gloo job of bench/commops.py (~85
 ops/s per rank, 2000-entry rings) is read every ~12 s instead of every 5 s. A ring that wraps between two reads
@@ -655,6 +657,7 @@ class FlightrecSource(Source):
         self.progress_total = 0
         self.gc_bad: dict[tuple[int, int], int] = {}  # a <pid>.gc reported bad: its inode, not read again
         self.reads: Counter = Counter()     # ring reads by why they were due (Schedule)
+        self._refresh = False               # refresh(): read every ring at the next step
         self._reads_sent: dict[str, int] = {}
         self.checks = 0
         self.gc_at = -1e18
@@ -755,6 +758,11 @@ class FlightrecSource(Source):
         tgt.reads += 1
         tgt.read_at, tgt.high_at_read, tgt.anchors_at_read = at, high, count
 
+    def refresh(self) -> None:
+        """Read every ring at the next step (Runner.refresh, before a FetchDetail of comm ops: with the Schedule a
+        ring may be up to max_interval_seconds behind)."""
+        self._refresh = True
+
     def idle(self) -> bool:
         # no process polled and none waiting for its exit dump (EXIT_GRACE_SECONDS after it left the workloads)
         return not self.targets and not self.gone
@@ -791,9 +799,10 @@ class FlightrecSource(Source):
                 self.targets[key].cursors = self.gone.pop(key)[0].cursors
         ops: list[CommOp] = []
         deep = self.ctx.mode() is Mode.DEEP
+        fetch, self._refresh = self._refresh, False
         self.checks += 1
         for key, tgt in list(self.targets.items()):
-            why = "deep" if deep else self._due(tgt, now)
+            why = "deep" if deep else "fetch" if fetch else self._due(tgt, now)
             if not why:
                 continue
             self.reads[why] += 1

@@ -66,6 +66,20 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
+def _field(text: bytes, key: bytes) -> int:
+    """The integer after `key` at the start of a line of a /proc key-value file (meminfo, vmstat); KeyError if none."""
+    pat = key if key.endswith(b":") else key + b" "
+    i = 0 if text.startswith(pat) else text.find(b"\n" + pat) + 1
+    if i <= 0 and not text.startswith(pat):
+        raise KeyError(key)
+    start = i + len(pat)
+    end = text.find(b"\n", start)
+    words = text[start:end if end >= 0 else len(text)].split()
+    if not words:
+        raise KeyError(key)
+    return int(words[0])
+
+
 @dataclass
 class HostConfig(SourceConfig):
     deep_interval_seconds: float = 0.25  # deep mode: the counters a deep dive ranks causes by, 4 per second
@@ -224,11 +238,26 @@ class HostSource(Source):
         out.append(Metric(now, "memory_used_bytes", "", float(vm.used)))
         out.append(Metric(now, "memory_cached_bytes", "", float(getattr(vm, "cached", 0))))
         out.append(Metric(now, "memory_buffers_bytes", "", float(getattr(vm, "buffers", 0))))
-        sw = self._psutil.swap_memory()
-        out.append(Metric(now, "swap_total_bytes", "", float(sw.total)))
-        out.append(Metric(now, "swap_used_bytes", "", float(sw.used)))
-        out.append(Metric(now, "swap_in_bytes_total", "", float(sw.sin)))
-        out.append(Metric(now, "swap_out_bytes_total", "", float(sw.sout)))
+        total, used, sin, sout = self._swap()
+        out.append(Metric(now, "swap_total_bytes", "", float(total)))
+        out.append(Metric(now, "swap_used_bytes", "", float(used)))
+        out.append(Metric(now, "swap_in_bytes_total", "", float(sin)))
+        out.append(Metric(now, "swap_out_bytes_total", "", float(sout)))
+
+    def _swap(self) -> tuple[int, int, int, int]:
+        """psutil.swap_memory's total, used, sin, sout, the same way (SwapTotal/SwapFree from meminfo, pswpin/pswpout
+        x 4 KiB from vmstat) without parsing every line of both files: psutil's was a third of this source's
+        step (~0.3 of ~0.8 ms). Falls back to psutil where a field is missing."""
+        try:
+            with open(host_path(self.ctx.proc_root, "meminfo"), "rb") as f:
+                mem = f.read()
+            with open(host_path(self.ctx.proc_root, "vmstat"), "rb") as f:
+                vm = f.read()
+            total, free = _field(mem, b"SwapTotal:") * 1024, _field(mem, b"SwapFree:") * 1024
+            return total, total - free, _field(vm, b"pswpin") * 4096, _field(vm, b"pswpout") * 4096
+        except (OSError, KeyError, ValueError):   # a file or field this kernel lacks: psutil's own fallbacks
+            sw = self._psutil.swap_memory()
+            return sw.total, sw.used, sw.sin, sw.sout
 
     # -- network, disks --------------------------------------------------------------------------
 
