@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,6 +86,7 @@ def wait_for(pred, timeout: float, interval: float = 0.1, what: str = "condition
 class CollectorProc:
     def __init__(self, tmp_path, port: int | None = None, extra: list[str] | None = None, db: str | None = None):
         self.port = port or free_port()
+        self._auto_port = port is None   # only a port chosen here may be replaced (start: taken meanwhile)
         self.db = db or str(tmp_path / "collector.db")
         self.extra = extra or []
         self.log = open(tmp_path / f"collector-{self.port}.log", "ab")
@@ -95,12 +97,33 @@ class CollectorProc:
         return f"127.0.0.1:{self.port}"
 
     def start(self, insecure: bool = True) -> "CollectorProc":
-        cmd = [COLLECTOR, "serve", "--db", self.db, "--listen", self.address] + (["--insecure"] if insecure else [])
-        self.proc = subprocess.Popen(cmd + self.extra, stdout=subprocess.PIPE, stderr=self.log)
-        line = self.proc.stdout.readline().decode()
-        if "listening" not in line:
-            raise RuntimeError(f"collector did not start: {line!r}; see {self.log.name}")
-        return self
+        for attempt in range(3):
+            cmd = [COLLECTOR, "serve", "--db", self.db, "--listen", self.address] + (["--insecure"] if insecure else [])
+            mark = self.log.tell()
+            self.proc = subprocess.Popen(cmd + self.extra, stdout=subprocess.PIPE, stderr=self.log)
+            line = self.proc.stdout.readline().decode()
+            if "listening" in line:
+                return self
+            self.proc.wait(10)
+            # free_port() cannot reserve a port: another process (an outgoing connection's ephemeral port) may take
+            # it before the collector binds (seen once in CI). Such a port is taken again, a fresh one each time.
+            self.log.flush()
+            with open(self.log.name, "rb") as fh:
+                fh.seek(mark)
+                taken = re.search(rb"Failed to bind to address 127\.0\.0\.1:(\d+)", fh.read())
+            if taken is None or attempt == 2:
+                break
+            old = f"127.0.0.1:{taken.group(1).decode()}"
+            if old == self.address:
+                if not self._auto_port:
+                    break    # the test asked for this port (a restart on the same address): no other will do
+                self.port = free_port()
+            else:
+                new = f"127.0.0.1:{free_port()}"
+                self.extra = [new if x == old else x for x in self.extra]
+                if getattr(self, "control_address", None) == old:
+                    self.control_address = new
+        raise RuntimeError(f"collector did not start: {line!r}; see {self.log.name}")
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
