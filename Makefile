@@ -7,8 +7,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 SYSTEM_STAMP := $(VENV)/.system-packages
 # Debian packages the tests and the agent use: util-linux (unshare), iproute2 (netns), systemd (systemd-analyze),
-# nodejs (runs Perfetto's trace processor, a wasm build, in the trace tests)
-APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool nodejs
+# nodejs (runs Perfetto's trace processor, a wasm build, in the trace tests), prometheus (promtool checks
+# deploy/prometheus; installed with services kept from starting: policy-rc.d)
+APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool nodejs prometheus
 KREL := $(shell uname -r)
 
 .PHONY: install run test test-all bench eval proto clean inference-env install-system help ebpf-setup test-fresh-boot test-btf-refused
@@ -30,7 +31,11 @@ $(SYSTEM_STAMP):
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    echo "installing system packages:$$missing"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	    policy=""; if [ ! -e /usr/sbin/policy-rc.d ]; then printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d; \
+	      chmod +x /usr/sbin/policy-rc.d; policy=1; fi; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; rc=$$?; \
+	    if [ -n "$$policy" ]; then rm -f /usr/sbin/policy-rc.d; fi; \
+	    if [ $$rc != 0 ]; then echo "apt-get install failed ($$rc)"; exit $$rc; fi; \
 	  else echo "warning: missing system packages:$$missing (run as root with apt-get to install them)"; fi; \
 	fi
 	@$(MAKE) --no-print-directory ebpf-setup

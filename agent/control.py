@@ -118,7 +118,7 @@ _RECORD_KINDS = {"commops": "commop", "kernels": "kernelrec"}  # detail kind -> 
 
 class CommandHandler:
     def __init__(self, deep: DeepModeScheduler, state_dir: str = "", workloads=None,
-                 refresh: Callable[[str, float], bool] | None = None) -> None:
+                 refresh: Callable[..., bool] | None = None) -> None:
         self.deep = deep
         self.state_dir = state_dir
         self.workloads = workloads  # WorkloadRegistry: maps ranks to pids for FetchDetail
@@ -202,9 +202,16 @@ class CommandHandler:
         notes, parts = [], []
         record_kinds = [k for k in kinds if k in _RECORD_KINDS]
         budget = MAX_FETCH_BYTES // 2 if record_kinds and "stacks" in kinds else MAX_FETCH_BYTES
-        if record_kinds and self.refresh is not None and time.monotonic() - self._refreshed_at > 1.0:
-            self.refresh("flightrec", FETCH_REFRESH_SECONDS)   # rings read when due: the newest ops first
-            self._refreshed_at = time.monotonic()
+        if record_kinds and self.refresh is not None:
+            # rings read first: the newest ops too. A window that ended (until in the past) is skipped by the
+            # source where every ring asked about was read after it (a paged fetch's later pages, the collector's
+            # analysis of steps it knows); an open one (0, or ending in the future) has them read once a second
+            # at most (a paged fetch asks many times in a row)
+            until = f.until_mono_ns if 0 < f.until_mono_ns <= time.monotonic_ns() else 0
+            if until or time.monotonic() - self._refreshed_at > 1.0:
+                self.refresh("flightrec", FETCH_REFRESH_SECONDS, until, pids)
+                if not until:
+                    self._refreshed_at = time.monotonic()
         if record_kinds:
             note, payload = self._fetch_records(cmd, path, record_kinds, pids, budget)
             notes.append(note)

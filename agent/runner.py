@@ -160,15 +160,18 @@ class Runner:
                 if st is not None:
                     st.cpu_cores, st.rate_scale = c.cores, c.scale
 
-    def refresh(self, name: str, timeout: float = 3.0) -> bool:
+    def refresh(self, name: str, timeout: float = 3.0, until_mono_ns: int = 0, pids=None) -> bool:
         """Have source `name` run a step now that reads what it would otherwise read later (Source.refresh: the
         Flight Recorder rings before a FetchDetail, so node-local detail is not up to a read interval old), and
-        wait for that step, at most `timeout` s. False when the source is not running or did not finish in time."""
+        wait for that step, at most `timeout` s. until_mono_ns / pids: the fetch's window end and processes; a
+        source whose refresh() says what it stored already covers them (returns False) is not stepped. False when
+        the source is not running or did not finish in time."""
         inst, state = self._instances.get(name), self.states.get(name)
         if inst is None or state is None or not state.up or state.idle or not hasattr(inst, "refresh"):
             return False
         before = state.steps + (1 if state.step_started else 0)   # a step under way may have passed its checks
-        inst.refresh()
+        if inst.refresh(until_mono_ns, pids) is False:
+            return True
         self._pokes[name].set()
         deadline = time.monotonic() + timeout
         while state.steps <= before and time.monotonic() < deadline and not self._stop.is_set():

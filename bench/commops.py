@@ -300,6 +300,9 @@ def main() -> int:
                     help="let the collector start deep dives on its findings (off: this bench measures sentinel mode; "
                          "a pausing agent makes the job's steps vary, and a dive's Kineto windows would be counted "
                          "as the sentinel's cost)")
+    ap.add_argument("--collector-stopped", action="store_true",
+                    help="SIGSTOP the collector for the toggled job (the agent spools what it cannot send and delivers "
+                         "it after): the agent's cost alone, as on a host whose collector runs elsewhere")
     ap.add_argument("--agent-nice", type=int, default=0, help="nice value of the agent (the systemd unit has Nice=5)")
     ap.add_argument("--flightrec", action="append", default=[], metavar="KEY=VALUE",
                     help="a [sources.flightrec] setting for the agent, TOML syntax (repeatable)")
@@ -461,6 +464,8 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
         k = 0
         a0, s0, t_start = _cpu_ms(agent.pid), sum(_cpu_ms(p.pid, "pt_workerserver") for p in procs), time.time()
         c0 = _cpu_ms(coll.pid)
+        if args.collector_stopped:
+            os.kill(coll.pid, signal.SIGSTOP)
         try:
             while not stop.is_set():
                 st = ABBA[k % 4]
@@ -473,6 +478,8 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
                 k += 1
         finally:
             os.kill(agent.pid, signal.SIGCONT)
+            if args.collector_stopped:
+                os.kill(coll.pid, signal.SIGCONT)
             cpu["agent"] = _cpu_ms(agent.pid) - a0
             cpu["collector"] = _cpu_ms(coll.pid) - c0
             cpu["server"] = sum(_cpu_ms(p.pid, "pt_workerserver") for p in procs) - s0
@@ -481,7 +488,9 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
     pids: list[int] = []
     times = run_job("sentinel", f"{args.toggle_seconds:.0f}s", script, env_extra, tmp, kids, during=toggle,
                     pids=pids)
-    time.sleep(8.0)  # the exit dumps are read at the agent's next step, its Events reach the collector
+    # the exit dumps are read at the agent's next step, its Events reach the collector (a stopped collector first
+    # takes what the agent spooled meanwhile)
+    time.sleep(30.0 if args.collector_stopped else 8.0)
     stored, lost = _ops_lost(state, pids)
     wraps = [a - b for a, b in zip(_wrap_events(cdb), wraps0)]
     deep = _deep_switches(cdb) - deep0
@@ -497,7 +506,7 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
            "job_fr_server_cpu_ms_per_s": round(cpu["server"] / max(cpu["wall_s"], 1e-9), 2),
            "collector_cpu_ms_per_s": round(cpu["collector"] / max(cpu["wall_s"], 1e-9), 2),
            "ops_stored": stored, "ops_lost": lost, "ring_wraps": wraps[0], "ops_lost_reported": wraps[1],
-           "deep_mode_switches": deep, "ring_reads_by_reason": reads}
+           "deep_mode_switches": deep, "ring_reads_by_reason": reads, "collector_stopped": args.collector_stopped}
     print(f"sentinel job, agent running vs paused: {mean:+.3f} % +- {se:.3f} % (mean step time, s.e. over {n} ABBA "
           f"quartets of {args.segment_seconds:g} s slots; median-based {med:+.3f} % +- {med_se:.3f}); steps "
           f"{fig['step_ms'][0]:.2f} vs {fig['step_ms'][1]:.2f} ms")

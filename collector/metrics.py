@@ -1,11 +1,13 @@
-"""The collector's Prometheus /metrics: findings open per job and kind, and the analysis engine's health.
+"""The collector's Prometheus /metrics: findings open per job and kind, the analysis engine's health, the ingest
+rate, and per agent its stream, last report, clock uncertainty, spool backlog and sources (deploy/prometheus has
+alert rules over them, deploy/grafana a dashboard).
 
 Rendered at scrape time (nothing runs between scrapes): open findings are counted in the store through a
 read-only connection; the rest are the engine's counters. Per detector, like node_exporter's collectors:
 `steplens_collector_detector_duration_seconds` (histogram), `..._last_duration_seconds`, `..._success` and
 `..._runs_total` / `..._errors_total`. Analysis latency: `steplens_collector_analysis_seconds` (one job, all
 detectors, merge and commit) and `steplens_collector_analysis_lag_seconds` (newest data of a job to its
-findings stored). Cost: one GROUP BY over the open findings per scrape.
+findings stored). Cost: one GROUP BY over the open findings and one read of the agents table per scrape.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class CollectorExporter:
     def collect(self):
         e = self.engine
         opened = GaugeMetricFamily("steplens_collector_findings_open", "Findings open now, per job and kind.",
-                                   labels=["job", "kind"])
+                                   labels=["job_key", "kind"])
         try:
             for job, kind, n in self.reader.open_finding_counts():
                 opened.add_metric([job, kind], n)
@@ -101,6 +103,60 @@ class CollectorExporter:
         if self.ingest is not None:
             yield GaugeMetricFamily("steplens_collector_agents_connected", "Agents with a live stream.",
                                     value=len(self.ingest.sessions))
+            yield CounterMetricFamily("steplens_collector_streams_refused", "Agent streams refused (bad hello, "
+                                      "schema version, identity).", value=self.ingest.streams_refused)
+            w = self.ingest.writer
+            yield CounterMetricFamily("steplens_collector_ingest_batches", "Agent batches stored (acked).",
+                                      value=getattr(w, "batches_written", 0))
+            yield CounterMetricFamily("steplens_collector_ingest_records", "Records stored from agent batches (the "
+                                      "ingest rate: rate() of this).", value=getattr(w, "records_written", 0))
+        yield from self._agents()
+
+    def _agents(self):
+        """Per agent known to the store (connected or not): what an alert on an agent that stops reporting, a
+        clock that is not trustworthy or a spool that backs up needs. Ages and uncertainties are the collector's
+        own figures (its cluster clock), so they do not depend on the Prometheus server's clock."""
+        fams = {
+            "connected": GaugeMetricFamily("steplens_collector_agent_connected", "1 while the agent's stream is "
+                                           "live.", labels=["node"]),
+            "age": GaugeMetricFamily("steplens_collector_agent_last_seen_age_seconds", "Seconds since the agent "
+                                     "last sent anything (batch, status, clock probe answer).", labels=["node"]),
+            "unc": GaugeMetricFamily("steplens_collector_agent_clock_uncertainty_seconds", "Stated uncertainty of "
+                                     "the agent's clock mapping to cluster time.", labels=["node"]),
+            "backlog": GaugeMetricFamily("steplens_collector_agent_spool_backlog_batches", "Batches in the agent's "
+                                         "spool not yet acknowledged.", labels=["node"]),
+            "cpu": GaugeMetricFamily("steplens_collector_agent_cpu_cores", "The agent's own CPU use, in cores.",
+                                     labels=["node"]),
+            "stored": CounterMetricFamily("steplens_collector_agent_records_stored", "Records of this agent "
+                                          "stored.", labels=["node"]),
+            "dropped": CounterMetricFamily("steplens_collector_agent_records_dropped", "Records the agent dropped "
+                                           "(spool full, ...), as it reports.", labels=["node"]),
+            "gaps": CounterMetricFamily("steplens_collector_agent_gaps", "Gaps in the agent's data it reported.",
+                                        labels=["node"]),
+            "src": GaugeMetricFamily("steplens_collector_agent_source_up", "1 if the agent's source is running.",
+                                     labels=["node", "source"]),
+        }
+        try:
+            nodes = self.reader.nodes()
+        except Exception:  # the store is busy or gone for a moment: counted with the other scrape errors
+            self.scrape_errors += 1
+            nodes = []
+        now = self.ingest.clock.now_ns() if self.ingest is not None else None
+        for n in nodes:
+            node = n["node_id"]
+            fams["connected"].add_metric([node], 1.0 if n["connected"] else 0.0)
+            if now is not None and n["last_seen_ns"]:
+                fams["age"].add_metric([node], max(0.0, (now - n["last_seen_ns"]) / 1e9))
+            if n["clock_samples"]:
+                fams["unc"].add_metric([node], n["clock_uncertainty_ns"] / 1e9)
+            fams["backlog"].add_metric([node], n["spool_backlog"] or 0)
+            fams["cpu"].add_metric([node], n["agent_cpu_cores"])
+            fams["stored"].add_metric([node], n["records_stored"] or 0)
+            fams["dropped"].add_metric([node], n["records_dropped"] or 0)
+            fams["gaps"].add_metric([node], n["gaps"] or 0)
+            for src, st in n["sources"].items():
+                fams["src"].add_metric([node, src], 1.0 if st["up"] else 0.0)
+        yield from fams.values()
 
 
 class MetricsServer:

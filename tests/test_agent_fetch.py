@@ -3,6 +3,8 @@ workloads that already exited (their detail outlives them), and for the pids the
 
 from __future__ import annotations
 
+import time
+
 from steplens.agent.control import CommandHandler
 from steplens.agent.detail import DetailStore
 from steplens.agent.records import ProcessInfo
@@ -61,12 +63,20 @@ def test_fetch_by_rank_finds_workloads_that_exited(tmp_path):
 
 def test_a_comm_op_fetch_reads_the_rings_first(tmp_path):
     """With the Flight Recorder read schedule a ring can be up to max_interval_seconds behind: a FetchDetail of
-    comm ops has the rings read first (Runner.refresh), once per second at most (a paged fetch asks many times)."""
+    comm ops has the rings read first (Runner.refresh). An open window (no end, or one in the future) once per second
+    at most (a paged fetch asks many times); a window that ended is passed on with its end and processes, for the
+    source to skip the read where every ring asked about was read after it."""
     DetailStore(str(tmp_path / "detail.db"), 1000, 1000).close()
     asked = []
-    handler = CommandHandler(None, str(tmp_path), WorkloadRegistry(), lambda name, t: asked.append((name, t)) or True)
+    handler = CommandHandler(None, str(tmp_path), WorkloadRegistry(), lambda *a: asked.append(a) or True)
     fetch = {"kinds": ["stacks"]}
     assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(**fetch))).ok and asked == []
-    for _ in range(3):
-        assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(kinds=["commops"]))).ok
-    assert asked == [("flightrec", 3.0)]
+    future = time.monotonic_ns() + 60_000_000_000
+    for until in (0, 0, future):
+        assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(kinds=["commops"], until_mono_ns=until))).ok
+    assert asked == [("flightrec", 3.0, 0, None)]
+    past = time.monotonic_ns() - 1_000
+    for _ in range(2):
+        assert handler(ipb.Command(command_id="c", fetch=ipb.FetchDetail(kinds=["commops"], until_mono_ns=past,
+                                                                         ranks=[3], pids=[77]))).ok
+    assert asked[1:] == [("flightrec", 3.0, past, {77})] * 2

@@ -196,7 +196,7 @@ def test_findings_lifecycle_through_the_collector(setup):
         assert col.c.analysis.stats["outlier"].runs >= 3
 
         m = col.metrics()
-        assert m['steplens_collector_findings_open{"job": "torchelastic:job-a", "kind": "slowdown"}'] == 1
+        assert m['steplens_collector_findings_open{"job_key": "torchelastic:job-a", "kind": "slowdown"}'] == 1
         assert m['steplens_collector_detector_success{"detector": "outlier"}'] == 1
         assert m['steplens_collector_detector_success{"detector": "broken"}'] == 0
         assert m['steplens_collector_detector_errors_total{"detector": "broken"}'] >= 2
@@ -204,6 +204,13 @@ def test_findings_lifecycle_through_the_collector(setup):
         assert m["steplens_collector_analysis_seconds_count{}"] >= 3
         assert m["steplens_collector_analysis_lag_seconds_count{}"] >= 2
         assert m['steplens_collector_finding_changes_total{"action": "opened"}'] == 1
+        # ingest and per-agent figures (what deploy/prometheus's agent alerts read)
+        assert m["steplens_collector_ingest_batches_total{}"] >= 4
+        assert m["steplens_collector_ingest_records_total{}"] > 0
+        for node in ("n0", "n1"):
+            assert m[f'steplens_collector_agent_connected{{"node": "{node}"}}'] == 1
+            assert m[f'steplens_collector_agent_records_stored_total{{"node": "{node}"}}'] > 0
+            assert 0 <= m[f'steplens_collector_agent_last_seen_age_seconds{{"node": "{node}"}}'] < 60
 
         # back at baseline for 3 s of data time: the finding resolves itself
         send(steps(base, 30, 59))

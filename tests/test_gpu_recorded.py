@@ -189,6 +189,73 @@ def test_live_nccl_flight_recorder_polls_emit_each_op_once_with_its_cuda_event_d
     assert recs[0].pending_since_mono_ns == scheduled[0]["time_created_ns"]
 
 
+def test_live_nccl_answers_parsed_from_the_cursor_give_what_the_whole_answer_gives():
+    """A poll parses only the entries from its cursor on (parse_dump's from_record_id: the rest was handled by
+    earlier polls). On the same four recorded answers the emitted entries, their order, the pending set and the
+    ring's span are those of parsing each answer whole, and the real answers are laid out so that the older
+    entries are in fact left out."""
+    from steplens.agent.sources.flightrec import _Cursor, new_entries, parse_dump, progress_records
+
+    whole, cut = _Cursor(), _Cursor()
+    left_out = 0
+    for n in range(4):
+        body = _fr_live(n)
+        a = parse_dump(body)
+        first = min(cut.pending) if cut.pending else cut.high + 1
+        b = parse_dump(body, from_record_id=first)
+        if n:
+            assert b.ring_low == 0 and len(b.entries) < len(a.entries)
+            left_out += first
+        assert b.ring_span() == a.ring_span() and (b.members, b.status) == (a.members, a.status)
+        got_a, lost_a = new_entries(a, whole, now_ns=n * 500_000_000)
+        got_b, lost_b = new_entries(b, cut, now_ns=n * 500_000_000)
+        assert got_a == got_b and lost_a == lost_b == 0
+        assert (whole.high, whole.pending, whole.unretired) == (cut.high, cut.pending, cut.unretired)
+        assert progress_records(a, _identity_clock(), 1 << 62, pid=1) == progress_records(b, _identity_clock(),
+                                                                                           1 << 62, pid=1)
+    assert left_out > 100
+
+
+def test_parse_from_a_cursor_falls_back_to_the_whole_answer():
+    """Where the answer cannot be cut safely the whole of it is parsed: a ring that wrapped past the cursor
+    (its loss must be counted), a cursor not in the ring, another layout (indented), a string value that holds
+    the key's bytes (escaped, so never matched), and bytes that do not parse once cut."""
+    from steplens.agent.sources.flightrec import FlightrecError, _Cursor, new_entries, parse_dump
+
+    raw = json.loads(_fr_live(2))
+    compact = json.dumps(raw, separators=(",", ":"), sort_keys=True).encode()
+    rids = [e["record_id"] for e in raw["entries"]]
+    mid = rids[len(rids) // 2]
+    assert len(parse_dump(compact, from_record_id=mid).entries) == len(rids) - len(rids) // 2
+    # wrapped: the ring starts after the cursor -> whole, and new_entries counts the lost ones
+    wrapped = dict(raw, entries=raw["entries"][len(rids) // 2:])
+    d = parse_dump(json.dumps(wrapped, separators=(",", ":"), sort_keys=True).encode(), from_record_id=3)
+    assert d.ring_low == -1 and len(d.entries) == len(rids) - len(rids) // 2
+    cur = _Cursor()
+    cur.high = 2
+    assert new_entries(d, cur)[1] == mid - 3
+    # a cursor past the newest entry (not in the ring), and an indented layout: whole
+    for body, first in ((compact, rids[-1] + 5), (json.dumps(raw, indent=1).encode(), mid)):
+        d = parse_dump(body, from_record_id=first)
+        assert d.ring_low == -1 and len(d.entries) == len(rids)
+    # a frame name holding the key's text is escaped in JSON, never taken for the key
+    trick = json.loads(compact)
+    trick["entries"][0]["frames"] = [{"filename": f'x"record_id":{mid},"', "line": 1, "name": '{"collective_seq_id":'}]
+    body = json.dumps(trick, separators=(",", ":"), sort_keys=True).encode()
+    d = parse_dump(body, from_record_id=mid)
+    assert d.ring_low == 0 and d.entries[0]["record_id"] == mid
+    # bytes that do not parse in what is needed: the whole is tried, and the answer is reported as not JSON;
+    # in the part left out (entries handled by earlier polls) they are not looked at
+    for at, fails in ((compact.rindex(b'"record_id":'), True), (compact.index(b'"record_id":'), False)):
+        bad = compact[:at] + b'"x' + compact[at:]
+        try:
+            d = parse_dump(bad, from_record_id=mid)
+        except FlightrecError as exc:
+            assert fails and exc.kind == "bad_json"
+        else:
+            assert not fails and d.ring_low == 0 and len(d.entries) == len(rids) - len(rids) // 2
+
+
 def _nvml_lines():
     with open(os.path.join(REC, "nvml-h100-load.jsonl")) as fh:
         return [json.loads(line) for line in fh]

@@ -202,9 +202,13 @@ class Refreshable(Source):
     def start(self):
         self.asked = False
         self.reads = []
+        self.covered = 1_000
 
-    def refresh(self):
+    def refresh(self, until_mono_ns=0, pids=None):
+        if until_mono_ns and until_mono_ns <= self.covered:
+            return False   # stored already covers the window: no step
         self.asked = True
+        return True
 
     def step(self):
         asked, self.asked = self.asked, False
@@ -228,6 +232,10 @@ def test_refresh_runs_a_step_now_and_waits_for_it():
         assert runner.refresh("refreshable", timeout=5.0) and inst.reads == ["scheduled", "fetch"]
         assert time.monotonic() - t0 < 2.0          # not at the next interval, 30 s away
         assert runner.refresh("refreshable", timeout=5.0) and inst.reads[-1] == "fetch"
+        # a window the source says it covers: True at once, no step
+        n = len(inst.reads)
+        assert runner.refresh("refreshable", 5.0, 900, {1}) and len(inst.reads) == n
+        assert runner.refresh("refreshable", 5.0, 2_000, {1}) and inst.reads[n:] == ["fetch"]
         assert not runner.refresh("ticker") and not runner.refresh("no-such-source")   # no refresh(): False at once
     finally:
         t0 = time.monotonic()

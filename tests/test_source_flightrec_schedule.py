@@ -128,6 +128,29 @@ def test_every_check_and_deep_mode_read_every_ring(tmp_path):
         src.stop()
 
 
+def test_a_fetch_has_rings_read_only_where_its_window_is_not_covered(tmp_path):
+    """refresh(until, pids) before a comm-op fetch: a window that ended before the last read of every ring it asks
+    about is covered by what is stored (False, no read); one that ends later, an open one (0), or one about a
+    process whose ring was read before its end has every ring read at the next step."""
+    src = _src(tmp_path)
+    try:
+        a, b = _target(tmp_path, 10), _target(tmp_path, 11)
+        src.targets = {a.key: a, b.key: b}
+        a.read_mono_ns, b.read_mono_ns = 5_000, 9_000
+        assert src.refresh(4_000, None) is False and not src._refresh
+        assert src.refresh(5_000, {10, 11}) is False and not src._refresh
+        assert src.refresh(8_000, {11}) is False and not src._refresh         # only b asked about
+        assert src.refresh(8_000, {10}) is True and src._refresh               # a was read before 8,000
+        src._refresh = False
+        assert src.refresh(6_000, None) is True and src._refresh
+        src._refresh = False
+        assert src.refresh(0, {11}) is True and src._refresh                   # open: always read
+        src._refresh = False
+        assert src.refresh(4_000, {99}) is False                               # no ring of those processes
+    finally:
+        src.stop()
+
+
 def test_ring_size_from_the_environment(tmp_path):
     src = _src(tmp_path)
     try:

@@ -66,7 +66,9 @@ Schedule: a dump always holds the whole ring (torch has no "entries since" reque
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
 JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~30-40 us
 per new op to convert, store and summarize it (2-core VM, python 3.11). Every new op must be read once; the rest
-is waste. With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)
+is waste, and only the entries from the poll's cursor on are parsed (parse_dump's from_record_id: the older ones
+are left out at the byte level, where the answer is laid out as torch writes it: bench/commops.py's per-op figures in
+bench/README.md). With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)
 and reads a process's ring only when it is due (`_due`, sentinel mode). (It was opt-in for a while: a process read
 rarely, or only at its exit, gives its whole run in one poll, ending with the collectives of its shutdown, and the
 step segmenter, which learns the step pattern from the newest ops, found none; it now also learns from the newest
@@ -276,17 +278,77 @@ class Dump:
     pg_sizes: dict         # pg name -> nranks
     status: dict = field(default_factory=dict)   # pg name -> (last enqueued, started, completed seq); -1 none
     status_malformed: int = 0                    # pg_status groups left out (a value not an int64 >= -1)
+    ring_low: int = -1     # with entries left out (parse_dump's from_record_id): the ring's lowest record id
+
+    def ring_span(self) -> tuple[int, int]:
+        """(lowest record id, entries) of the whole ring the process answered with, (-1, 0) for none; also where
+        parse_dump left the older entries out."""
+        if self.ring_low >= 0:
+            return self.ring_low, self.entries[-1]["record_id"] - self.ring_low + 1
+        rids = [r for r in (e.get("record_id") for e in self.entries) if type(r) is int]
+        return (min(rids), len(rids)) if rids else (-1, 0)
 
 
-def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
-    """A fr_trace_json answer -> Dump; FlightrecError("bad_json" | "unknown_version" | "bad_layout")."""
+# torch's answer is nlohmann JSON, compact with its keys sorted (torch 2.11 NCCL in tests/fixtures/gpu-recorded,
+# 2.13 gloo here): '{"comm_lib_version":..,"entries":[{"collective_seq_id":..,...,"record_id":N,"retired":..},...],
+# "nccl_comm_state":...}'. Within JSON a quote inside a string is escaped, so these byte strings occur unescaped
+# only as the keys themselves; "frames" objects inside an entry have neither key.
+_ENTRIES_AT = b'"entries":['
+_ENTRY_AT = b'{"collective_seq_id":'
+_RID_AT = b'"record_id":'
+
+
+def _leave_out_before(body: bytes, first: int) -> tuple[bytes, int] | None:
+    """`body` without the entries older than record id `first`, and the ring's lowest record id; None where
+    nothing is left out (the ring starts at or after `first`: also a wrapped ring, whose loss the full parse
+    counts) or the bytes are not laid out as above (then the whole answer is parsed)."""
+    i = body.find(_ENTRIES_AT)
+    if i < 0:
+        return None
+    i += len(_ENTRIES_AT)
+    j = body.find(_RID_AT, i)
+    if j < 0:
+        return None
+    k = m = j + len(_RID_AT)
+    while m < len(body) and 48 <= body[m] <= 57 and m - k < 19:
+        m += 1
+    if m == k or int(body[k:m]) >= first:
+        return None
+    p = body.find(b"%s%d," % (_RID_AT, first), j)
+    s = body.rfind(_ENTRY_AT, i, p) if p > 0 else -1
+    if s < 0:
+        return None
+    return body[:i] + body[s:], int(body[k:m])
+
+
+def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",), from_record_id: int = -1) -> Dump:
+    """A fr_trace_json answer -> Dump; FlightrecError("bad_json" | "unknown_version" | "bad_layout").
+    from_record_id > 0: the entries older than that record id are not needed (a poll's cursor: they were
+    handled by an earlier poll) and, where the answer is laid out as torch writes it, not parsed: a poll reads
+    the whole ring, of which usually half is new (the read schedule's ring_fill), and parsing is most of the
+    source's cost (the part left out is not looked at, so not checked either). Dump.ring_span() still describes
+    the whole ring."""
+    ring_low = -1
     if isinstance(body, dict):
         doc = body
     else:
-        try:
-            doc = fastjson.loads(body)
-        except ValueError as exc:
-            raise FlightrecError("bad_json", f"not JSON ({exc})") from None
+        if from_record_id > 0 and isinstance(body, bytes):
+            cut = _leave_out_before(body, from_record_id)
+            if cut is not None:
+                try:
+                    doc = fastjson.loads(cut[0])
+                    ents = doc.get("entries") if isinstance(doc, dict) else None
+                    if isinstance(ents, list) and ents and isinstance(ents[0], dict) \
+                            and ents[0].get("record_id") == from_record_id \
+                            and type(ents[-1].get("record_id")) is int:
+                        ring_low = cut[1]
+                except ValueError:
+                    pass
+        if ring_low < 0:
+            try:
+                doc = fastjson.loads(body)
+            except ValueError as exc:
+                raise FlightrecError("bad_json", f"not JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise FlightrecError("bad_layout", f"top level is {type(doc).__name__}, not an object")
     version = str(doc.get("version", ""))
@@ -320,7 +382,7 @@ def parse_dump(body: bytes | str | dict, accepted_versions=("2.10",)) -> Dump:
             status[str(name)] = seqs
         else:
             malformed += 1
-    return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes, status, malformed)
+    return Dump(version, [e for e in entries if isinstance(e, dict)], members, sizes, status, malformed, ring_low)
 
 
 def read_anchor_ring(path: str, start_ticks: int, after: int) -> list[tuple[int, int]]:
@@ -604,7 +666,8 @@ def _exit_dump_key(name: str) -> tuple[int, int] | None:
 
 
 class _Target:
-    __slots__ = ("key", "path", "cursors", "missing", "info", "ring", "reads", "read_at", "rate", "stalled",
+    __slots__ = ("key", "path", "cursors", "missing", "info", "ring", "reads", "read_at", "read_mono_ns", "rate",
+                 "stalled",
                  "high_at_read", "anchors_at_read", "anchor_count", "anchor_moved_at", "anchor_rate",
                  "ops_per_anchor", "pending")
 
@@ -616,6 +679,7 @@ class _Target:
         self.ring = ring                # Flight Recorder entries the process keeps (its TORCH_FR_BUFFER_SIZE)
         self.reads = 0
         self.read_at = 0.0
+        self.read_mono_ns = 0           # ... the same instant, the context's monotonic clock in ns (refresh())
         self.rate = -1.0                # entries recorded per second between the last two reads; -1: not known
         self.stalled = False            # the last read: nothing new and an op pending
         self.pending = False            # the last read: some group had an op enqueued and not completed
@@ -652,6 +716,7 @@ class FlightrecSource(Source):
         self.finished: dict[tuple[int, int], float] = {}  # exit dump read: never polled again
         self.unremovable: set[str] = set()  # exit dumps read but not deletable here: never read again
         self.exit_dumps = 0
+        self.entries_left_out = 0   # ring entries a poll did not parse (handled before: parse_dump's from_record_id)
         self.anchors_total = 0
         self.progress: dict[tuple[int, int], dict[str, tuple]] = {}  # per process, per comm: (last emitted, when)
         self.progress_total = 0
@@ -758,10 +823,20 @@ class FlightrecSource(Source):
         tgt.reads += 1
         tgt.read_at, tgt.high_at_read, tgt.anchors_at_read = at, high, count
 
-    def refresh(self) -> None:
+    def refresh(self, until_mono_ns: int = 0, pids=None) -> bool:
         """Read every ring at the next step (Runner.refresh, before a FetchDetail of comm ops: with the Schedule a
-        ring may be up to max_interval_seconds behind)."""
+        ring may be up to max_interval_seconds behind), unless the fetch's window ends (until_mono_ns, this host's
+        monotonic clock; 0: open) before the last read of every ring it asks about (pids; None: all): then what
+        is stored covers it and nothing is read (False). The collector's analysis fetches the ops of the steps it
+        knows, which came from reads already made: each of those reading every ring again had made reads for
+        fetches (90 in 240 s of bench/commops.py) outnumber the schedule's (8) and tripled the job's Flight
+        Recorder server CPU."""
+        if until_mono_ns > 0:
+            targets = [t for k, t in list(self.targets.items()) if pids is None or k[0] in pids]
+            if all(t.read_mono_ns >= until_mono_ns for t in targets):
+                return False
         self._refresh = True
+        return True
 
     def idle(self) -> bool:
         # no process polled and none waiting for its exit dump (EXIT_GRACE_SECONDS after it left the workloads)
@@ -807,9 +882,10 @@ class FlightrecSource(Source):
                 continue
             self.reads[why] += 1
             try:
-                at = time.monotonic()
+                at, at_ns = time.monotonic(), self.ctx.mono_ns()
                 ops += self._poll(tgt, out)
                 self._read_done(tgt, at)
+                tgt.read_mono_ns = at_ns
             except FlightrecError as exc:
                 self.gone[key] = (self.targets.pop(key), now)
                 if os.path.exists(os.path.join(os.path.dirname(tgt.path), f"{key[0]}-{key[1]}{EXIT_SUFFIX}")):
@@ -954,7 +1030,11 @@ class FlightrecSource(Source):
             if status != 200:
                 raise FlightrecError("http_error", f"{tgt.path}: {ep} answered HTTP {status}: {body[:200]!r}")
             try:
-                dump = parse_dump(body, self.config.accepted_versions)
+                cur = tgt.cursors[ep]
+                first = min(cur.pending) if cur.pending else cur.high + 1
+                dump = parse_dump(body, self.config.accepted_versions, first)
+                if dump.ring_low >= 0:
+                    self.entries_left_out += first - dump.ring_low
             except FlightrecError as exc:
                 if exc.kind == "unknown_version":
                     self._report(out, tgt.key, exc.kind, f"{tgt.path} {ep}: {exc}")
@@ -962,9 +1042,9 @@ class FlightrecSource(Source):
                 raise
             self._progress_of(tgt, ep, dump, taken, progress, out)
             if ep == ENDPOINTS[0]:
-                rids = [r for r in (e.get("record_id") for e in dump.entries) if type(r) is int]
-                if rids and (min(rids) > 0 or len(rids) > tgt.ring):  # wrapped, or larger than assumed
-                    tgt.ring = len(rids)
+                low, n = dump.ring_span()
+                if n and (low > 0 or n > tgt.ring):  # wrapped, or larger than assumed
+                    tgt.ring = n
                 tgt.pending = any(enq > done for enq, _, done in dump.status.values())
             entries, lost = new_entries(dump, tgt.cursors[ep], now_ns=taken)
             if lost:

@@ -100,7 +100,8 @@ class StoreWriter:
         self._last_seq: dict[tuple[str, str], int] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self.rows_written = 0
+        self.rows_written = 0       # metric samples
+        self.records_written = 0    # records of every kind stored from agent batches
         self.batches_written = 0
         self.commits = 0
         self.failures = 0
@@ -395,6 +396,7 @@ class StoreWriter:
                          (agent, job.received_ns, job.spool_id, job.seq, reason, count))
         self._record_batch(job, job.n_records - n_rej, n_rej)
         self.rows_written += len(rows)
+        self.records_written += job.n_records - n_rej
         note = "; ".join(f"{c} x {r}" for r, c in rejected.items())
         return "stored", n_rej, note
 
