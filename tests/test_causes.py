@@ -62,7 +62,8 @@ def _gauge(name, entity, before, during, t_end=T0 + 100 * S):
     return [Metric(t, name, entity, during if ONSET <= t <= LAST else before) for t in range(T0, t_end + 1, S)]
 
 
-def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="netflows", held=0.6) -> dict[str, list]:
+def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="netflows", held=0.6,
+         ip="10.0.0.{}") -> dict[str, list]:
     """A 4-rank job, rank r alone on node n<r> (pid 100 + r, GPU 0), healthy figures everywhere, and the scenario's
     evidence on the target rank or its node."""
     per: dict[str, list] = {}
@@ -106,7 +107,7 @@ def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="net
                 slow = scenario == "network" and (hit or o == target) and ONSET <= t <= LAST
                 # tcpinfo also says how long the sender was held back by the network (held x the second)
                 recs.append((conn_source, ConnStats(
-                    t, t - S, f"10.0.0.{r}", 40000 + o, f"10.0.0.{o}", 29500, tx_bytes=10**6,
+                    t, t - S, ip.format(r), 40000 + o, ip.format(o), 29500, tx_bytes=10**6,
                     srtt_us=40_000 if slow else 200, retransmits=0, pid=pid,
                     net_limited_us=int((held if slow else 0.02) * 1e6) if conn_source == "tcpinfo" else 0)))
         if scenario == "data-loading" and hit:
@@ -185,6 +186,15 @@ def test_network_names_the_remote_all_slow_connections_share(tmp_path):
     assert net3["remotes"] == ["10.0.0.1"] and net3["srtt_degraded"][0]["srtt_us"] == 40_000
     assert len(f.suspects[1].evidence["why"]["network"]["srtt_degraded"]) == 3
     assert "towards 10.0.0.1" in f.summary
+
+
+@pytest.mark.parametrize("ip", ["127.0.0.{}", "::ffff:127.0.0.{}"])
+def test_loopback_connections_are_never_network_evidence(tmp_path, ip):
+    # the same RTT rise on connections over lo (ranks of one host): no link to blame, CPU scheduling is
+    rd = _write(str(tmp_path / "lo.db"), _job(scenario="network", conn_source="tcpinfo", ip=ip))
+    (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "1", 1.0, "compute"))]})["x"]
+    assert f.suspects[0].cause == "compute" and not f.suspects[0].evidence.get("why", {}).get("network")
+    assert "towards" not in f.summary
 
 
 @pytest.mark.parametrize("held,cause", [(0.6, "network"), (0.02, "")])

@@ -100,6 +100,23 @@ def test_a_long_step_whose_ops_complete_is_not_a_hang():
     assert detect(rd, Window(scoring.JOB, 0, last + 30 * S), HangConfig()) == []
 
 
+def test_a_flight_recorder_read_long_ago_is_not_a_hang_until_a_read_shows_one():
+    """The read schedule reads a healthy job's rings every ~20 s: its newest CommProgress, read 18 s before the
+    window's end, shows the op then in flight (pending 5 ms). Measured to the window's end that op looked pending
+    for 18 s (a false hang in the make-run demo); what counts is how long it had been pending when read. Once
+    reads show it pending past the bound (the schedule re-reads a stalled ring every 5 s), it is a hang."""
+    _, _, rd = _reader(None)
+    last = max(r["end_ns"] for r in rd.rows)
+    read_at = last + 1 * S
+    rd.progress = [prog(r, "dp", 5, "all_reduce", 5, since=read_at - 5_000_000, end=read_at) | {"job_key": scoring.JOB}
+                   for r in range(4)]
+    assert detect(rd, Window(scoring.JOB, 0, read_at + 18 * S), HangConfig()) == []
+    # the job hung at that op: later reads keep showing it pending
+    rd.progress = [p | {"end_ns": read_at + 19 * S} for p in rd.progress]
+    (f,) = detect(rd, Window(scoring.JOB, 0, read_at + 19 * S), HangConfig())
+    assert f.kind == "hang" and f.evidence["ongoing"]
+
+
 def test_bad_config_fails():
     for kw in ({"floor_seconds": 0.5}, {"step_multiple": 0.0}, {"frames": 0}, {"recent_steps": 0}):
         with pytest.raises(ConfigError):

@@ -32,7 +32,10 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
                    own baseline while the sender was held back by the network (tcpinfo's net_limited_us, TCP's
                    chrono "busy" time: >= `net_limited_fraction` of the time and up by half that; on the testbed
                    an RTT rise alone came with every CPU fault too: delayed ACKs of a slowed peer); the evidence
-                   names the remote addresses most of the degraded connections share
+                   names the remote addresses most of the degraded connections share. Loopback connections
+                   (both ends 127.0.0.0/8 or ::1: ranks of one host talking over lo) cross no link: their RTT is
+                   the CPU scheduling of both ends, never network evidence (the make-run demo on a loaded host
+                   blamed "connections degraded (towards 127.0.0.1)")
   data-loading     the share of the process's Python samples inside torch.utils.data rose by >= `frames_rise`
 A process suspect ("node:pid", a process of no rank: a serving engine the sentinel names) gets the same rules on its
 own process and node, without the GPU and kernel comparisons (they compare a rank with its job's other ranks).
@@ -58,6 +61,8 @@ baseline + episode); at 1 Hz metrics and a 60 s baseline, a few hundred rows per
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import statistics
 from dataclasses import dataclass, replace
 
@@ -428,6 +433,17 @@ def _kernels(ps: _Pass, rank: int, a: int, b: int) -> tuple[str, dict]:
     return got
 
 
+@functools.lru_cache(maxsize=4096)
+def _loopback(addr) -> bool:
+    """A loopback address (IPv4-mapped too); anything unparsable is not."""
+    try:
+        ip = ipaddress.ip_address(str(addr).split("%")[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
 def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
     cfg = ps.cfg
     rows = ps.conns(node, b0, b + m)
@@ -436,6 +452,8 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
     before: dict[tuple, list[dict]] = {}
     during: dict[tuple, list[dict]] = {}
     for r in rows:
+        if _loopback(r["src"]) and _loopback(r["dst"]):
+            continue
         key = (r["src"], r["sport"], r["dst"], r["dport"])
         if r["end_ns"] < a - m:
             before.setdefault(key, []).append(r)

@@ -282,8 +282,13 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
              bound_ns: float, progress: list[dict], job: dict) -> list[Finding]:
     now = window.until_ns
     newest_step = max(last.values(), default=0)
+    # a rank is stuck where its own report says so: the op it waits in had been pending for the bound when its
+    # Flight Recorder was read (end_ns), not merely when the window ends. The read schedule reads a ring every
+    # 20 s at most while the job runs (every 5 s once a read finds nothing new with an op pending), so the newest
+    # CommProgress of a healthy job can be 20 s old with the op then in flight; measuring that op's wait to the
+    # window's end found hangs in healthy jobs (the make-run demo: "no step completed for 17 s").
     stuck = [p for p in progress if p["pending_op"] and p["pending_since_ns"] and
-             now - p["pending_since_ns"] >= bound_ns]
+             p["end_ns"] - p["pending_since_ns"] >= bound_ns]
     if not last or now - newest_step < bound_ns:
         return []
     ranks = {r["rank"]: r for r in job.get("ranks", []) if r.get("rank", -1) >= 0}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import re
@@ -13,6 +14,7 @@ import sys
 
 from steplens import conn
 from steplens.collector.server import Collector, CollectorSettings
+from steplens.collector.store.queries import Reader
 from steplens.collector.store.schema import StoreError
 
 if sys.version_info >= (3, 11):
@@ -128,18 +130,39 @@ def cmd_serve(args) -> int:
     return asyncio.run(_serve(settings, True))
 
 
+def _allinone_agent_config(state_dir: str) -> str:
+    """The all-in-one agent's config: the Flight Recorder sockets of jobs started with its `env` (the demo's) under
+    the state directory (the default, /run/steplens/fr, needs root)."""
+    path = os.path.join(state_dir, "agent.toml")
+    fr = os.path.abspath(os.path.join(state_dir, "fr"))
+    os.makedirs(fr, exist_ok=True)
+    with open(path, "w") as fh:
+        fh.write(f"# written by steplens-collector allinone\n[sources.flightrec]\nsocket_dirs = [{json.dumps(fr)}]\n")
+    return path
+
+
 def cmd_allinone(args) -> int:
-    """Collector in this process, one local agent as a child; Ctrl-C stops both cleanly."""
+    """Collector in this process, one local agent as a child, and (where torch is installed) the demo job with
+    its fault (collector/demo.py); Ctrl-C stops them all cleanly."""
+    from steplens.collector import demo as demo_mod
     os.makedirs(args.state_dir, exist_ok=True)
     db = args.db or os.path.join(args.state_dir, "steplens.db")
     settings = CollectorSettings(db=db, listen=args.listen, insecure=True)
     settings.validate()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    agent_cmd = [os.path.join(os.path.dirname(sys.executable), "steplens-agent"), "run", "--collector", args.listen,
-                 "--insecure", "--state-dir", os.path.join(args.state_dir, "agent"),
-                 "--metrics-listen", args.metrics_listen]
-    if not os.path.exists(agent_cmd[0]):
-        agent_cmd = [sys.executable, "-m", "steplens.agent.cli"] + agent_cmd[1:]
+    agent_bin = [os.path.join(os.path.dirname(sys.executable), "steplens-agent")]
+    if not os.path.exists(agent_bin[0]):
+        agent_bin = [sys.executable, "-m", "steplens.agent.cli"]
+    agent_config = _allinone_agent_config(args.state_dir)
+    agent_cmd = agent_bin + ["run", "--config", agent_config, "--collector", args.listen, "--insecure",
+                             "--state-dir", os.path.join(args.state_dir, "agent"), "--metrics-listen",
+                             args.metrics_listen]
+    why_no_demo = "--demo off" if args.demo == "off" else demo_mod.torch_missing()
+    if why_no_demo and args.demo == "on":
+        print(f"steplens-collector: --demo on: {why_no_demo}", file=sys.stderr)
+        return 2
+    demo = None if why_no_demo else demo_mod.Demo(args.state_dir, agent_bin, agent_config, ranks=args.demo_ranks,
+                                                  fault_after=args.demo_fault_after)
 
     async def main() -> int:
         collector = Collector(settings)
@@ -147,21 +170,46 @@ def cmd_allinone(args) -> int:
         agent = subprocess.Popen(agent_cmd)
         cli = os.path.join(os.path.dirname(sys.executable), "steplens")
         cli = os.path.relpath(cli) if cli.startswith(os.getcwd() + os.sep) else cli
+        cli = f"{cli} --collector {args.listen} --insecure"
         print(f"\nsteplens all-in-one: collector on {args.listen} (store {db}), agent pid {agent.pid}"
               f"{', /metrics on ' + args.metrics_listen if args.metrics_listen else ''}.\n"
-              f"Look with:\n  {cli} --collector {args.listen} --insecure nodes\n"
-              f"  {cli} --collector {args.listen} --insecure gpus\n"
-              f"  {cli} --collector {args.listen} --insecure procs\n"
-              "Ctrl-C stops both.\n", flush=True)
+              f"Look with:\n  {cli} nodes\n  {cli} gpus\n  {cli} procs\n"
+              "Ctrl-C stops everything.\n", flush=True)
+        if demo is None:
+            print(f"demo job skipped: {why_no_demo}\n", flush=True)
+        else:
+            try:
+                demo.start()
+            except (OSError, RuntimeError, ValueError) as exc:
+                print(f"demo job not started: {exc}\n", flush=True)
+            else:
+                print(demo.intro(cli), flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        reader, told, demo_ok = Reader(db), {}, demo is not None and bool(demo.procs)
         while not stop.is_set() and agent.poll() is None:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
             except asyncio.TimeoutError:
                 pass
+            if demo_ok:
+                failed = demo.failed()
+                if failed:
+                    print(f"demo job stopped: {failed}\n", flush=True)
+                    demo_ok = False
+                try:
+                    found = reader.findings(job_key=demo.job, open_only=True)
+                except Exception:  # the store busy for a moment: look again next time
+                    found = []
+                for f in found:  # each finding when it opens, and again when its top suspect or cause changes
+                    top = (f.suspects[0].kind, f.suspects[0].id, f.suspects[0].cause) if f.suspects else None
+                    if told.get(f.id, "") != top:
+                        print(demo.finding_text(cli, f, f.id in told), flush=True)
+                        told[f.id] = top
+        if demo is not None:
+            await asyncio.to_thread(demo.stop)
         if agent.poll() is None:
             agent.send_signal(signal.SIGTERM)  # the agent flushes to us before we stop
             try:
@@ -196,6 +244,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db", help="store path (default STATE_DIR/steplens.db)")
     p.add_argument("--listen", default="127.0.0.1:7707")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="agent /metrics ('' disables)")
+    p.add_argument("--demo", choices=["auto", "on", "off"], default="auto",
+                   help="the demo training job with a fault (collector/demo.py); auto: where torch is installed")
+    p.add_argument("--demo-ranks", type=int, default=4, help="ranks of the demo job (gloo on loopback)")
+    p.add_argument("--demo-fault-after", type=float, default=60.0,
+                   help="seconds until the demo's rank 1 becomes a straggler")
     p.set_defaults(func=cmd_allinone)
     args = parser.parse_args(argv)
     try:
