@@ -49,6 +49,7 @@ from steplens.collector.analysis.base import ConfigError, DetectorConfig, Detect
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.irregularity import IrregularityConfig, JobSteps, load
 
+FRESH_PROGRESS_NS = 10 * 10**9   # a CommProgress this recent stands for now (flightrec re-reads a stalled ring every 5 s)
 STATE_EVENTS = {"process_stopped": "stopped", "process_blocked": "blocked in D state", "process_zombie": "zombie"}
 
 
@@ -282,13 +283,15 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
              bound_ns: float, progress: list[dict], job: dict) -> list[Finding]:
     now = window.until_ns
     newest_step = max(last.values(), default=0)
-    # a rank is stuck where its own report says so: the op it waits in had been pending for the bound when its
-    # Flight Recorder was read (end_ns), not merely when the window ends. The read schedule reads a ring every
-    # 20 s at most while the job runs (every 5 s once a read finds nothing new with an op pending), so the newest
-    # CommProgress of a healthy job can be 20 s old with the op then in flight; measuring that op's wait to the
-    # window's end found hangs in healthy jobs (the make-run demo: "no step completed for 17 s").
+    # a rank is stuck where its report says so: the op it waits in had been pending for the bound when its
+    # Flight Recorder was read (end_ns), or the report is fresh (the ring was read within FRESH_PROGRESS_NS: a
+    # stalled ring is re-read every 5 s) and the op has been pending for the bound by the window's end. The read
+    # schedule reads a healthy job's ring every 20 s at most, so its newest CommProgress can be that old with
+    # the op then in flight; measuring that op's wait to the window's end found hangs in healthy jobs (the
+    # make-run demo: "no step completed for 17 s").
     stuck = [p for p in progress if p["pending_op"] and p["pending_since_ns"] and
-             p["end_ns"] - p["pending_since_ns"] >= bound_ns]
+             (p["end_ns"] - p["pending_since_ns"] >= bound_ns or
+              (now - p["end_ns"] <= FRESH_PROGRESS_NS and now - p["pending_since_ns"] >= bound_ns))]
     if not last or now - newest_step < bound_ns:
         return []
     ranks = {r["rank"]: r for r in job.get("ranks", []) if r.get("rank", -1) >= 0}
