@@ -42,6 +42,7 @@ import random
 import shutil
 import signal
 import sqlite3
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,7 @@ import uuid
 
 GOAL_ROWS_PER_S = 50_000
 GOAL_AGENT_CPU_PERCENT = 1.0
+STORES = ("sqlite", "chdb")
 
 _GPU_METRICS = ("gpu_utilization_percent", "gpu_memory_utilization_percent", "gpu_memory_used_bytes",
                 "gpu_memory_free_bytes", "gpu_power_watts", "gpu_temperature_celsius",
@@ -354,7 +356,7 @@ def run_ingest(args, tmp: str, children: Children, collector, store: Store, port
     produced_total = sum(r["records_produced"] for r in done["agents"].values())
     stored_total = store.rows_stored()
     metrics_rows = store.one("SELECT COUNT(*) FROM metrics m JOIN series s ON s.id = m.series_id "
-                             "WHERE s.agent_id LIKE 'bench-emu-%'")
+                             "WHERE s.agent_id LIKE 'bench-emu-%'") if args.store == "sqlite" else None
     return {
         "wall_s": wall, "rows": rows, "rows_per_s": rows / wall if wall else 0.0, "collector_cpu_s": cpu,
         "collector_cpu_percent": 100.0 * cpu / wall, "collector_cpu_s_per_100k_rows": cpu * 1e5 / rows if rows else None,
@@ -363,9 +365,30 @@ def run_ingest(args, tmp: str, children: Children, collector, store: Store, port
         "metrics_rows": metrics_rows, "lost_records": lost, "mismatches": mismatches,
         "reconnects": sum(r["connects"] - 1 for r in done["agents"].values()),
         "drain_seconds_max": max(r["drain_seconds"] for r in done["agents"].values()),
-        "rejections": store.one("SELECT COALESCE(SUM(count), 0) FROM rejections"),
+        "rejections": store.one("SELECT COALESCE(SUM(count), 0) FROM rejections") if args.store == "sqlite" else None,
         "connect_s": connect_s,
     }
+
+
+def _store_disk(kind: str, db: str, engine: str) -> dict:
+    """After the collector stopped: the store's size on disk (SQLite: the file and its WAL; chdb: ClickHouse's
+    parts, plus the state file) and, for chdb, its metric rows and rejections."""
+    size = sum(os.path.getsize(p) for p in (db, db + "-wal") if os.path.exists(p))
+    if kind != "chdb":
+        return {"bytes": size}
+    # in a child: chDB holds one engine directory per process, and a bench of several runs opens one per run
+    code = ("import json, sys; from steplens.collector.store.clickhouse import open_ch, parse_store; "
+            "ch = open_ch(parse_store(sys.argv[1])); q = lambda s: ch.query(s)[0][0]; print(json.dumps({"
+            "'bytes': q(\"SELECT coalesce(sum(bytes_on_disk), 0) FROM system.parts WHERE database = 'bench' AND active\"),"
+            "'metrics_rows': q(\"SELECT count() FROM bench.metrics WHERE agent_id LIKE 'bench-emu-%'\"),"
+            "'rejections': q('SELECT coalesce(sum(count), 0) FROM bench.rejections')}))")
+    out = subprocess.run([sys.executable, "-c", code, f"chdb://{engine}?database=bench"], capture_output=True,
+                         text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"reading the chdb store's sizes failed: {out.stderr[-2000:]}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return {"bytes": size + int(got["bytes"]), "metrics_rows": int(got["metrics_rows"]),
+            "rejections": int(got["rejections"])}
 
 
 def run_agent(args, tmp: str, children: Children, store: Store, port: int) -> dict:
@@ -415,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drain-timeout", type=float, default=120.0, help="seconds to drain the spools at the end")
     p.add_argument("--connect-timeout", type=float, default=30.0, help="seconds for every emulated agent to be "
                    "acknowledged before the run fails (default 30)")
+    p.add_argument("--store", default="sqlite", help="sqlite (default), chdb (telemetry in ClickHouse's engine "
+                   "inside the collector), or both comma-separated (sqlite,chdb): side by side in one run")
+    p.add_argument("--rounds", type=int, default=1, help="with several stores: rounds, each store once a round, "
+                   "in ABBA order (default 1); the real agent is measured after the last run only")
     p.add_argument("--quick", action="store_true", help="smoke test: 5 s ingest, 5 s agent, 1 s warm-up")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (store, spools, logs)")
     p.add_argument("--tmp-dir", help="parent of the temporary directory (default: the system's)")
@@ -431,16 +458,66 @@ def main(argv: list[str] | None = None) -> int:
     if args.agents < 1 or args.seconds <= 0 or args.batch_records < 1:
         p.error("--agents, --seconds and --batch-records must be positive")
 
+    stores = [x.strip() for x in args.store.split(",") if x.strip()]
+    bad = [x for x in stores if x not in STORES]
+    if not stores or bad:
+        p.error(f"--store: one or more of {', '.join(STORES)} (comma-separated), not {args.store!r}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    # a SIGTERM to the bench still runs each run's finally (children stopped, tmp removed)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    runs: dict[str, list[dict]] = {s: [] for s in stores}
+    order = [s for r in range(args.rounds) for s in (stores if r % 2 == 0 else stores[::-1])]   # ABBA...
+    for i, store_kind in enumerate(order):
+        if len(order) > 1:
+            print(f"\n##### run {i + 1} of {len(order)}: store {store_kind}", flush=True)
+        head = run_store(args, store_kind, agent=args.agent_seconds > 0 and i == len(order) - 1)
+        if head is None:
+            return 1
+        runs[store_kind].append(head)
+    if len(order) == 1:
+        print(json.dumps(runs[stores[0]][0]), flush=True)
+        return 0 if runs[stores[0]][0]["lost_records"] == 0 else 1
+    # side by side: the median of each store's runs, and their ratio to the first store's
+    print(f"\n== side by side, {args.rounds} round(s) in the order {' '.join(order)} ==")
+    keys = ("rows_per_s", "collector_cpu_s_per_100k_rows", "store_bytes_per_record", "collector_rss_bytes")
+    summary = {"agents": args.agents, "window_seconds": args.seconds, "rounds": args.rounds, "order": order}
+    for s_kind in stores:
+        med = {k: statistics.median(r[k] for r in runs[s_kind]) for k in keys}
+        lost = sum(r["lost_records"] for r in runs[s_kind])
+        print(f"{s_kind:<8} rows/s {med['rows_per_s']:>10,.0f} (runs: "
+              f"{', '.join(format(r['rows_per_s'], ',') for r in runs[s_kind])}); CPU s per 100k rows "
+              f"{med['collector_cpu_s_per_100k_rows']:.3f}; {med['store_bytes_per_record']:.1f} B per record on disk; "
+              f"RSS {med['collector_rss_bytes'] / 2**20:.0f} MiB; lost {lost}")
+        for k in keys:
+            summary[f"{s_kind}_{k}"] = round(med[k], 3) if k != "rows_per_s" else round(med[k])
+        summary[f"{s_kind}_lost_records"] = lost
+    base = stores[0]
+    for s_kind in stores[1:]:
+        summary[f"{s_kind}_over_{base}_rows_per_s_ratio"] = round(
+            summary[f"{s_kind}_rows_per_s"] / max(1, summary[f"{base}_rows_per_s"]), 3)
+        summary[f"{s_kind}_over_{base}_cpu_per_row_ratio"] = round(
+            summary[f"{s_kind}_collector_cpu_s_per_100k_rows"] / max(1e-9, summary[f"{base}_collector_cpu_s_per_100k_rows"]), 3)
+    summary["goal_rows_per_s"] = GOAL_ROWS_PER_S
+    print(json.dumps(summary), flush=True)
+    return 0 if all(summary[f"{s}_lost_records"] == 0 for s in stores) else 1
+
+
+def run_store(args, store_kind: str, agent: bool) -> dict | None:
+    """One collector on store_kind: the ingest window, then (agent) the real agent's cost; its headline figures,
+    or None after printing why it failed."""
+    args = argparse.Namespace(**dict(vars(args), store=store_kind))
     import psutil
     tmp = tempfile.mkdtemp(prefix="steplens-bench-", dir=args.tmp_dir)
     children = Children()
-    # a SIGTERM to the bench still runs the finally below (children stopped, tmp removed)
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         db = os.path.join(tmp, "bench.db")
         col_log = os.path.join(tmp, "collector.log")
         cmd = args.collector_prefix.split() + _console_script("steplens-collector", "steplens.collector.cli.serve") + [
             "serve", "--db", db, "--listen", "127.0.0.1:0", "--insecure", "--log-level", "warning"]
+        engine = os.path.join(tmp, "chdb")
+        if store_kind == "chdb":   # the telemetry in ClickHouse (chDB, in the collector's process), state in db
+            cmd += ["--store", f"chdb://{engine}?database=bench"]
         with open(col_log, "w") as log_fh:
             col = children.start(cmd, stdout=subprocess.PIPE, stderr=log_fh, text=True)
         port = 0
@@ -458,10 +535,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"collector: pid {col_ps.pid}, 127.0.0.1:{port}, store {db}", flush=True)
 
         ing = run_ingest(args, tmp, children, col_ps, store, port)
-        ag = run_agent(args, tmp, children, store, port) if args.agent_seconds > 0 else None
+        ag = run_agent(args, tmp, children, store, port) if agent else None
         Children.stop(col)
         with open(col_log, errors="replace") as fh:
             refused = sum("refused stream" in line for line in fh)
+        disk = _store_disk(store_kind, db, engine)
+        if store_kind == "chdb":
+            ing["metrics_rows"], ing["rejections"] = disk["metrics_rows"], disk["rejections"]
 
         gen = ing["generator"]
         per_s = ing["per_second"]
@@ -483,6 +563,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{ing['rejections']}, reconnects {ing['reconnects']}, drain {ing['drain_seconds_max']:.1f} s")
         for m in ing["mismatches"]:
             print(f"  MISMATCH {m}")
+        print(f"store                   {store_kind}: {disk['bytes'] / 2**20:.1f} MiB on disk, "
+              f"{disk['bytes'] / max(1, ing['stored_total']):.1f} B per stored record")
         print(f"connect                 {ing['connect_s']:.1f} s for all emulated agents to be acked; collector "
               f"refused {refused} stream(s) over the run")
         if ag is not None:
@@ -494,7 +576,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.keep:
             print(f"kept {tmp}")
         headline = {
-            "agents": args.agents, "window_seconds": round(ing["wall_s"], 2),
+            "store": store_kind, "agents": args.agents, "window_seconds": round(ing["wall_s"], 2),
+            "store_bytes_per_record": round(disk["bytes"] / max(1, ing["stored_total"]), 1),
             "rows_per_s": round(ing["rows_per_s"]), "rows_stored": ing["rows"],
             "collector_cpu_s_per_100k_rows": round(ing["collector_cpu_s_per_100k_rows"] or 0, 3),
             "collector_cpu_percent": round(ing["collector_cpu_percent"], 1),
@@ -507,15 +590,14 @@ def main(argv: list[str] | None = None) -> int:
             "collector_refused_streams": refused,
             "goal_rows_per_s": GOAL_ROWS_PER_S, "goal_agent_cpu_percent": GOAL_AGENT_CPU_PERCENT,
         }
-        print(json.dumps(headline), flush=True)
-        return 0 if ing["lost_records"] == 0 and not ing["mismatches"] else 1
+        return headline if not ing["mismatches"] else dict(headline, lost_records=max(1, headline["lost_records"]))
     except RuntimeError as exc:
         print(f"bench/ingest.py: {exc}", file=sys.stderr)
         for name in ("collector.log", "emulator.log", "agent.log"):
             tail = _tail(os.path.join(tmp, name))
             if tail:
                 print(f"--- {name} (tail) ---\n{tail}", file=sys.stderr)
-        return 1
+        return None
     finally:
         children.stop_all()
         if not args.keep:

@@ -49,6 +49,8 @@ def main(argv=None) -> int:
     ap.add_argument("--iterations", type=int, default=80)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--seed", type=int, default=11)
+    ap.add_argument("--store", choices=["sqlite", "chdb"], default="sqlite",
+                    help="chdb: the Step rows in ClickHouse's engine (in this process), read by ClickHouseReader")
     a = ap.parse_args(argv)
     cfg = ModelConfig(dp=a.dp, pp=a.pp, tp=a.tp, micro_batches=8, iterations=a.iterations, gpus_per_node=8,
                       nodes_per_leaf=8, spines=8, seed=a.seed)
@@ -56,8 +58,15 @@ def main(argv=None) -> int:
     win = int(icfg.window_seconds * 1e9)
     tmp = tempfile.mkdtemp(prefix="stepsread")
     path = os.path.join(tmp, "steps.db")
-    sf = scoring.StoreFeed(cfg, path)
-    reader = Reader(path)
+    if a.store == "chdb":
+        from steplens.collector.store import clickhouse as chs
+        url = chs.parse_store(f"chdb://{tmp}/chdb?database=steps")
+        # retention 0: the simulated job ran on a fixed date long ago (a TTL would expire its rows)
+        sf = scoring.StoreFeed(cfg, path, writer=chs.ClickHouseWriter(path, url, retention_seconds=0))
+        reader = chs.ClickHouseReader(path, url)
+    else:
+        sf = scoring.StoreFeed(cfg, path)
+        reader = Reader(path)
     kept = Kept(reader)
     full_s, inc_s, full_steps, inc_steps, rows_seen = [], [], [], [], []
     iters = 0
@@ -97,7 +106,7 @@ def main(argv=None) -> int:
             if os.path.exists(path + ext):
                 os.remove(path + ext)
     after_first = slice(1, None)   # the first incremental pass reads the whole window, as the full read does
-    out = {"gpus": cfg.gpus, "iterations": a.iterations, "passes": len(full_s),
+    out = {"store": a.store, "gpus": cfg.gpus, "iterations": a.iterations, "passes": len(full_s),
            "full_read_median_s": round(statistics.median(full_s[after_first] or full_s), 3),
            "incremental_read_median_s": round(statistics.median(inc_s[after_first] or inc_s), 3),
            "speedup_x": round(statistics.median(full_s[after_first] or full_s)

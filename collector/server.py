@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import sqlite3
 from dataclasses import dataclass, field
 
 import grpc
@@ -21,8 +22,9 @@ from steplens.collector.control.fetch import thread_fetcher
 from steplens.collector.control.service import ControlService
 from steplens.collector.ingest.clock import ClusterClock
 from steplens.collector.ingest.server import IngestService, IngestSettings
-from steplens.collector.store.queries import Reader
-from steplens.collector.store.writer import StoreWriter
+from steplens.collector.store.clickhouse import make_store
+from steplens.collector.store.schema import StoreError
+from steplens.collector.store.writer import BackendError
 from steplens.v1 import control_pb2_grpc as cgrpc
 
 log = logging.getLogger("steplens.collector")
@@ -30,7 +32,8 @@ log = logging.getLogger("steplens.collector")
 
 @dataclass
 class CollectorSettings:
-    db: str
+    db: str                # the SQLite file: the whole store, or the state beside ClickHouse
+    store: str = ""        # '' : SQLite at db; clickhouse://HOST:PORT/DB or chdb:///DIR: telemetry there
     listen: str = "127.0.0.1:7707"
     control_listen: str = ""  # TLS port without client certs, for operators with a bearer token
     insecure: bool = False
@@ -47,6 +50,9 @@ class CollectorSettings:
     deep_dive: DeepDiveConfig = field(default_factory=DeepDiveConfig)   # [deep_dive]: findings start deep dives
 
     def validate(self) -> None:
+        if self.store:
+            from steplens.collector.store.clickhouse import parse_store
+            parse_store(self.store)
         conn.split_host_port(self.listen)
         self.analysis.validate()
         if self.metrics_listen:
@@ -66,27 +72,49 @@ class CollectorSettings:
                 raise conn.SecurityError("--control-listen needs --token-file: it accepts no client certificates")
 
 
+class StoreErrors(grpc.aio.ServerInterceptor):
+    """A Control call whose store read fails (SQLite busy or gone, a ClickHouse server unreachable) answers
+    UNAVAILABLE with the reason, instead of gRPC's bare UNKNOWN; Ingest's stream handles its own."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        async def call(request, context):
+            try:
+                return await inner(request, context)
+            except (BackendError, StoreError, sqlite3.Error) as exc:
+                log.warning("%s: store failed: %s", details.method, exc)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"the collector's store failed: {exc}")
+        return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                                   response_serializer=handler.response_serializer)
+
+
 class Collector:
     def __init__(self, settings: CollectorSettings) -> None:
         settings.validate()
         self.settings = settings
         self.clock = ClusterClock()
-        self.writer = StoreWriter(settings.db, now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds)
+        self.store_url, make_writer, make_reader = make_store(settings.db, settings.store)
+        self.writer = make_writer(now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds)
         ingest_settings = settings.ingest
         ingest_settings.require_client_cert = not settings.insecure
         self.ingest = IngestService(self.writer, self.clock, ingest_settings)
-        self.control = ControlService(Reader(settings.db), self.ingest, self.clock, tls=not settings.insecure,
+        self.control = ControlService(make_reader(), self.ingest, self.clock, tls=not settings.insecure,
                                       token=settings.token, operator_cns=settings.operator_cns)
         own = [p for a in (settings.listen, settings.control_listen, settings.metrics_listen) if a
                for p in [conn.split_host_port(a)[1]] if p]
         analysis = dataclasses.replace(settings.analysis, flows_ignore_ports=sorted(
             set(settings.analysis.flows_ignore_ports) | set(own)))   # its agents' streams are no job's flows
-        self.analysis = AnalysisEngine(Reader(settings.db), self.writer, analysis, settings.detectors,
+        self.analysis = AnalysisEngine(make_reader(), self.writer, analysis, settings.detectors,
                                        settings.detector_configs, now_ns=self.clock.now_ns)
         self.control.engine = self.analysis
-        self.deepdives = DeepDives(self.ingest, Reader(settings.db), self.writer, self.clock, self.analysis.hub,
+        self.deepdives = DeepDives(self.ingest, make_reader(), self.writer, self.clock, self.analysis.hub,
                                    settings.deep_dive)
         self.control.deepdives = self.deepdives
+        self.make_reader = make_reader
         self.metrics = None
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -98,7 +126,7 @@ class Collector:
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.min_ping_interval_without_data_ms", 5000),
                 ("grpc.so_reuseport", 0)]
-        self.server = grpc.aio.server(options=opts)
+        self.server = grpc.aio.server(options=opts, interceptors=[StoreErrors()])
         self.server.add_generic_rpc_handlers((self.ingest.generic_handler(),))
         cgrpc.add_ControlServicer_to_server(self.control, self.server)
         if s.insecure:
@@ -121,10 +149,11 @@ class Collector:
         self.deepdives.start()
         if s.metrics_listen:
             from steplens.collector.metrics import CollectorExporter, MetricsServer
-            self.metrics = MetricsServer(CollectorExporter(Reader(s.db), self.analysis, self.ingest,
+            self.metrics = MetricsServer(CollectorExporter(self.make_reader(), self.analysis, self.ingest,
                                                            self.deepdives).registry,
                                          s.metrics_listen)
-        log.info("collector listening on %s (port %d), store %s, %s", s.listen, self.port, s.db,
+        log.info("collector listening on %s (port %d), store %s, %s", s.listen, self.port,
+                 self.store_url.describe() + (f" (state {s.db})" if self.store_url.kind != "sqlite" else ""),
                  "insecure (loopback only)" if s.insecure else "mutual TLS")
         return self.port
 

@@ -56,10 +56,11 @@ class StoreFeed:
     (agent encoding, decode, clock conversion, insert); add() as records come, flush() + wait() to have every
     record added so far stored (healthy.py analyses the store between them, as the analysis loop sees it)."""
 
-    def __init__(self, cfg: ModelConfig, path: str, batch: int = 2000) -> None:
+    def __init__(self, cfg: ModelConfig, path: str, batch: int = 2000, writer=None, sources=None) -> None:
         self.clock = ClockEstimate(cfg.base_ns - MONO_BASE, 0.0, 0, 1, 1, 5)
         self.batch = batch
-        self.writer = StoreWriter(path)
+        self.sources = SOURCES if sources is None else sources   # record type -> source name; others skipped
+        self.writer = writer or StoreWriter(path)   # writer: another store's (tests/test_store_clickhouse.py)
         self.writer.start()
         self.outcomes: list[list] = []
         self.bufs: dict[str, list] = {}
@@ -80,7 +81,7 @@ class StoreFeed:
 
     def add(self, aid: str, rec) -> None:
         """One record of agent aid (only the kinds in SOURCES are kept)."""
-        src = SOURCES.get(type(rec))
+        src = self.sources.get(type(rec))
         if src is None:
             return
         lst = self.bufs.setdefault(aid, [])

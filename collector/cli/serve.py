@@ -14,7 +14,6 @@ import sys
 
 from steplens import conn
 from steplens.collector.server import Collector, CollectorSettings
-from steplens.collector.store.queries import Reader
 from steplens.collector.store.schema import StoreError
 
 if sys.version_info >= (3, 11):
@@ -23,7 +22,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 DEFAULT_CONFIG_PATH = "/etc/steplens/collector.toml"
-_KEYS = {"db", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
+_KEYS = {"db", "store", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
          "operator_cns", "retention", "log_level", "metrics_listen"}
 _TABLES = {"collector", "analysis", "detectors", "deep_dive"}
 
@@ -61,7 +60,8 @@ def _settings(args) -> tuple[CollectorSettings, str]:
     if not table.get("db"):
         raise ValueError("--db PATH is required (or db in the config file)")
     s = CollectorSettings(
-        db=table["db"], listen=table.get("listen", "127.0.0.1:7707"), control_listen=table.get("control_listen", ""),
+        db=table["db"], store=table.get("store", ""), listen=table.get("listen", "127.0.0.1:7707"),
+        control_listen=table.get("control_listen", ""),
         insecure=bool(table.get("insecure", False)),
         tls=conn.TlsFiles(table.get("tls_ca", ""), table.get("tls_cert", ""), table.get("tls_key", "")),
         token=conn.read_token(table.get("token_file", "")),
@@ -147,7 +147,7 @@ def cmd_allinone(args) -> int:
     from steplens.collector import demo as demo_mod
     os.makedirs(args.state_dir, exist_ok=True)
     db = args.db or os.path.join(args.state_dir, "steplens.db")
-    settings = CollectorSettings(db=db, listen=args.listen, insecure=True)
+    settings = CollectorSettings(db=db, store=args.store, listen=args.listen, insecure=True)
     settings.validate()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     agent_bin = [os.path.join(os.path.dirname(sys.executable), "steplens-agent")]
@@ -171,7 +171,8 @@ def cmd_allinone(args) -> int:
         cli = os.path.join(os.path.dirname(sys.executable), "steplens")
         cli = os.path.relpath(cli) if cli.startswith(os.getcwd() + os.sep) else cli
         cli = f"{cli} --collector {args.listen} --insecure"
-        print(f"\nsteplens all-in-one: collector on {args.listen} (store {db}), agent pid {agent.pid}"
+        where = collector.store_url.describe() + f", state {db}" if args.store else db
+        print(f"\nsteplens all-in-one: collector on {args.listen} (store {where}), agent pid {agent.pid}"
               f"{', /metrics on ' + args.metrics_listen if args.metrics_listen else ''}.\n"
               f"Look with:\n  {cli} nodes\n  {cli} gpus\n  {cli} procs\n"
               "Ctrl-C stops everything.\n", flush=True)
@@ -188,7 +189,7 @@ def cmd_allinone(args) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        reader, told, demo_ok = Reader(db), {}, demo is not None and bool(demo.procs)
+        reader, told, demo_ok = collector.make_reader(), {}, demo is not None and bool(demo.procs)
         while not stop.is_set() and agent.poll() is None:
             try:
                 await asyncio.wait_for(stop.wait(), 0.5)
@@ -226,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("serve", help="serve Ingest (agents) and Control (operators)")
     p.add_argument("--config", help=f"TOML with a [collector] table (default {DEFAULT_CONFIG_PATH} when present)")
-    p.add_argument("--db", help="SQLite store path")
+    p.add_argument("--db", help="SQLite store path (with --store clickhouse: the collector's state only)")
+    p.add_argument("--store", help="clickhouse://[USER[:PASS]@]HOST[:PORT]/DB or chdb:///DIR?database=DB: telemetry "
+                                   "in ClickHouse (default: all in the SQLite file)")
     p.add_argument("--listen", help="HOST:PORT or unix:PATH (default 127.0.0.1:7707)")
     p.add_argument("--control-listen", dest="control_listen", help="extra TLS port for token-authenticated operators")
     p.add_argument("--insecure", action="store_true", default=None, help="plaintext, loopback/unix only")
@@ -242,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("allinone", help="collector + one local agent on loopback (what `make run` starts)")
     p.add_argument("--state-dir", default="run", help="where the store and the agent's spool go (default ./run)")
     p.add_argument("--db", help="store path (default STATE_DIR/steplens.db)")
+    p.add_argument("--store", default="", help="as serve's --store (default: all in the SQLite file)")
     p.add_argument("--listen", default="127.0.0.1:7707")
     p.add_argument("--metrics-listen", default="127.0.0.1:9464", help="agent /metrics ('' disables)")
     p.add_argument("--demo", choices=["auto", "on", "off"], default="auto",

@@ -445,6 +445,20 @@ class DiagnosisQueries:
         rows.reverse()
         return rows
 
+    def _job_comm_rows(self, conn, job_key: str) -> dict[str, list[dict]]:
+        """Per job (or the one asked for), who ran ops on which communicator in its newest JOB_COMMS_WINDOW_NS:
+        {job_key: [{rank, comm_id, agent_id, ops (comma-joined), first_ns, last_ns}]}."""
+        where, args = ("AND job_key = ?", [job_key]) if job_key else ("", [])
+        tails = conn.execute(f"SELECT job_key, MAX(end_ns) FROM comm_summaries WHERE job_key != '' {where}"
+                             " GROUP BY job_key", args).fetchall()
+        summ: dict[str, list[dict]] = {}
+        for key, last in tails:
+            summ[key] = _dict_rows(conn.execute(
+                "SELECT rank, comm_id, agent_id, GROUP_CONCAT(DISTINCT op) AS ops, MIN(start_ns) AS first_ns,"
+                " MAX(end_ns) AS last_ns FROM comm_summaries WHERE job_key = ? AND end_ns >= ?"
+                " GROUP BY rank, comm_id, agent_id", (key, last - JOB_COMMS_WINDOW_NS)))
+        return summ
+
     def jobs(self, job_key: str = "") -> list[dict]:
         """Every job known from processes (job key, rank, world size) or comm summaries, with its ranks,
         nodes and communicators (members from NCCL topology records and from who ran ops on which comm)."""
@@ -456,14 +470,7 @@ class DiagnosisQueries:
                 "SELECT agent_id, pid, start_ticks, job_key, rank, local_rank, world_size, started_ns, exited_ns"
                 f" FROM processes WHERE job_key IS NOT NULL AND job_key != '' {where}"
                 " ORDER BY job_key, rank, started_ns", args))
-            tails = conn.execute(f"SELECT job_key, MAX(end_ns) FROM comm_summaries WHERE job_key != '' {where}"
-                                 " GROUP BY job_key", args).fetchall()
-            summ: dict[str, list[dict]] = {}
-            for key, last in tails:
-                summ[key] = _dict_rows(conn.execute(
-                    "SELECT rank, comm_id, agent_id, GROUP_CONCAT(DISTINCT op) AS ops, MIN(start_ns) AS first_ns,"
-                    " MAX(end_ns) AS last_ns FROM comm_summaries WHERE job_key = ? AND end_ns >= ?"
-                    " GROUP BY rank, comm_id, agent_id", (key, last - JOB_COMMS_WINDOW_NS)))
+            summ = self._job_comm_rows(conn, job_key)
             members = _dict_rows(conn.execute(
                 "SELECT m.*, (SELECT j.job_key FROM comm_members j WHERE j.comm_id = m.comm_id AND j.job_key != ''"
                 " LIMIT 1) AS comm_job FROM comm_members m ORDER BY comm_id, rank"))

@@ -30,6 +30,38 @@ log = logging.getLogger("steplens.collector.writer")
 
 MODE_NAMES = {1: "sentinel", 2: "deep"}
 
+# the append-only tables' columns, in the order the writer builds their rows (the ClickHouse store adds its own
+# delivery columns: clickhouse.py)
+METRIC_COLS = ("series_id", "ts_ns", "value")
+EVENT_COLS = ("agent_id", "ts_ns", "source", "kind", "entity", "message", "value")
+GAP_COLS = ("agent_id", "spool_id", "ts_ns", "source", "dropped_records", "dropped_batches", "first_seq", "last_seq",
+            "reason")
+REJECTION_COLS = ("agent_id", "ts_ns", "spool_id", "seq", "reason", "count")
+STACK_COLS = ("agent_id", "start_ns", "end_ns", "pid", "start_ticks", "tid", "thread_name", "python", "samples",
+              "errors", "last_state", "stacks_json")
+FLOW_COLS = ("agent_id", "start_ns", "end_ns", "src", "sport", "dst", "dport", "bytes", "packets", "pid", "origin",
+             "switches")
+CONN_COLS = ("agent_id", "start_ns", "end_ns", "src", "sport", "dst", "dport", "tx_bytes", "rx_bytes", "tx_packets",
+             "rx_packets", "tx_payload_bytes", "rx_payload_bytes", "retransmits", "srtt_us", "pid", "comm", "source",
+             "net_limited_us")
+COMM_SUMMARY_COLS = ("agent_id", "start_ns", "end_ns", "pid", "start_ticks", "job_key", "rank", "comm_id", "op",
+                     "step", "calls", "bytes", "busy_ns", "max_ns", "seq_first", "seq_last", "timing", "source",
+                     "issue_latency_ns_sum", "kernels")
+COMM_PROGRESS_COLS = ("agent_id", "end_ns", "pid", "start_ticks", "job_key", "rank", "comm_id", "last_enqueued",
+                      "last_started", "last_completed", "pending_op", "pending_seq", "pending_p2p", "pending_peer",
+                      "pending_since_ns", "nranks")
+STEP_COLS = ("agent_id", "source", "pid", "start_ticks", "job_key", "rank", "step", "start_ns", "end_ns", "evidence",
+             "period_ops", "ops", "comms_json")
+ITERATION_COLS = ("agent_id", "pid", "start_ticks", "job_key", "rank", "seq", "start_ns", "end_ns", "anchor", "phase",
+                  "batch_size", "prefill_requests", "prefill_tokens", "decode_requests", "kv_tokens", "input_tokens",
+                  "output_tokens", "tokens", "micro_batches")
+BATCH_COLS = ("agent_id", "spool_id", "seq", "n_records", "n_rejected", "n_bytes", "received_ns", "clock_offset_ns",
+              "clock_uncertainty_ns")
+
+
+class BackendError(RuntimeError):
+    """A store other than the SQLite state file failed (clickhouse.py): the group is not durable."""
+
 
 @dataclass
 class BatchJob:
@@ -197,19 +229,18 @@ class StoreWriter:
                 elif isinstance(item, AgentUpdate):
                     updates.setdefault(item.agent_id, {}).update(item.fields)
                 elif isinstance(item, ImportJob):
-                    conn.executemany(
-                        "INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets, pid,"
-                        " origin, switches) VALUES ('',?,?,?,?,?,?,?,?,0,?,?)",
-                        [(*row[:8], f"import:{item.origin}", row[8]) for row in item.rows])
+                    self._append(None, "flows", FLOW_COLS,
+                                 [("", *row[:8], 0, f"import:{item.origin}", row[8]) for row in item.rows])
                     imports.append(item)
                 else:
                     outcomes.append((item, *self._write_batch(item)))
             for agent_id, fields in updates.items():
                 self._update_agent(agent_id, fields)
             self._flush_series()
+            self._before_commit()
             conn.execute("COMMIT")
             self.commits += 1
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, BackendError) as exc:
             try:
                 conn.execute("ROLLBACK")
             except sqlite3.Error:
@@ -219,12 +250,23 @@ class StoreWriter:
             log.error("%s; %d batches left unacknowledged", self.last_error, len(outcomes))
             self._series.clear()
             self._last_seq.clear()
+            self._on_failure()
             for item in group:
                 if isinstance(item, (BatchJob, ImportJob, StoreJob)):
                     item.done("failed", 0, self.last_error)
             return
         for sj, outcome, note in jobs:
             sj.done(outcome, sj.result, note)
+        late = self._after_commit()
+        if late:   # the telemetry store failed after the state committed: the agents resend
+            self.failures += 1
+            self.last_error = f"store write failed: {late}"
+            log.error("%s; %d batches left unacknowledged", self.last_error, len(outcomes))
+            self._last_seq.clear()
+            self._on_failure()
+            for item in [*imports, *(o[0] for o in outcomes)]:
+                item.done("failed", 0, self.last_error)
+            return
         for imp in imports:
             imp.done("stored", len(imp.rows), "")
         for job, outcome, rejected, note in outcomes:
@@ -266,16 +308,18 @@ class StoreWriter:
             dec = decode_batch(job.payload, job.n_records, job.sent_mono_ns)
         except BatchRejected as exc:
             reason = str(exc)
-            conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
-                         (job.agent_id, job.received_ns, job.spool_id, job.seq, reason, job.n_records))
+            self._append(job, "rejections", REJECTION_COLS,
+                         [(job.agent_id, job.received_ns, job.spool_id, job.seq, reason, job.n_records)])
             self._record_batch(job, 0, job.n_records)
             return "rejected", job.n_records, reason
         to_cluster = job.clock.to_cluster
         rejected = dec.rejected
+        append = self._append
         # metrics: series lookup, forward-in-time check, cluster time
         rows = []
         series = self._series
         agent = job.agent_id
+        metric_row = self._metric_row
         for mono, name, entity, value in dec.metrics:
             s = series.get((agent, name, entity))
             if s is None:
@@ -284,10 +328,10 @@ class StoreWriter:
                 rejected["non-monotonic time within a series"] += 1
                 continue
             ts = to_cluster(mono)
+            rows.append(metric_row(s, agent, name, entity, ts, value))   # before s moves on: a hook may keep it
             s[1], s[2], s[3], s[4] = mono, ts, value, True
-            rows.append((s[0], ts, value))
         if rows:
-            conn.executemany("INSERT OR REPLACE INTO metrics(series_id, ts_ns, value) VALUES (?,?,?)", rows)
+            append(job, "metrics", METRIC_COLS, rows)
         for mono, g in dec.gpus:
             ts = to_cluster(mono)
             conn.execute(
@@ -310,49 +354,37 @@ class StoreWriter:
         for mono, pid, start_ticks in dec.exits:
             conn.execute("UPDATE processes SET exited_ns=? WHERE agent_id=? AND pid=? AND start_ticks=?",
                          (to_cluster(mono), agent, pid, start_ticks))
-        if dec.events:
-            conn.executemany("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value)"
-                             " VALUES (?,?,?,?,?,?,?)",
-                             [(agent, to_cluster(m), src, k, e, msg, v) for m, src, k, e, msg, v in dec.events])
-        for mono, src, g in dec.gaps:
-            conn.execute("INSERT INTO gaps(agent_id, spool_id, ts_ns, source, dropped_records, dropped_batches,"
-                         " first_seq, last_seq, reason) VALUES (?,?,?,?,?,?,?,?,?)",
-                         (agent, job.spool_id, to_cluster(mono), src, g.dropped_records, g.dropped_batches,
-                          g.first_seq, g.last_seq, g.reason))
+        events = [(agent, to_cluster(m), src, k, e, msg, v) for m, src, k, e, msg, v in dec.events]
         for mono, m in dec.modes:
-            ts = to_cluster(mono)
             mode = MODE_NAMES.get(m.mode, "unknown")
             until = job.clock.to_cluster(m.until_mono_ns) if m.until_mono_ns else 0
-            conn.execute("INSERT INTO events(agent_id, ts_ns, source, kind, entity, message, value) VALUES (?,?,?,?,?,?,?)",
-                         (agent, ts, "agent", "mode", mode, f"{mode} ({m.reason}) command {m.command_id}", until))
+            events.append((agent, to_cluster(mono), "agent", "mode", mode,
+                           f"{mode} ({m.reason}) command {m.command_id}", until))
+        if events:
+            append(job, "events", EVENT_COLS, events)
+        if dec.gaps:
+            append(job, "gaps", GAP_COLS,
+                   [(agent, job.spool_id, to_cluster(mono), src, g.dropped_records, g.dropped_batches, g.first_seq,
+                     g.last_seq, g.reason) for mono, src, g in dec.gaps])
         if dec.stacks:
-            conn.executemany(
-                "INSERT INTO stack_summaries(agent_id, start_ns, end_ns, pid, start_ticks, tid, thread_name, python,"
-                " samples, errors, last_state, stacks_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, to_cluster(st.start_mono_ns), to_cluster(m), st.pid, st.start_ticks, st.tid, st.thread_name,
-                  st.python, st.samples, st.errors, st.last_state, stacks_json(st)) for m, st in dec.stacks])
+            append(job, "stack_summaries", STACK_COLS,
+                   [(agent, to_cluster(st.start_mono_ns), to_cluster(m), st.pid, st.start_ticks, st.tid,
+                     st.thread_name, st.python, st.samples, st.errors, st.last_state, stacks_json(st))
+                    for m, st in dec.stacks])
         if dec.flows:
-            conn.executemany(
-                "INSERT INTO flows(agent_id, start_ns, end_ns, src, sport, dst, dport, bytes, packets, pid, origin)"
-                " VALUES (?,?,?,?,?,?,?,?,?,?,'ebpf')",
-                [(agent, to_cluster(f.start_mono_ns), to_cluster(m), f.src, f.sport, f.dst, f.dport, f.bytes,
-                  f.packets, f.pid) for m, f in dec.flows])
+            append(job, "flows", FLOW_COLS,
+                   [(agent, to_cluster(f.start_mono_ns), to_cluster(m), f.src, f.sport, f.dst, f.dport, f.bytes,
+                     f.packets, f.pid, "ebpf", "[]") for m, f in dec.flows])
         if dec.conns:
-            conn.executemany(
-                "INSERT INTO conn_stats(agent_id, start_ns, end_ns, src, sport, dst, dport, tx_bytes, rx_bytes,"
-                " tx_packets, rx_packets, tx_payload_bytes, rx_payload_bytes, retransmits, srtt_us, pid, comm, source,"
-                " net_limited_us) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.src, c.sport, c.dst, c.dport, c.tx_bytes,
-                  c.rx_bytes, c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
-                  c.srtt_us, c.pid, c.comm, src, c.net_limited_us) for m, c, src in dec.conns])
+            append(job, "conn_stats", CONN_COLS,
+                   [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.src, c.sport, c.dst, c.dport, c.tx_bytes,
+                     c.rx_bytes, c.tx_packets, c.rx_packets, c.tx_payload_bytes, c.rx_payload_bytes, c.retransmits,
+                     c.srtt_us, c.pid, c.comm, src, c.net_limited_us) for m, c, src in dec.conns])
         if dec.comm_summaries:
-            conn.executemany(
-                "INSERT INTO comm_summaries(agent_id, start_ns, end_ns, pid, start_ticks, job_key, rank, comm_id, op,"
-                " step, calls, bytes, busy_ns, max_ns, seq_first, seq_last, timing, source, issue_latency_ns_sum,"
-                " kernels) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank,
-                  c.comm_id, c.op, c.step, c.calls, c.bytes, c.busy_ns, c.max_ns, c.seq_first, c.seq_last, c.timing,
-                  src, c.issue_latency_ns_sum, c.kernels) for m, src, c in dec.comm_summaries])
+            append(job, "comm_summaries", COMM_SUMMARY_COLS,
+                   [(agent, to_cluster(c.start_mono_ns), to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank,
+                     c.comm_id, c.op, c.step, c.calls, c.bytes, c.busy_ns, c.max_ns, c.seq_first, c.seq_last,
+                     c.timing, src, c.issue_latency_ns_sum, c.kernels) for m, src, c in dec.comm_summaries])
         if dec.comm_members:
             # a (comm, rank, host, pid) seen again (RAS and a log, several agents) keeps its newest report
             conn.executemany(
@@ -366,46 +398,59 @@ class StoreWriter:
                 [(c.comm_id, c.rank, c.nranks, c.host, c.pid, c.cuda_dev, c.nvml_dev, c.bus_id, c.global_rank,
                   c.job_key, c.via, agent, to_cluster(m)) for m, c in dec.comm_members])
         if dec.comm_progress:
-            conn.executemany(
-                "INSERT INTO comm_progress(agent_id, end_ns, pid, start_ticks, job_key, rank, comm_id, last_enqueued,"
-                " last_started, last_completed, pending_op, pending_seq, pending_p2p, pending_peer, pending_since_ns,"
-                " nranks) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank, c.comm_id, c.last_enqueued,
-                  c.last_started, c.last_completed, c.pending_op, c.pending_seq, int(c.pending_p2p), c.pending_peer,
-                  to_cluster(c.pending_since_mono_ns) if c.pending_since_mono_ns else 0, c.nranks)
-                 for m, c in dec.comm_progress])
+            append(job, "comm_progress", COMM_PROGRESS_COLS,
+                   [(agent, to_cluster(m), c.pid, c.start_ticks, c.job_key, c.rank, c.comm_id, c.last_enqueued,
+                     c.last_started, c.last_completed, c.pending_op, c.pending_seq, int(c.pending_p2p),
+                     c.pending_peer, to_cluster(c.pending_since_mono_ns) if c.pending_since_mono_ns else 0,
+                     c.nranks) for m, c in dec.comm_progress])
         if dec.steps:
-            conn.executemany(
-                "INSERT INTO steps(agent_id, source, pid, start_ticks, job_key, rank, step, start_ns, end_ns, evidence,"
-                " period_ops, ops, comms_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, src, st.pid, st.start_ticks, st.job_key, st.rank, st.step, to_cluster(st.start_mono_ns),
-                  to_cluster(st.end_mono_ns), st.evidence, st.period_ops, st.ops, step_comms_json(st))
-                 for m, src, st in dec.steps])
+            append(job, "steps", STEP_COLS,
+                   [(agent, src, st.pid, st.start_ticks, st.job_key, st.rank, st.step, to_cluster(st.start_mono_ns),
+                     to_cluster(st.end_mono_ns), st.evidence, st.period_ops, st.ops, step_comms_json(st))
+                    for m, src, st in dec.steps])
         if dec.iterations:
-            conn.executemany(
-                "INSERT INTO iterations(agent_id, pid, start_ticks, job_key, rank, seq, start_ns, end_ns, anchor,"
-                " phase, batch_size, prefill_requests, prefill_tokens, decode_requests, kv_tokens, input_tokens,"
-                " output_tokens, tokens, micro_batches) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                [(agent, it.pid, it.start_ticks, it.job_key, it.rank, it.seq, to_cluster(it.start_mono_ns),
-                  to_cluster(it.end_mono_ns), it.anchor, it.phase, it.batch_size, it.prefill_requests,
-                  it.prefill_tokens, it.decode_requests, it.kv_tokens, it.input_tokens, it.output_tokens, it.tokens,
-                  it.micro_batches) for m, it in dec.iterations])
+            append(job, "iterations", ITERATION_COLS,
+                   [(agent, it.pid, it.start_ticks, it.job_key, it.rank, it.seq, to_cluster(it.start_mono_ns),
+                     to_cluster(it.end_mono_ns), it.anchor, it.phase, it.batch_size, it.prefill_requests,
+                     it.prefill_tokens, it.decode_requests, it.kv_tokens, it.input_tokens, it.output_tokens,
+                     it.tokens, it.micro_batches) for m, it in dec.iterations])
         n_rej = sum(rejected.values())
-        for reason, count in rejected.items():
-            conn.execute("INSERT INTO rejections(agent_id, ts_ns, spool_id, seq, reason, count) VALUES (?,?,?,?,?,?)",
-                         (agent, job.received_ns, job.spool_id, job.seq, reason, count))
+        if rejected:
+            append(job, "rejections", REJECTION_COLS,
+                   [(agent, job.received_ns, job.spool_id, job.seq, reason, count)
+                    for reason, count in rejected.items()])
         self._record_batch(job, job.n_records - n_rej, n_rej)
         self.rows_written += len(rows)
         self.records_written += job.n_records - n_rej
         note = "; ".join(f"{c} x {r}" for r, c in rejected.items())
         return "stored", n_rej, note
 
+    # hooks of a store that keeps its append-only tables elsewhere (clickhouse.ClickHouseWriter)
+    def _before_commit(self) -> None:
+        """Before the state's COMMIT; raising BackendError rolls the group back."""
+
+    def _after_commit(self) -> str:
+        """After it: '' when the group is durable, else why not (its batches and imports then fail)."""
+        return ""
+
+    def _on_failure(self) -> None:
+        """After a failed group: undo what the group left behind."""
+
+    def _append(self, job: BatchJob | None, table: str, cols: tuple, rows: list) -> None:
+        """Rows for an append-only table (job: the batch they came from; None for an import). metrics is keyed by
+        (series_id, ts_ns): a sample whose cluster time equals the previous one's (a clock estimate moved back)
+        replaces it."""
+        verb = "INSERT OR REPLACE" if table == "metrics" else "INSERT"
+        self.conn.executemany(f"{verb} INTO {table}({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", rows)
+
+    def _metric_row(self, s: list, agent: str, name: str, entity: str, ts: int, value: float) -> tuple:
+        return (s[0], ts, value)
+
     def _record_batch(self, job: BatchJob, stored: int, rejected: int) -> None:
         conn = self.conn
-        conn.execute("INSERT INTO batches(agent_id, spool_id, seq, n_records, n_rejected, n_bytes, received_ns,"
-                     " clock_offset_ns, clock_uncertainty_ns) VALUES (?,?,?,?,?,?,?,?,?)",
-                     (job.agent_id, job.spool_id, job.seq, job.n_records, rejected, len(job.payload),
-                      job.received_ns, job.clock.offset_ns, job.clock.uncertainty_ns))
+        self._append(job, "batches", BATCH_COLS, [(job.agent_id, job.spool_id, job.seq, job.n_records, rejected,
+                                                   len(job.payload), job.received_ns, job.clock.offset_ns,
+                                                   job.clock.uncertainty_ns)])
         cur = conn.execute("UPDATE agents SET records_stored = records_stored + ?, records_rejected = records_rejected + ?,"
                            " batches_stored = batches_stored + 1, last_seen_ns = ? WHERE agent_id=?",
                            (stored, rejected, job.received_ns, job.agent_id))

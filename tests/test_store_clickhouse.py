@@ -1,0 +1,348 @@
+"""The ClickHouse store (collector/store/clickhouse.py) on a real ClickHouse engine: chDB, the engine in-process
+(Debian's clickhouse-server 18.16 is too old for clickhouse-connect; FACTS.md). One chDB engine per process: every
+test here uses its own database in one directory.
+
+Parity: a simulated job (every record kind an agent sends: ProcessInfo, Step, CommSummary, Metric, Flow,
+CommProgress and process-state Events of a hang) goes through the real writer into SQLite and into ClickHouse;
+every read the detectors, Control and the CLI make gives the same answer, and every detector finds the same
+findings on both."""
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+chdb = pytest.importorskip("chdb")   # a dependency of the test extra; skipped only outside `make test`
+
+from bench.eval import scoring  # noqa: E402
+from steplens.agent import records as r  # noqa: E402
+from steplens.agent.transport.codec import encode_records  # noqa: E402
+from steplens.collector.ingest.clock import ClockEstimate  # noqa: E402
+from steplens.collector.store import clickhouse as chs  # noqa: E402
+from steplens.collector.store import writer as w  # noqa: E402
+from steplens.collector.store.queries import Reader  # noqa: E402
+from steplens.sim.faults import parse_fault  # noqa: E402
+from steplens.sim.model import ModelConfig  # noqa: E402
+
+_N = itertools.count()
+ALL_SOURCES = {r.Step: "flightrec", r.ProcessInfo: "procs", r.CommProgress: "flightrec", r.Event: "procs",
+               r.CommSummary: "flightrec", r.Metric: "gpu", r.Flow: "netflows"}
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("chdb"))
+
+
+@pytest.fixture
+def url(engine_dir):
+    return chs.parse_store(f"chdb://{engine_dir}?database=t{os.getpid()}_{next(_N)}")
+
+
+def _clock():
+    return ClockEstimate(offset_ns=time.time_ns() - time.monotonic_ns(), drift_ppm=0.0, ref_mono_ns=0,
+                         uncertainty_ns=50_000, best_rtt_ns=100_000, samples=5)
+
+
+def _submit(writer, agent, seq, records, clock, spool="ab" * 8):
+    done = []
+    writer.submit(w.BatchJob(agent, spool, seq, len(records), encode_records([("t", x) for x in records]),
+                             time.monotonic_ns(), clock, time.time_ns(), lambda *a: done.append(a)))
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done[0]
+
+
+def _records(n: int, t0: int, pid: int = 10) -> list:
+    return [r.Metric(t0 + i, "gpu_utilization_percent", "gpu0", float(i)) for i in range(n)] + \
+        [r.ProcessInfo(t0, pid, 55, job_key="job1", rank=0, world_size=2)]
+
+
+def test_store_addresses_parse_and_bad_ones_say_why():
+    assert chs.parse_store("clickhouse://u:p%40ss@ch1:9000/tele") == chs.StoreURL(
+        "clickhouse", host="ch1", port=9000, database="tele", user="u", password="p@ss")
+    assert chs.parse_store("clickhouses://ch1/x").port == 8443 and chs.parse_store("clickhouse://ch1").port == 8123
+    assert chs.parse_store("chdb:///var/lib/sl?database=abc") == chs.StoreURL("chdb", path="/var/lib/sl",
+                                                                               database="abc")
+    assert chs.parse_store("/tmp/x.db").kind == "sqlite" and chs.parse_store("sqlite:///tmp/x.db").path == "/tmp/x.db"
+    for bad, why in [("clickhouse://", "no host"), ("clickhouse://h:port/x", "port"), ("mysql://h/x", "unknown"),
+                     ("clickhouse://h/a-b", "database name"), ("chdb://", "no directory"), ("", "empty")]:
+        with pytest.raises(ValueError, match=why):
+            chs.parse_store(bad)
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path):
+    with pytest.raises(chs.StoreError, match=r"cannot open the ClickHouse store \(clickhouse 127.0.0.1:9/x\)"):
+        chs.ClickHouseWriter(str(tmp_path / "s.db"), chs.parse_store("clickhouse://127.0.0.1:9/x"))
+
+
+def test_the_schema_is_partitioned_ordered_and_expires(url, tmp_path):
+    wr = chs.ClickHouseWriter(str(tmp_path / "s.db"), url, retention_seconds=3 * 86400)
+    try:
+        ddl = wr.ch.query("SELECT create_table_query FROM system.tables WHERE database = ? AND name = 'steps'",
+                          [url.database])[0][0]
+        assert "MergeTree" in ddl and "PARTITION BY toYYYYMMDD" in ddl and "ORDER BY (job_key, end_ns)" in ddl
+        assert "TTL" in ddl and "toIntervalSecond(259200)" in ddl
+        # the writer builds each table's rows in the order its columns are declared here
+        for table, cols in [("events", w.EVENT_COLS), ("gaps", w.GAP_COLS), ("rejections", w.REJECTION_COLS),
+                            ("stack_summaries", w.STACK_COLS), ("flows", w.FLOW_COLS), ("conn_stats", w.CONN_COLS),
+                            ("comm_summaries", w.COMM_SUMMARY_COLS), ("comm_progress", w.COMM_PROGRESS_COLS),
+                            ("steps", w.STEP_COLS), ("iterations", w.ITERATION_COLS), ("batches", w.BATCH_COLS)]:
+            assert tuple(c for c, _ in chs.TABLES[table][0]) == cols, table
+    finally:
+        wr.stop()
+    # a collector started with a shorter retention changes the TTL; with none, removes it
+
+    def ddl_after(retention):
+        chs.ClickHouseWriter(str(tmp_path / "s.db"), url, retention_seconds=retention).stop()
+        return wr.ch.query("SELECT create_table_query FROM system.tables WHERE database = ? AND name = 'metrics'",
+                           [url.database])[0][0]
+    assert "toIntervalSecond(3600)" in ddl_after(3600)
+    assert " TTL " not in ddl_after(0)
+
+
+def test_exactly_once_across_a_restart(url, tmp_path):
+    clock, path = _clock(), str(tmp_path / "s.db")
+    t0 = time.monotonic_ns()
+    wr = chs.ClickHouseWriter(path, url)
+    wr.start()
+    assert _submit(wr, "n1", 1, _records(50, t0), clock)[0] == "stored"
+    assert _submit(wr, "n1", 1, _records(50, t0), clock)[0] == "duplicate"
+    wr.stop()
+    wr = chs.ClickHouseWriter(path, url)   # a new collector on the same stores: the dedupe key survives
+    wr.start()
+    try:
+        assert wr.last_seq("n1", "ab" * 8) == 1
+        assert _submit(wr, "n1", 1, _records(50, t0), clock)[0] == "duplicate"
+        assert _submit(wr, "n1", 2, _records(50, t0 + 100), clock)[0] == "stored"
+        rd = chs.ClickHouseReader(path, url)
+        pts = rd.metric_points("n1", ["gpu_utilization_percent"])[("gpu_utilization_percent", "gpu0")]
+        assert len(pts) == 100 and len({t for t, _ in pts}) == 100
+        (node,) = rd.nodes()
+        assert node["batches_stored"] == 2 and node["batches_duplicate"] == 2 and node["records_stored"] == 102
+    finally:
+        wr.stop()
+
+
+@pytest.mark.parametrize("fail_on", ["metrics", "batches", "commits"])
+def test_a_write_that_fails_midway_leaves_nothing_and_the_resend_lands_once(url, tmp_path, fail_on):
+    """ClickHouse has no transaction over tables: an insert that fails after others landed (into metrics: the first
+    table; batches: the delivery record; commits: after the state committed) must leave no row behind, and the
+    agent's resend (the batch was not acked) must store every record exactly once."""
+    clock, path = _clock(), str(tmp_path / "s.db")
+    t0 = time.monotonic_ns()
+    wr = chs.ClickHouseWriter(path, url)
+    real = wr.ch.insert
+    armed = [True]
+
+    def flaky(table, rows, cols):
+        if table == fail_on and armed[0]:
+            armed[0] = False
+            raise w.BackendError(f"injected: {table} refused")
+        return real(table, rows, cols)
+    wr.ch.insert = flaky
+    wr.start()
+    try:
+        out = _submit(wr, "n1", 1, _records(40, t0), clock)
+        assert out[0] == "failed" and "injected" in out[2]
+        db = url.database
+        for table in ("metrics", "batches"):
+            assert wr.ch.query(f"SELECT count() FROM {db}.{table}")[0][0] == 0, table
+        assert _submit(wr, "n1", 1, _records(40, t0), clock)[0] == "stored"
+        assert _submit(wr, "n1", 1, _records(40, t0), clock)[0] == "duplicate"
+        rd = chs.ClickHouseReader(path, url)
+        pts = rd.metric_points("n1", ["gpu_utilization_percent"])[("gpu_utilization_percent", "gpu0")]
+        assert [v for _, v in pts] == [float(i) for i in range(40)]
+        assert wr.ch.query(f"SELECT count() FROM {db}.metrics")[0][0] == 40
+        assert rd.procs()[0]["job_key"] == "job1"
+    finally:
+        wr.stop()
+
+
+def test_rows_of_a_write_cut_by_a_crash_are_removed_at_start(url, tmp_path):
+    clock, path = _clock(), str(tmp_path / "s.db")
+    t0 = time.monotonic_ns()
+    wr = chs.ClickHouseWriter(path, url)
+    wr.start()
+    assert _submit(wr, "n1", 1, _records(10, t0), clock)[0] == "stored"
+    wr.stop()
+    # what a collector killed between its inserts leaves: rows of seq 2, no commit row
+    top = chs.committed_rid(wr.ch)
+    wr.ch.insert("metrics", [("n1", "gpu_utilization_percent", "gpu0", time.time_ns(), 1.0, "ab" * 8, 2, top + 5)],
+                 tuple(c for c, _ in chs.TABLES["metrics"][0]) + chs.DELIVERY)
+    wr.ch.insert("batches", [("n1", "ab" * 8, 2, 1, 0, 10, time.time_ns(), 0, 0, "ab" * 8, 2, top + 5)],
+                 tuple(c for c, _ in chs.TABLES["batches"][0]) + chs.DELIVERY)
+    wr2 = chs.ClickHouseWriter(path, url)
+    wr2.start()
+    try:
+        assert wr2.recoveries == 1
+        assert wr2.last_seq("n1", "ab" * 8) == 1   # seq 2 was never acked: the agent resends it
+        assert _submit(wr2, "n1", 2, _records(10, t0 + 100), clock)[0] == "stored"
+        assert wr2.ch.query(f"SELECT count() FROM {url.database}.metrics")[0][0] == 20
+    finally:
+        wr2.stop()
+
+
+def _canon(x):
+    """Order-free form of a read's answer (rows with equal sort keys may come in either store's storage order)."""
+    if isinstance(x, dict):
+        return ("dict", tuple(sorted(((repr(k), _canon(v)) for k, v in x.items()), key=repr)))
+    if isinstance(x, (list, tuple)):
+        items = [_canon(v) for v in x]
+        return sorted(items, key=repr) if isinstance(x, list) else tuple(items)
+    return x
+
+
+def test_sqlite_and_clickhouse_give_the_same_answers_and_findings(url, tmp_path):
+    cfg = ModelConfig(dp=4, pp=2, tp=2, micro_batches=4, iterations=40, gpus_per_node=8, nodes_per_leaf=2, spines=2,
+                      seed=5)
+    faults = [parse_fault(s, cfg.topology()) for s in ("slow_gpu:5:12:20:3", "hang:9:30:31:40")]
+    sql_path, ch_state = str(tmp_path / "a.db"), str(tmp_path / "b.db")
+    for path, writer in [(sql_path, None), (ch_state, chs.ClickHouseWriter(ch_state, url, retention_seconds=0))]:
+        # retention 0: the simulated job ran on a fixed date long ago (a TTL would expire its rows on insert)
+        feed = scoring.StoreFeed(cfg, path, batch=500, writer=writer, sources=ALL_SOURCES)
+        try:
+            for aid, rec in scoring.agentview.agent_records(cfg, faults, scoring.JOB, scoring.MONO_BASE):
+                feed.add(aid, rec)
+            feed.flush()
+            feed.topology(cfg)
+            feed.wait()
+        finally:
+            feed.close()
+        feed.check()
+    a, b = Reader(sql_path), chs.ClickHouseReader(ch_state, url)
+    sizes = b.table_sizes()
+    for table in ("metrics", "steps", "comm_summaries", "comm_progress", "flows", "events", "batches"):
+        assert sizes.get(table, {}).get("rows", 0) > 0, (table, sizes)
+    job = scoring.JOB
+    steps = a.steps(job, with_comms=True)
+    mid = steps[len(steps) // 2]["end_ns"]
+    nodes = [n["node_id"] for n in a.nodes()]
+    reads = {
+        "jobs": lambda x: x.jobs(),
+        "steps": lambda x: x.steps(job, with_comms=True),
+        "steps_ranks": lambda x: x.steps(job, ranks=[1, 5], since_ns=mid),
+        "steps_after": lambda x: x.steps_after(job, 0)[0],
+        "steps_after_before": lambda x: x.steps_after(job, 0, since_ns=mid, before_ns=mid + 10**9)[0],
+        "comm_summaries": lambda x: x.comm_summaries(job, limit=10**6),
+        "comm_summaries_ranks": lambda x: x.comm_summaries(job, ranks=[3], since_ns=mid),
+        "comm_progress": lambda x: x.comm_progress(job),
+        "comm_progress_latest": lambda x: x.comm_progress_latest(job),
+        "comm_progress_latest_mid": lambda x: x.comm_progress_latest(job, until_ns=mid),
+        "metric_points": lambda x: [x.metric_points(n, ["gpu_utilization_percent", "gpu_sm_clock_mhz"])
+                                    for n in nodes],
+        "metric_points_window": lambda x: x.metric_points(nodes[0], ["gpu_power_watts"], ["gpu0", "gpu3"],
+                                                          since_ns=mid, until_ns=mid + 5 * 10**9),
+        "flow_rows": lambda x: x.flow_rows(0, 1 << 62),
+        "flows_pair": lambda x: x.flows(by="pair", limit=10**6),
+        "flows_conn": lambda x: x.flows(by="connection", node_id=nodes[1], limit=10**6),
+        "process_events": lambda x: x.process_events(),
+        "node_events": lambda x: [x.node_events(n, ("process_stopped", "process_running")) for n in nodes],
+        "data_watermarks": lambda x: x.data_watermarks([job, "nope"]),
+        "new_data": lambda x: x.new_data_since(0)[1],
+        "iterations": lambda x: x.iterations(job),
+        "gaps": lambda x: x.gaps(),
+        "stacks": lambda x: x.stacks(),
+        "procs": lambda x: x.procs(),
+        "comms": lambda x: x.comms(job),
+    }
+    for name, read in reads.items():
+        got_a, got_b = read(a), read(b)
+        assert _canon(got_a) == _canon(got_b), name
+        if name in ("steps", "comm_progress", "process_events", "flow_rows", "metric_points"):
+            assert got_a, name   # a read that finds nothing in both proves nothing
+    # incremental reads go on from where they stopped: nothing new, then what a later write brings
+    marks, _ = b.new_data_since(0)
+    assert b.new_data_since(marks)[1] == {}
+    rows, top = b.steps_after(job, 0)
+    assert b.steps_after(job, top) == ([], top)
+    # every detector finds the same on both stores (findings' ids are content hashes: equal findings, equal ids)
+    def key(found):
+        return sorted((n, f.kind, f.onset_ns, tuple((s.kind, s.id, s.cause) for s in f.suspects)) for n, f in found)
+    kinds = set()
+    in_hang = next(s["end_ns"] for s in steps if s["rank"] == 9 and s["step"] == 29) + 25 * 10**9
+    for end in (in_hang, max(s["end_ns"] for s in steps) + 1):
+        fa, _ = scoring.run_detectors(scoring.AnalysisReader(a, scoring.sim_fetcher(cfg, faults)), end)
+        fb, _ = scoring.run_detectors(scoring.AnalysisReader(b, scoring.sim_fetcher(cfg, faults)), end)
+        assert key(fa) == key(fb)
+        kinds |= {f.kind for _, f in fa}
+    assert {"hang", "slowdown"} <= kinds, kinds
+
+
+def test_a_collector_on_chdb_serves_a_real_agent(tmp_path):
+    """The collector's own process holds the engine: `steplens-collector serve --store chdb://...` with a real
+    agent over gRPC; the CLI lists the node, its metrics and its processes, read from ClickHouse."""
+    import sqlite3
+
+    from tests.conftest import AgentProc, CollectorProc, wait_for
+    engine = str(tmp_path / "engine")
+    c = CollectorProc(tmp_path, extra=["--store", f"chdb://{engine}?database=e2e"]).start()
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TORCHELASTIC_RUN_ID")}
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "torch.distributed.run"],
+                           env=dict(env, RANK="0", WORLD_SIZE="1", STEPLENS_JOB="chjob"))
+    a = AgentProc(tmp_path, "n-ch", c.address).start()
+    try:
+        node = wait_for(lambda: (c.node("n-ch") or {}).get("records_stored", 0) > 0 and c.node("n-ch"), 90,
+                        interval=1, what="records stored")
+        assert node["batches_stored"] > 0 and node["gaps"] == 0
+        wait_for(lambda: any(p["job_key"] == "chjob" and p["rss_bytes"] for p in c.cli("procs")), 60, interval=1,
+                 what="the job's process with its figures")
+        (j,) = [j for j in c.cli("jobs") if j["job_key"] == "chjob"]
+        assert [r["rank"] for r in j["ranks"]] == [0] and j["nodes"] == ["n-ch"]
+    finally:
+        job.kill()
+        job.wait()
+        a.stop()
+        c.stop()
+    with open(c.log.name, errors="replace") as fh:
+        log = fh.read()
+    assert f"store chdb {engine} database e2e (state {c.db})" in log, log[-2000:]
+    # the telemetry went to ClickHouse, the state file kept the series' newest values only
+    db = sqlite3.connect(c.db)
+    assert db.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == 0
+    assert db.execute("SELECT COUNT(*) FROM series").fetchone()[0] > 0
+    q = subprocess.run([sys.executable, "-c",
+                        "import clickhouse_connect; c = clickhouse_connect.get_client(interface='chdb', "
+                        f"path={engine!r}); print(c.query('SELECT count() FROM e2e.metrics').result_rows[0][0])"],
+                       capture_output=True, text=True, timeout=120)
+    assert q.returncode == 0 and int(q.stdout.strip()) > 0, q.stderr[-2000:]
+
+
+def test_a_store_that_fails_under_a_control_call_answers_unavailable_with_the_reason(url, tmp_path):
+    """A ClickHouse server that goes away under the collector: `steplens nodes` says so (UNAVAILABLE and the
+    driver's reason), and answers again once it is back."""
+    import asyncio
+    import threading
+
+    from steplens.collector.server import Collector, CollectorSettings
+    from tests.conftest import STEPLENS, free_port
+    port = free_port()
+    c = Collector(CollectorSettings(db=str(tmp_path / "c.db"), store=f"chdb://{url.path}?database={url.database}",
+                                    listen=f"127.0.0.1:{port}", insecure=True))
+    loop = asyncio.new_event_loop()
+    th = threading.Thread(target=loop.run_forever, daemon=True)
+    th.start()
+    asyncio.run_coroutine_threadsafe(c.start(), loop).result(30)
+    client = c.control.reader.ch.client
+    real = client.query
+
+    def gone(*a, **k):
+        raise ConnectionError("HTTPConnectionPool(host='ch1', port=8123): Max retries exceeded")
+    try:
+        cli = [STEPLENS, "--collector", f"127.0.0.1:{port}", "--insecure", "nodes"]
+        client.query = gone
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=30)
+        assert out.returncode != 0 and "UNAVAILABLE" in out.stderr and "Max retries exceeded" in out.stderr, out
+        client.query = real
+        assert subprocess.run(cli, capture_output=True, text=True, timeout=30).returncode == 0
+    finally:
+        client.query = real
+        asyncio.run_coroutine_threadsafe(c.stop(0.5), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        th.join(10)
