@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 SYSTEM_STAMP := $(VENV)/.system-packages
 # Debian packages the tests and the agent use: util-linux (unshare), iproute2 (netns), systemd (systemd-analyze),
 # nodejs (runs Perfetto's trace processor, a wasm build, in the trace tests), prometheus (promtool checks
-# deploy/prometheus; installed with services kept from starting: policy-rc.d)
-APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool nodejs prometheus
+# deploy/prometheus; installed with services kept from starting: policy-rc.d), zsh and fish (the completion scripts'
+# tests run them)
+APT_PACKAGES := util-linux iproute2 systemd sqlite3 python3-bpfcc bpftool nodejs prometheus zsh fish
 KREL := $(shell uname -r)
 
 .PHONY: install run test test-all bench eval proto clean inference-env install-system help ebpf-setup test-fresh-boot test-btf-refused

@@ -14,7 +14,7 @@ COMMANDS = [
     (STEPLENS, ["nodes"]), (STEPLENS, ["gpus"]), (STEPLENS, ["procs"]), (STEPLENS, ["gaps"]), (STEPLENS, ["stacks"]),
     (STEPLENS, ["flows"]), (STEPLENS, ["import"]), (STEPLENS, ["detail"]), (STEPLENS, ["commops"]), (STEPLENS, ["comms"]),
     (STEPLENS, ["deep"]), (STEPLENS, ["jobs"]), (STEPLENS, ["findings"]), (STEPLENS, ["diagnose"]),
-    (STEPLENS, ["topology"]), (STEPLENS, ["timeline"]), (STEPLENS, ["trace"]),
+    (STEPLENS, ["topology"]), (STEPLENS, ["timeline"]), (STEPLENS, ["trace"]), (STEPLENS, ["completion"]),
 ]
 
 

@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 
+from steplens.cliout import Progress
 from steplens.sim.faults import parse_fault
 from steplens.sim.model import ModelConfig, simulate
 
@@ -89,7 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-detect", action="store_true", help="skip detector scoring of the named scenarios")
     args = p.parse_args(argv)
     names = args.scenario or list(SCENARIOS)
-    rows = [run_scenario(n, SCENARIOS[n], args.iterations, args.seed) for n in names]
+    rows = []
+    with Progress("simulating", total=len(names), unit="scenarios") as progress:  # drawn on a terminal only
+        for n in names:
+            progress.update(note=n)
+            rows.append(run_scenario(n, SCENARIOS[n], args.iterations, args.seed))
+            progress.advance()
     try:
         from steplens.collector.analysis import DETECTORS  # registered detectors, when there are some
     except ImportError:
@@ -112,14 +118,20 @@ def main(argv: list[str] | None = None) -> int:
         import scoring
         tmp = scoring.tmpdir()
         t_start = time.perf_counter()
-        if not args.no_detect:
-            for n in names:
-                cfg = ModelConfig(iterations=args.iterations, seed=args.seed, **SHAPE)
-                scored.append(scoring.evaluate(n, cfg, SCENARIOS[n], tmp))
-        rng = random.Random(args.random_seed)
-        for i in range(args.random):
-            cfg, specs = scoring.random_scenario(rng, args.random_iterations)
-            scored.append(scoring.evaluate(f"random{i}", cfg, specs, tmp))
+        todo = (0 if args.no_detect else len(names)) + args.random
+        with Progress("scoring the detectors", total=todo, unit="scenarios") as progress:
+            if not args.no_detect:
+                for n in names:
+                    progress.update(note=n)
+                    cfg = ModelConfig(iterations=args.iterations, seed=args.seed, **SHAPE)
+                    scored.append(scoring.evaluate(n, cfg, SCENARIOS[n], tmp))
+                    progress.advance()
+            rng = random.Random(args.random_seed)
+            for i in range(args.random):
+                cfg, specs = scoring.random_scenario(rng, args.random_iterations)
+                progress.update(note=f"random{i} ({cfg.gpus} GPUs)")
+                scored.append(scoring.evaluate(f"random{i}", cfg, specs, tmp))
+                progress.advance()
         print(f"detectors ({', '.join(sorted(DETECTORS))}) through a real store (agent records -> StoreWriter):")
         print(f"{'scenario':<12} {'shape':<14} {'gpus':>5} {'fault':<40} {'found':>5} {'top1':>4} {'top3':>4} "
               f"{'lat':>4} {'FP':>3} {'analysis s':>10}")

@@ -2,7 +2,8 @@
 topology`), a thin layer over Control's ListJobs, ListFindings, WatchFindings, Diagnose, Timeline, BuildTrace,
 ImportTopology and GetTopology.
 
-register() adds them to the `steplens` parser built in ops.py. JSON output: a finding is
+register() adds them to the `steplens` parser built in ops.py (which adds --watch to `jobs`); diagnose, trace
+and import topology show a progress line on stderr at a terminal (cliout.Progress). JSON output: a finding is
 {id, job_key, kind, detector, status, onset_ns, last_ns, resolved_ns, severity, peak_severity, summary,
  suspects: [{kind, id, score, cause, evidence}], evidence, confirmations}.
 """
@@ -13,6 +14,7 @@ import json
 import os
 import time
 
+from steplens import cliout
 from steplens.collector.cli.serve import parse_duration
 from steplens.collector.topology import parse as parse_topology
 from steplens.v1 import control_pb2 as cpb
@@ -48,7 +50,8 @@ def _print_findings(rows: list[dict], empty: str) -> None:
         table.append([f["status"], f["job_key"], f["kind"], f"{f['severity']:.2f}x",
                       f"{top['kind']} {top['id']} ({top['cause'] or '-'})" if top else "-", _ago(f["onset_ns"]),
                       _ago(f["last_ns"]), f["detector"], f["summary"]])
-    print(_table(table, ["STATUS", "JOB", "KIND", "SEVERITY", "TOP SUSPECT", "ONSET", "LAST", "DETECTOR", "SUMMARY"]))
+    print(_table(table, ["STATUS", "JOB", "KIND", "SEVERITY", "TOP SUSPECT", "ONSET", "LAST", "DETECTOR", "SUMMARY"],
+                 free=("TOP SUSPECT", "SUMMARY")))
 
 
 def cmd_findings(stub, args) -> int:
@@ -83,8 +86,9 @@ def _watch(stub, args) -> int:
 
 
 def cmd_diagnose(stub, args) -> int:
-    reply = stub.Diagnose(cpb.DiagnoseRequest(job_key=args.job, since_ns=_since_ns(args.since)),
-                          timeout=args.timeout + 120)
+    with cliout.progress_for(args, f"diagnose {args.job}", note="the detectors run on the collector"):
+        reply = stub.Diagnose(cpb.DiagnoseRequest(job_key=args.job, since_ns=_since_ns(args.since)),
+                              timeout=args.timeout + 120)
     rows = [finding_json(f) for f in reply.findings]
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -141,7 +145,7 @@ def cmd_jobs(stub, args) -> int:
                      _fmt_seconds(j["baseline_step_seconds"]), len(j["open_findings"]),
                      "alive" if j["alive"] else "-", _ago(j["last_seen_ns"])])
     print(_table(rows, ["JOB", "SOURCE", "RANKS", "NODES", "ENDPOINTS", "COMMS", "PAIRS", "STEP", "BASELINE",
-                        "OPEN FINDINGS", "STATE", "LAST"]))
+                        "OPEN FINDINGS", "STATE", "LAST"], free=("PAIRS",)))
     return 0
 
 
@@ -194,8 +198,10 @@ def cmd_import_topology(stub, args) -> int:
         data = fh.read()
     topo = parse_topology(data)  # raises TopologyError (a ValueError) listing every problem: nothing is sent
     origin = args.origin or os.path.basename(args.file)
-    reply = stub.ImportTopology(cpb.ImportTopologyRequest(origin=origin, topology_json=json.dumps(topo.to_dict())),
-                                timeout=args.timeout + 30)
+    with cliout.progress_for(args, f"importing {os.path.basename(args.file)}",
+                             note="the collector checks and stores it"):
+        reply = stub.ImportTopology(cpb.ImportTopologyRequest(origin=origin, topology_json=json.dumps(topo.to_dict())),
+                                    timeout=args.timeout + 30)
     out = {"file": args.file, **_topology_json(reply, False)}
     if args.json:
         print(json.dumps(out))
@@ -216,12 +222,17 @@ def cmd_trace(stub, args) -> int:
     tmp = args.output + ".part"
     summary = {}
     try:
-        with open(tmp, "wb") as f:
+        with open(tmp, "wb") as f, cliout.progress_for(args, f"trace {args.job}", unit="bytes") as progress:
+            progress.update(note="the collector builds it" + ("" if args.store_only else
+                                                              " (fetching the nodes' detail)"))
+            chunks = 0
             for chunk in stub.BuildTrace(cpb.TraceRequest(job_key=args.job, finding_id=finding, since_ns=since,
                                                           until_ns=until, store_only=args.store_only),
                                          timeout=args.timeout + 300):
                 if chunk.data:
                     f.write(chunk.data)
+                    chunks += 1
+                    progress.update(done=f.tell(), note=f"{chunks} chunk{'s' if chunks > 1 else ''} received")
                 if chunk.summary_json:
                     summary = json.loads(chunk.summary_json)
         if not summary:

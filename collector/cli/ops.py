@@ -1,6 +1,9 @@
 """steplens: the operators' CLI, a thin layer over the collector's Control API.
 
-Every listing takes --json and prints one JSON document; errors go to stderr, exit non-zero.
+Every listing takes --json and prints one JSON document; errors go to stderr, exit non-zero. The listings in
+WATCHABLE also take --watch [SECONDS] (cliout.watch: the listing again and again; Ctrl-C ends it with 0), long
+calls show a progress line on stderr at a terminal (cliout.Progress), tables fit the terminal (cliout.fit_widths)
+and `steplens completion SHELL` prints a completion script walked from build_parser() (steplens.completion).
 `import flows` reads its file twice with bounded memory (FlowFile: a pass that validates every row and keeps
 none, then one that sends chunks of 20,000 rows, the next parsed while the collector stores the last): ~3 µs a
 JSON-lines row a pass on this 2-core machine, about 10 MiB over the interpreter's; the import is then bound by
@@ -13,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import stat
 import sys
@@ -26,7 +30,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc  # noqa: E402
 
-from steplens import cliout, conn, stackfmt
+from steplens import cliout, completion, conn, stackfmt
 from steplens.collector.cli import diagnosis
 from steplens.collector.cli.serve import parse_duration
 from steplens.v1 import control_pb2 as cpb
@@ -43,10 +47,30 @@ def _ago(ns: int) -> str:
     return f"{s:.0f}s ago" if s < 120 else f"{s / 60:.0f}m ago" if s < 7200 else f"{s / 3600:.1f}h ago"
 
 
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+def _table(rows: list[list], header: list[str], free: tuple[str, ...] = (), columns: int | None = None) -> str:
+    """Rows under a header, columns padded to their widest cell. To fit `columns` characters (by default the
+    terminal's width when stdout is one; 0: do not fit) the `free` columns (header names: free text such as a
+    summary or a command line) are narrowed, widest first, and their cells cut with an ellipsis; key columns
+    (ids, nodes, ranks) and figures are never cut. Piped, rows are printed whole."""
+    header, rows = list(header), [list(map(str, r)) for r in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)] if rows else [len(h) for h in header]
+    columns = cliout.output_columns() if columns is None else columns
+    if columns:
+        fitted = cliout.fit_widths(widths, [i for i, h in enumerate(header) if h in free], columns)
+        if fitted != widths:
+            widths = fitted
+            header = [cliout.ellipsize(h, w) for h, w in zip(header, widths)]
+            rows = [[cliout.ellipsize(x, w) for x, w in zip(r, widths)] for r in rows]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header)] + [fmt.format(*map(str, r)) for r in rows])
+    return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in rows])
+
+
+def _fit_line(prefix: str, middle: str, suffix: str) -> str:
+    """prefix + middle + suffix, the middle (free text: a stack's call chain) cut to fit a terminal's width."""
+    columns = cliout.output_columns()
+    if columns:
+        middle = cliout.ellipsize(middle, max(columns - len(prefix) - len(suffix), 12))
+    return prefix + middle + suffix
 
 
 def _us(ns: int) -> str:
@@ -95,7 +119,8 @@ def cmd_nodes(stub, args) -> int:
                      n["spool_backlog"], n["records_produced"], n["records_stored"], n["records_dropped"],
                      n["records_rejected"], n["gaps"], n["mode"], _cpu(n)])
     print(_table(rows, ["NODE", "CONN", "LAST SEEN", "CLOCK", "UP", "DOWN (why)", "BACKLOG", "PRODUCED", "STORED",
-                        "DROPPED", "REJECTED", "GAPS", "MODE", "AGENT CPU (budget; costliest, scale)"]))
+                        "DROPPED", "REJECTED", "GAPS", "MODE", "AGENT CPU (budget; costliest, scale)"],
+                 free=("UP", "DOWN (why)", "AGENT CPU (budget; costliest, scale)")))
     return 0
 
 
@@ -121,7 +146,7 @@ def cmd_gpus(stub, args) -> int:
         rows.append([g["node_id"], g["index"], g["name"], g["uuid"][:16]] +
                     ["-" if v is None else f"{v:.0f}" if i != 1 else f"{v / 2**30:.1f}G" for i, v in enumerate(vals)] +
                     [_ago(max((m["ts_ns"] for m in g["latest"].values()), default=0))])
-    print(_table(rows, ["NODE", "GPU", "MODEL", "UUID"] + [h for _, h in _GPU_COLS] + ["UPDATED"]))
+    print(_table(rows, ["NODE", "GPU", "MODEL", "UUID"] + [h for _, h in _GPU_COLS] + ["UPDATED"], free=("MODEL",)))
     return 0
 
 
@@ -138,7 +163,8 @@ def cmd_procs(stub, args) -> int:
     rows = [[p["job_key"], p["rank"] if p["rank"] >= 0 else "-", p["world_size"] if p["world_size"] >= 0 else "-",
              p["node_id"], p["pid"], p["framework"], f"{p['cpu_percent']:.0f}", f"{p['rss_bytes'] / 2**20:.0f}M",
              p["threads"], "alive" if p["alive"] else "exited", p["cmdline"][:60]] for p in procs]
-    print(_table(rows, ["JOB", "RANK", "WORLD", "NODE", "PID", "FRAMEWORK", "CPU%", "RSS", "THR", "STATE", "CMD"]))
+    print(_table(rows, ["JOB", "RANK", "WORLD", "NODE", "PID", "FRAMEWORK", "CPU%", "RSS", "THR", "STATE", "CMD"],
+                 free=("FRAMEWORK", "CMD")))
     return 0
 
 
@@ -152,7 +178,8 @@ def cmd_gaps(stub, args) -> int:
         return 0
     rows = [[g["node_id"], _ago(g["ts_ns"]), g["dropped_records"], g["dropped_batches"],
              f"{g['first_seq']}-{g['last_seq']}", g["reason"]] for g in gaps]
-    print(_table(rows, ["NODE", "WHEN", "RECORDS LOST", "BATCHES", "SEQS", "REASON"]) if rows else "no gaps: nothing lost")
+    print(_table(rows, ["NODE", "WHEN", "RECORDS LOST", "BATCHES", "SEQS", "REASON"], free=("REASON",)) if rows
+          else "no gaps: nothing lost")
     return 0
 
 
@@ -180,7 +207,8 @@ def cmd_stacks(stub, args) -> int:
                 continue
             inner = s["frames"][0]
             where = " <- ".join(f[1] for f in s["frames"][:6])
-            print(f"  {pct:5.1f}%  gil {s['gil']:>4}  {where}  {stackfmt.location(inner[2], inner[3])}".rstrip())
+            print(_fit_line(f"  {pct:5.1f}%  gil {s['gil']:>4}  ", where,
+                            f"  {stackfmt.location(inner[2], inner[3])}".rstrip()))
     return 0
 
 
@@ -207,7 +235,7 @@ def cmd_flows(stub, args) -> int:
         keys = [r["src"], r["dst"]] if args.by == "pair" else [r["src"], r["sport"], r["dst"], r["dport"]]
         out.append(keys + [f"{r['bytes'] / 1e6:.2f}MB", r["flows"], _ago(r["first_ns"]), _ago(r["last_ns"]),
                            r["origin"]])
-    print(_table(out, head + ["BYTES", "FLOWS", "FIRST", "LAST", "ORIGIN"]))
+    print(_table(out, head + ["BYTES", "FLOWS", "FIRST", "LAST", "ORIGIN"], free=("ORIGIN",)))
     return 0
 
 
@@ -222,6 +250,7 @@ FLOW_MEMO_ENTRIES = 1 << 16
 JSON_ARRAY_BUFFER_CHARS = 1 << 20
 _U64 = 1 << 64
 BAD_ROW = (ValueError, TypeError, OverflowError)  # what FlowRowParser raises for a row it refuses
+PROGRESS_ROWS = 4096  # rows between two updates of the check's progress line (an update is two assignments)
 
 
 def _parse_start(value) -> int:
@@ -451,10 +480,20 @@ class FlowFile:
         except (csv.Error, UnicodeDecodeError) as exc:
             yield reader.line_num + 1, _Unreadable(f"unreadable CSV: {exc}")
 
-    def validate(self) -> int:
-        """Check every row and return how many; raise ValueError listing the first problems (nothing imported)."""
+    def size_bytes(self) -> int:
+        return os.fstat(self.fh.fileno()).st_size
+
+    def position_bytes(self) -> int:
+        """How far the reading is, in bytes (to the text layer's read-ahead): for progress."""
+        return self.fh.buffer.tell()
+
+    def validate(self, progress: cliout.Progress | None = None) -> int:
+        """Check every row and return how many; raise ValueError listing the first problems (nothing imported).
+        progress: shown the bytes read, every PROGRESS_ROWS rows."""
         parse, shown, bad, rows = self.parse, [], 0, 0
         for line, row in self._items():
+            if progress is not None and not line % PROGRESS_ROWS:
+                progress.update(done=self.position_bytes(), note=f"{rows:,} rows")
             try:
                 parse(row)
                 rows += 1
@@ -547,13 +586,19 @@ class _FlowSender:
 
 def cmd_import(stub, args) -> int:
     origin = args.origin or os.path.basename(args.file)
+    name = os.path.basename(args.file)
     with FlowFile(args.file, args.format) as flows:
-        total = flows.validate()  # a bad row raises here, before anything is sent
+        with cliout.progress_for(args, f"checking {name}", total=flows.size_bytes(), unit="bytes") as progress:
+            total = flows.validate(progress)  # a bad row raises here, before anything is sent
         sender = _FlowSender(stub, origin, args.timeout + 30)
+        progress = cliout.progress_for(args, f"importing {name}", total=total, unit="flows")
+        progress.update(done=0)
         try:
-            for rows in flows.chunks():
-                sender.send(rows)
-            sender.wait()
+            with progress:
+                for rows in flows.chunks():
+                    sender.send(rows)
+                    progress.update(done=sender.imported)
+                sender.wait()
         except (grpc.RpcError, OSError, ValueError, KeyboardInterrupt) as exc:
             if isinstance(exc, (OSError, ValueError)):  # the file failed, not the call: its answer still counts
                 try:
@@ -573,8 +618,9 @@ def cmd_import(stub, args) -> int:
 def cmd_detail(stub, args) -> int:
     now = time.time_ns()
     since = now - int(parse_duration(args.since) * 1e9)
-    reply = stub.FetchDetail(cpb.FetchRequest(node_id=args.node, kinds=[args.kind], since_ns=since,
-                                              ranks=args.rank or [], limit=args.limit), timeout=args.timeout + 35)
+    with cliout.progress_for(args, f"detail {args.kind}", note=f"fetching from {args.node}"):
+        reply = stub.FetchDetail(cpb.FetchRequest(node_id=args.node, kinds=[args.kind], since_ns=since,
+                                                  ranks=args.rank or [], limit=args.limit), timeout=args.timeout + 35)
     rows = json.loads(reply.records_json or "[]")
     if args.pid:
         rows = [r for r in rows if r.get("pid") == args.pid]
@@ -585,8 +631,9 @@ def cmd_detail(stub, args) -> int:
     for r in rows[-args.show:]:
         inner = r["frames"][0] if r["frames"] else {"qualname": "", "file": "", "line": -1}
         chain = " <- ".join(f["qualname"] for f in r["frames"][:5]) or stackfmt.NO_PYTHON_FRAME
-        print(f"  {_ago(r['ts_ns']):>8}  pid {r['pid']} tid {r['tid']} {r['state']:<9}{' GIL' if r['gil'] else '    '}"
-              f"  {chain}  {stackfmt.location(inner['file'], inner['line'])}".rstrip())
+        print(_fit_line(f"  {_ago(r['ts_ns']):>8}  pid {r['pid']} tid {r['tid']} {r['state']:<9}"
+                        f"{' GIL' if r['gil'] else '    '}  ", chain,
+                        f"  {stackfmt.location(inner['file'], inner['line'])}".rstrip()))
     return 0
 
 
@@ -607,7 +654,7 @@ def cmd_comms(stub, args) -> int:
         print(f"comm {comm}: {len(seen)} of {n} ranks known" + (f" (missing {n - len(seen)})" if len(seen) < n else ""))
         print(_table([[m["rank"], m["global_rank"] if m["global_rank"] >= 0 else "-", m["host"], m["pid"],
                        m["cuda_dev"], m["bus_id"], m["via"], _ago(m["seen_ns"])] for m in members],
-                     ["RANK", "GLOBAL", "HOST", "PID", "GPU", "BUS", "VIA", "SEEN"]))
+                     ["RANK", "GLOBAL", "HOST", "PID", "GPU", "BUS", "VIA", "SEEN"], free=("VIA",)))
     if not rows:
         print("no communicators known (agents' nccltopo source: NCCL_DEBUG=INFO logs or NCCL RAS)")
     return 0
@@ -638,8 +685,9 @@ def cmd_commops(stub, args) -> int:
     if args.summary:
         return _cmd_comm_summaries(stub, args, since)
     kinds = ["commops"] + (["kernels"] if args.kernels else [])
-    reply = stub.FetchCommOps(cpb.CommOpsRequest(job_key=args.job, ranks=args.rank or [], since_ns=since,
-                                                 limit=args.limit, kinds=kinds), timeout=args.timeout + 35)
+    with cliout.progress_for(args, f"commops {args.job}", note="fetching from the nodes of its ranks"):
+        reply = stub.FetchCommOps(cpb.CommOpsRequest(job_key=args.job, ranks=args.rank or [], since_ns=since,
+                                                     limit=args.limit, kinds=kinds), timeout=args.timeout + 35)
     rows = json.loads(reply.records_json or "[]")
     if args.json:
         print(json.dumps(rows, indent=2, ensure_ascii=False))
@@ -651,7 +699,8 @@ def cmd_commops(stub, args) -> int:
         table = [[r["rank"], r["comm_id"], r["op"], r["seq"] if r["seq"] >= 0 else "-", r["bytes"],
                   _ago(r["start_ns"] or r["issue_ns"]), _us(r["end_ns"] - r["start_ns"]) if r["end_ns"] and r["start_ns"]
                   else "-", r["source"], r["timing"]] for r in shown]
-        print(_table(table, ["RANK", "COMM", "OP", "SEQ", "BYTES", "START", "DURATION", "SOURCE", "TIMING"]))
+        print(_table(table, ["RANK", "COMM", "OP", "SEQ", "BYTES", "START", "DURATION", "SOURCE", "TIMING"],
+                     free=("SOURCE", "TIMING")))
         if len(ops) > len(shown):
             print(f"({len(ops) - len(shown)} older ops not shown; --show N or --json)")
         kern = [r for r in rows if r["kind"] == "kernel"]
@@ -705,7 +754,7 @@ def _deep_list(stub, args) -> int:
                       f"rank {top['rank']} {top['kind']} {top['id']} ({top['cause']}, {top['score']:.0f})"
                       if top else (d["note"] or "-")])
     print(_table(table, ["COMMAND", "JOB", "TRIGGER", "FINDING", "START", "FOR", "NODES", "SPREAD", "STATUS",
-                         "TOP CAUSE"]))
+                         "TOP CAUSE"], free=("TOP CAUSE",)))
     return 0
 
 
@@ -719,6 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-key", help="operator client key")
     p.add_argument("--token-file", default=os.environ.get("STEPLENS_TOKEN_FILE", ""), help="bearer token file")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per call")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress line on stderr (it is drawn only on a terminal, and not for --json into a pipe)")
     sub = p.add_subparsers(dest="command", required=True)
 
     def listing(name, func, help_):
@@ -790,18 +841,77 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--json", action="store_true")
     sp.set_defaults(func=cmd_deep)
     diagnosis.register(sub)
+    for name in WATCHABLE:
+        _add_watch(sub.choices[name])
+    sp = sub.add_parser("completion", help="print a shell completion script, walked from this parser: "
+                                           "eval \"$(steplens completion bash)\"")
+    sp.add_argument("shell", choices=sorted(completion.SHELLS))
+    sp.set_defaults(func=cmd_completion, local=True)
     return p
+
+
+# listings that take --watch [SECONDS] (findings has its own: a stream of events from the collector)
+WATCHABLE = ("nodes", "gpus", "procs", "gaps", "stacks", "flows", "comms", "jobs")
+WATCH_SECONDS = 2.0
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 86400:
+        raise argparse.ArgumentTypeError(f"{text}: between 0.1 and 86400 seconds")
+    return value
+
+
+def _add_watch(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--watch", dest="watch_seconds", nargs="?", type=_seconds, const=WATCH_SECONDS,
+                    metavar="SECONDS", help=f"re-run every SECONDS (default {WATCH_SECONDS:g}) until Ctrl-C; on a "
+                    "terminal the screen is redrawn, piped each refresh follows the last (--json: one per line)")
+    sp.add_argument("--count", type=int, default=0, metavar="N", help="with --watch: stop after N refreshes")
+
+
+def cmd_completion(stub, args) -> int:
+    print(completion.script(build_parser(), args.shell), end="")
+    return 0
+
+
+def _rpc_error(args, exc: grpc.RpcError) -> str:
+    """What the CLI says about a failed call, on one line."""
+    code, details = exc.code(), exc.details()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        why = conn.explain_unreachable(args.collector, args.insecure, f"{code.name}: {details}",
+                                       min(args.timeout, 3.0))
+        return f"steplens: {why}"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return (f"steplens: {args.collector}: {code.name}: {details} (operators need --token-file, or "
+                "--tls-cert/--tls-key with an operator certificate)")
+    return f"steplens: {args.collector}: {code.name}: {details}"
+
+
+def _run(stub, args, argv: list[str]) -> int:
+    if getattr(args, "watch_seconds", None) is None:
+        return args.func(stub, args)
+
+    def refresh() -> tuple[int, str]:
+        try:
+            return args.func(stub, args), ""
+        except grpc.RpcError as exc:  # the collector may come back: the watch goes on, saying why meanwhile
+            return EXIT_RPC, _rpc_error(args, exc)
+    words = argv[argv.index(args.command):] if args.command in argv else [args.command]
+    return cliout.watch(refresh, args.watch_seconds, args.count, shlex.join(["steplens", *words]), args.json)
 
 
 @cliout.quiet_on_closed_pipe
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    if getattr(args, "local", False):  # needs no collector
+        return args.func(None, args)
     try:
         token = conn.read_token(args.token_file)
         channel = conn.client_channel(args.collector, args.insecure, conn.TlsFiles(args.tls_ca or "", args.tls_cert or "",
                                                                                    args.tls_key or ""), token)
         with channel:
-            return args.func(cgrpc.ControlStub(channel), args)
+            return _run(cgrpc.ControlStub(channel), args, argv)
     except conn.SecurityError as exc:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -811,16 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"steplens: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except grpc.RpcError as exc:
-        code, details = exc.code(), exc.details()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            why = conn.explain_unreachable(args.collector, args.insecure, f"{code.name}: {details}",
-                                           min(args.timeout, 3.0))
-            print(f"steplens: {why}", file=sys.stderr)
-        elif code == grpc.StatusCode.UNAUTHENTICATED:
-            print(f"steplens: {args.collector}: {code.name}: {details} (operators need --token-file, or "
-                  "--tls-cert/--tls-key with an operator certificate)", file=sys.stderr)
-        else:
-            print(f"steplens: {args.collector}: {code.name}: {details}", file=sys.stderr)
+        print(_rpc_error(args, exc), file=sys.stderr)
         return EXIT_RPC
 
 
