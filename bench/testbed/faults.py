@@ -20,7 +20,10 @@ not TP, which stays on the host's loopback path.
   timeout (start_job timeout_seconds) kills the job, as `stop` does.
 - `extra_sync`: a world barrier per micro-batch on every rank (target `all`), through <state>/faults/all.json
   with a step range a few steps ahead so all ranks switch on the same step; start/end come from the step logs.
-- `noisy`: N CPU-burning processes inside the target host's namespace.
+- `noisy`: N CPU-burning processes inside the target host's namespace. The namespaces share the VM's CPUs, so
+  for the fault's duration the burners and the host's ranks go into one cgroup sltb-host<i> weighing as one
+  process (cpu.shares default): the host's CPU, which the burners take from its ranks only (run-queue waits),
+  as a noisy neighbour on a host of its own would, instead of slowing every emulated host alike.
 - `slow`: the target rank computes `slow_fraction` (default 5 %) of its step time longer each step (job.py: busy on
   its CPU after its micro-batches, as a slower device would), through its control file; the job's steps take about
   that much longer (the others wait for it at the all-reduce and the pipeline); target `all`: every rank.
@@ -213,10 +216,12 @@ def _original_cgroup(pid: int, v1: bool) -> str:
     return "/"
 
 
-def _cpu_quota(pid: int, rank: int, share: float):
-    """Put `pid` into cgroup sltb-rank<r> limited to `share` of one core; returns an undo function."""
+def _cgroup(name: str, pids: list[int], share: float | None = None):
+    """Put the processes `pids` (every thread of each) into cgroup sltb-<name> of the cpu controller (v1, else v2):
+    with `share`, limited to that share of one core (CFS quota); without, the group weighs as one process does
+    (cpu.shares / cpu.weight at their defaults), so what runs in it shares one process's part of the CPUs.
+    Returns an undo function: each process back where it was, the cgroup removed."""
     period = 100_000
-    quota = max(1000, int(period * share))
     root = _cgroup_v1_cpu()
     v1 = root is not None
     if not v1:
@@ -224,21 +229,25 @@ def _cpu_quota(pid: int, rank: int, share: float):
         if root is None:
             raise RuntimeError("no cgroup cpu controller (v1 /sys/fs/cgroup/cpu or v2 with cpu)")
         _write(os.path.join(root, "cgroup.subtree_control"), "+cpu")
-    original = os.path.join(root, _original_cgroup(pid, v1).lstrip("/"))
-    cg = os.path.join(root, f"{netns.CGROUP_PREFIX}rank{rank}")
+    originals = {pid: os.path.join(root, _original_cgroup(pid, v1).lstrip("/")) for pid in pids}
+    cg = os.path.join(root, f"{netns.CGROUP_PREFIX}{name}")
     os.makedirs(cg, exist_ok=True)
-    if v1:
-        _write(os.path.join(cg, "cpu.cfs_period_us"), str(period))
-        _write(os.path.join(cg, "cpu.cfs_quota_us"), str(quota))
-    else:
-        _write(os.path.join(cg, "cpu.max"), f"{quota} {period}")
-    _write(os.path.join(cg, "cgroup.procs"), str(pid))  # moves every thread of the process
+    if share is not None:
+        quota = max(1000, int(period * share))
+        if v1:
+            _write(os.path.join(cg, "cpu.cfs_period_us"), str(period))
+            _write(os.path.join(cg, "cpu.cfs_quota_us"), str(quota))
+        else:
+            _write(os.path.join(cg, "cpu.max"), f"{quota} {period}")
+    for pid in pids:
+        _write(os.path.join(cg, "cgroup.procs"), str(pid))  # moves every thread of the process
 
     def undo():
-        try:
-            _write(os.path.join(original if os.path.isdir(original) else root, "cgroup.procs"), str(pid))
-        except OSError:
-            pass  # the process is gone
+        for pid, original in originals.items():
+            try:
+                _write(os.path.join(original if os.path.isdir(original) else root, "cgroup.procs"), str(pid))
+            except OSError:
+                pass  # the process is gone
         try:
             os.rmdir(cg)
         except OSError:
@@ -309,7 +318,7 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         undo = lambda: _drop_all(devs, False)  # noqa: E731
     elif kind == "cpu":
         params["cpu_share"] = cpu_share
-        undo = _cpu_quota(_rank_pid(layout, i), i, cpu_share)
+        undo = _cgroup(f"rank{i}", [_rank_pid(layout, i)], cpu_share)
     elif kind == "stop":
         pid = _rank_pid(layout, i)
         os.kill(pid, signal.SIGSTOP)
@@ -323,12 +332,21 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
         undo = lambda: _control(layout, f"rank{i}.json", None)  # noqa: E731
     else:  # noisy
         params["processes"] = processes
-        names = set()
+        names, burners = set(), []
         for k in range(processes):
             name = f"noisy-h{i}-{k}"
-            netns.spawn(layout, name, [sys.executable, "-c", "while True: pass"], ns=netns.host_ns(i))
+            burners.append(netns.spawn(layout, name, [sys.executable, "-c", "while True: pass"],
+                                       ns=netns.host_ns(i)).pid)
             names.add(name)
-        undo = lambda: netns.kill_recorded(layout, names, timeout=2)  # noqa: E731
+        # the namespaces share the VM's CPUs: the burners and the host's ranks share one cgroup, the CPU that
+        # host has, so they take it from that host's ranks only, as on a host of its own
+        ranks = [r["pid"] for r in netns.load_job(layout)["ranks"] if r["host"] == netns.node_id(i)]
+        params["host_cgroup"] = bool(ranks)
+        ungroup = _cgroup(f"host{i}", ranks + burners) if ranks else (lambda: None)
+
+        def undo():
+            netns.kill_recorded(layout, names, timeout=2)
+            ungroup()
     entry["start_ns"] = time.time_ns()
     try:
         time.sleep(duration_seconds)
