@@ -63,7 +63,7 @@ def _gauge(name, entity, before, during, t_end=T0 + 100 * S):
 
 
 def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="netflows", held=0.6,
-         ip="10.0.0.{}") -> dict[str, list]:
+         ip="10.0.0.{}", held_healthy=0.02) -> dict[str, list]:
     """A 4-rank job, rank r alone on node n<r> (pid 100 + r, GPU 0), healthy figures everywhere, and the scenario's
     evidence on the target rank or its node."""
     per: dict[str, list] = {}
@@ -109,7 +109,8 @@ def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="net
                 recs.append((conn_source, ConnStats(
                     t, t - S, ip.format(r), 40000 + o, ip.format(o), 29500, tx_bytes=10**6,
                     srtt_us=40_000 if slow else 200, retransmits=0, pid=pid,
-                    net_limited_us=int((held if slow else 0.02) * 1e6) if conn_source == "tcpinfo" else 0)))
+                    net_limited_us=int((held if slow else held_healthy if ONSET <= t <= LAST else 0.02) * 1e6)
+                    if conn_source == "tcpinfo" else 0)))
         if scenario == "data-loading" and hit:
             frames = [("train_step", "train_step", "/job/train.py", 10),
                       ("_next_data", "_MultiProcessingDataLoaderIter._next_data",
@@ -178,14 +179,34 @@ def test_contention_on_a_host_that_was_saturated_already(tmp_path, during, cause
 
 def test_network_names_the_remote_all_slow_connections_share(tmp_path):
     # n1's link is shaped: n1's connections and every other node's connection to n1 see srtt 200 µs -> 40 ms;
-    # network is not a cause of the rank's own process, so the order stays as the detector gave it
+    # network is not a cause of the rank's own process, so the ranks keep the detector's order, and the host at
+    # one end of every degraded connection, n1, goes before them (n3 kept healthy connections to n0 and n2)
     rd = _write(str(tmp_path / "n.db"), _job(scenario="network"))
     (f,) = causes.attach(rd, JOB, {"x": [_finding(*WAITING_FIRST)]})["x"]
-    assert [(s.id, s.cause) for s in f.suspects] == [("3", "network"), ("1", "network")]
-    net3 = f.suspects[0].evidence["why"]["network"]
+    assert [(s.kind, s.id, s.cause) for s in f.suspects] == [("node", "n1", "network"), ("rank", "3", "network"),
+                                                             ("rank", "1", "network")]
+    net3 = f.suspects[1].evidence["why"]["network"]
     assert net3["remotes"] == ["10.0.0.1"] and net3["srtt_degraded"][0]["srtt_us"] == 40_000
-    assert len(f.suspects[1].evidence["why"]["network"]["srtt_degraded"]) == 3
-    assert "towards 10.0.0.1" in f.summary
+    assert net3["healthy_remotes"] == []   # netflows' ConnStats do not say whether a connection pushed data
+    assert len(f.suspects[2].evidence["why"]["network"]["srtt_degraded"]) == 3
+    assert "every one of the 4 degraded TCP connection(s) has n1 at one end" in f.suspects[0].evidence["why"]
+    assert "node n1" in f.summary
+
+
+@pytest.mark.parametrize("target,held_healthy,lead", [(1, 0.6, "n1"), (0, 0.6, "n0"), (1, 0.02, None)])
+def test_one_rank_s_degraded_connections_name_the_slow_link_s_host(tmp_path, target, held_healthy, lead):
+    # only rank 0 is examined (the testbed's link fault on h1: rank 0 led the finding). target 1: n1's link is
+    # slow, so only n0's connection to n1 degraded; its connections to n2 and n3 pushed data (held back by the
+    # network 60 % of the time) with a flat RTT: their path is fine, n0 is cleared, n1 leads. target 0: n0's own
+    # link, every connection of n0 degraded: n0. Healthy connections that sent little (held 2 %) test nothing:
+    # n0 and n1 tie, and no host is added
+    rd = _write(str(tmp_path / "one.db"), _job(scenario="network", conn_source="tcpinfo", target=target,
+                                               held_healthy=held_healthy))
+    (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "0", 1.0, "compute"))]})["x"]
+    assert [(s.kind, s.id, s.cause) for s in f.suspects] == \
+        ([("node", lead, "network")] if lead else []) + [("rank", "0", "network")]
+    if lead:
+        assert ("n0 kept healthy connections" in f.suspects[0].evidence["why"]) == (target == 1)
 
 
 @pytest.mark.parametrize("ip", ["127.0.0.{}", "::ffff:127.0.0.{}"])
@@ -203,8 +224,10 @@ def test_an_rtt_rise_is_the_network_only_while_the_sender_is_held_back_by_it(tmp
     # the time (a shaped link) that is the network; with 2 % (a slow peer's delayed ACKs) it is not
     rd = _write(str(tmp_path / "h.db"), _job(scenario="network", conn_source="tcpinfo", held=held))
     (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "1", 1.0, "compute"))]})["x"]
-    net = f.suspects[0].evidence["why"]["network"]
-    assert f.suspects[0].cause == (cause or "compute")
+    (rank,) = [s for s in f.suspects if s.kind == "rank"]
+    net = rank.evidence["why"]["network"]
+    assert rank.cause == (cause or "compute")
+    assert [(s.kind, s.id) for s in f.suspects][0] == (("node", "n1") if cause else ("rank", "1"))
     assert net["srtt_up_not_network_limited"] == (0 if cause else 3) and len(net["srtt_degraded"]) == (3 if cause
                                                                                                         else 0)
 
@@ -220,7 +243,8 @@ def test_a_rank_whose_connections_degraded_leads_one_that_only_waits(tmp_path):
     rd = _write(str(tmp_path / "w.db"), per)
     (f,) = causes.attach(rd, JOB, {"x": [_finding(Suspect("rank", "3", 0.14, "waiting"),
                                                   Suspect("rank", "1", 0.08, "compute"))]})["x"]
-    assert [(s.id, s.cause) for s in f.suspects] == [("1", "network"), ("3", "waiting")]
+    assert [(s.kind, s.id, s.cause) for s in f.suspects] == [("node", "n1", "network"), ("rank", "1", "network"),
+                                                             ("rank", "3", "waiting")]
 
 
 def test_a_connection_both_sources_report_is_read_once(tmp_path):

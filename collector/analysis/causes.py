@@ -51,7 +51,10 @@ leader has no cause at all, a rank with `network` (its connections degraded) lea
 fault's waiting rank came first with nothing measured against it, the rank behind the shaped link second.
 
 Kernel records are fetched once per (rank, episode onset) and kept in the job's memo across passes (an agent
-round trip; CommOps-only fetchers and agents without kernel records leave it out).
+round trip; CommOps-only fetchers and agents without kernel records leave it out). Where they were, the rank's
+other XPUTimer metrics go into its evidence ("xpu", beside "kernels"; no cause rests on them): V_inter of its
+steps, its throughput against its baseline and its peers, its communicators' single-member bandwidth
+(xpu_evidence); the cross-member bus bandwidth needs the CommOps of every member, a fetch not made here.
 Reads per finding, for each examined rank: its process (Reader.job_processes, once per pass), its node's metrics over
 the episode and baseline (Reader.metric_points, one indexed read per node), its node's connections
 (Reader.conn_stats_of), its process events and stack summaries. A reader without these reads (a simulator's
@@ -261,9 +264,11 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
 
     # its kernels against its peers' (XPUTimer's metrics), where the agents keep kernel records: GPU jobs only (its
     # node reports its GPU), the fetch being an agent round trip
-    kcause, kev = _kernels(ps, rank, a, b) if "gpu" in ev and rank >= 0 else ("", {})
+    kcause, kev, xev = _kernels(ps, rank, a, b) if "gpu" in ev and rank >= 0 else ("", {}, {})
     if kev:
         ev["kernels"] = kev
+    if xev:
+        ev["xpu"] = xev
     if kcause:
         found.append(kcause)
 
@@ -407,11 +412,12 @@ def compare_kernels(own: list, peers: list[list], cfg: CausesConfig) -> tuple[st
     return "", ev
 
 
-def _kernels(ps: _Pass, rank: int, a: int, b: int) -> tuple[str, dict]:
+def _kernels(ps: _Pass, rank: int, a: int, b: int) -> tuple[str, dict, dict]:
+    """(cause, kernel evidence, XPUTimer evidence) of a rank from its and its peers' kernel records."""
     fetch = getattr(ps.reader, "fetch_kernels", None)
     procs = ps.procs()
     if fetch is None or procs.get(rank, {}).get("local_rank", -1) < 0:
-        return "", {}
+        return "", {}, {}
     memo = getattr(ps.reader, "step_memo", None)
     cache = memo.setdefault(MEMO_KEY, {}) if isinstance(memo, dict) else {}
     key = (rank, a)
@@ -426,11 +432,71 @@ def _kernels(ps: _Pass, rank: int, a: int, b: int) -> tuple[str, dict]:
         got = compare_kernels(by.get(rank, []), [by[p] for p in peers if by.get(p)], ps.cfg) \
             if by.get(rank) and any(by.get(p) for p in peers) else ("", {})
     except Exception as exc:  # no agent connection, a fetcher of CommOps only, an agent that did not answer
-        got = ("", {"unavailable": f"{type(exc).__name__}: {exc}"[:200]})
+        got, by = ("", {"unavailable": f"{type(exc).__name__}: {exc}"[:200]}), {}
+    got = (*got, xpu_evidence(ps, rank, peers, by, a, b) if by.get(rank) else {})
     if len(cache) > 256:
         cache.clear()
     cache[key] = got
     return got
+
+
+XPU_ROWS = 50_000          # Step / Iteration rows read for the XPUTimer evidence at most
+
+
+def xpu_evidence(ps: _Pass, rank: int, peers: list[int], by: dict[int, list[dict]], a: int, b: int) -> dict:
+    """XPUTimer's other metrics of a rank whose kernels were fetched, against its peers', as evidence only (no
+    cause rests on them yet): V_inter over its Step records in the episode (kernels.inter_step_void), its
+    throughput in the episode against its own baseline (robust z) and against its peers (xpumetrics: the
+    Iterations' tokens or samples where its anchor counts them, else steps), and the single-member bandwidth of its
+    communicators from its Steps' comms (bytes / busy time; it includes waiting for the other members). Reads the
+    ranks' Step rows (one indexed read) and the job's Iterations over the baseline and episode; {} without them."""
+    from steplens.collector.analysis import kernels as km
+    from steplens.collector.analysis import xpumetrics as xm
+
+    steps_of = getattr(ps.reader, "steps", None)
+    if not callable(steps_of):
+        return {}
+    b0 = max(0, a - int(ps.cfg.baseline_seconds * 1e9))
+    ranks = [rank] + peers
+    try:
+        steps = [s for s in steps_of(ps.job_key, ranks, since_ns=b0, limit=XPU_ROWS, with_comms=True)
+                 if s["end_ns"] <= b]
+        out: dict = {}
+        vi = {}
+        for r in ranks:
+            mine = [s for s in steps if s["rank"] == r and a <= s["start_ns"] <= b]
+            if by.get(r) and mine:
+                got = km.inter_step_void(by[r], mine)
+                if got["count"]:
+                    vi[r] = got
+        if rank in vi:
+            peer_v = [vi[p]["median"] for p in peers if p in vi]
+            out["v_inter"] = {"own": vi[rank]["median"], "own_p90": vi[rank]["p90"], "steps": vi[rank]["count"],
+                              "peers": round(statistics.median(peer_v), 6) if peer_v else None}
+        iters_of = getattr(ps.reader, "iterations", None)
+        rows = []
+        if callable(iters_of):
+            rows = [x for x in iters_of(ps.job_key, since_ns=b0, until_ns=b, limit=XPU_ROWS) if x["rank"] in ranks]
+            if not any((x.get("tokens") or 0) > 0 or (x.get("batch_size") or 0) > 0 for x in rows):
+                rows = []
+        tp = xm.window_throughput(rows or steps, a, b)
+        if rank in tp:
+            own = tp[rank]
+            peer_t = [tp[p]["during"] for p in peers if p in tp and tp[p]["unit"] == own["unit"]]
+            ref = statistics.median(peer_t) if peer_t else None
+            out["throughput"] = {**own, "source": "iterations" if rows else "steps",
+                                 "peers": None if ref is None else round(ref, 4),
+                                 "vs_peers": round(own["during"] / ref, 4) if ref else None}
+        bw = xm.step_comm_algbw([s for s in steps if s["start_ns"] >= a])
+        if rank in bw:
+            out["comm_algbw_gb_per_s"] = {
+                comm: {"own": v, "peers": round(statistics.median(pv), 4) if (pv := [bw[p][comm] for p in peers
+                                                                                       if comm in bw.get(p, {})])
+                       else None} for comm, v in bw[rank].items()}
+            out["comm_algbw_method"] = "single_member"
+        return out
+    except Exception as exc:  # a store without these reads: evidence only, never the cause
+        return {"unavailable": f"{type(exc).__name__}: {exc}"[:200]}
 
 
 @functools.lru_cache(maxsize=4096)
@@ -467,7 +533,7 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
     sent = sum(r.get("tx_packets") or 0 for rs in during.values() for r in rs)
     retx_d = retx_n / span_d
     retx_b = sum(r["retransmits"] or 0 for rs in before.values() for r in rs) / span_b if before else None
-    slow, remotes, held = [], {}, 0
+    slow, remotes, held, healthy = [], {}, 0, set()
     chrono = any(r["source"] == "tcpinfo" for r in rows)   # net_limited_us known (tcpinfo on Linux 4.10+)
     for key, rs in during.items():
         base = [r["srtt_us"] for r in before.get(key, []) if r["srtt_us"]]
@@ -475,7 +541,12 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
         if not base or not now:
             continue
         s0, s1 = statistics.median(base), max(now)
-        if s1 >= cfg.srtt_rise * s0 and s1 - s0 >= cfg.srtt_min_increase_us:
+        if s1 < cfg.srtt_rise * s0 or s1 - s0 < cfg.srtt_min_increase_us:
+            # its RTT held while it pushed as much as the network let it: its path is not the slow one (a
+            # connection that sent little tests nothing: a short message passes a shaper from its token bucket)
+            if chrono and _held_fraction(rs) >= cfg.net_limited_fraction:
+                healthy.add(key[2])
+        else:
             item = {"conn": f"{key[0]}:{key[1]}->{key[2]}:{key[3]}", "srtt_us": s1, "before_us": s0}
             if chrono:
                 # an RTT that rose while the sender was not held back by the network is a slow peer or
@@ -494,6 +565,7 @@ def _network(ps: _Pass, node: str, b0: int, a: int, b: int, m: int) -> dict:
            "srtt_degraded": sorted(slow, key=lambda x: -x["srtt_us"] / x["before_us"])[:8]}
     if remotes:
         out["remotes"] = sorted(remotes, key=lambda k: -remotes[k])[:4]
+    out["healthy_remotes"] = sorted(healthy - {x["conn"].rpartition("->")[2].rpartition(":")[0] for x in slow})[:8]
     # retransmits: a loss rate, not a few tail-loss probes (a loaded host's low-RTT links retransmit a little)
     lossy = retx_n >= cfg.retransmits_min and (not sent or retx_n >= cfg.retransmit_share * sent)
     out["retransmitted_share"] = round(retx_n / sent, 4) if sent else None
@@ -608,11 +680,76 @@ def explain_finding(ps: _Pass, f: Finding) -> Finding:
                     s.score >= cfg.rerank_within * lead.score:
                 sus.insert(0, sus.pop(j))
                 break
+    if sus[0].cause == "network":
+        sus = _network_lead(ps, sus, f.onset_ns, f.last_ns)
     summary = f.summary
     top = sus[0]
-    if top.kind in ("rank", "process") and top.cause in LOCAL + ("network",):
+    if top.kind == "node" and top.cause == "network":
+        summary = f"{summary.rstrip('.')}; node {top.id}: {top.evidence.get('why', '')}."
+    elif top.kind in ("rank", "process") and top.cause in LOCAL + ("network",):
         summary = f"{summary.rstrip('.')}; {top.kind} {top.id}: {_say(top)}."
     return replace(f, suspects=tuple(sus), summary=summary)
+
+
+def _network_lead(ps: _Pass, sus: list[Suspect], onset: int, last: int) -> list[Suspect]:
+    """Where the leading suspect's cause is the network: the host at one end of every degraded connection of the
+    network suspects, if one is (its node, then its NICs: the link to its switch), goes first. A connection has
+    two ends; an end whose node also kept healthy connections towards other hosts over the episode is not the
+    slow one (a slow link slows every connection through it), so with one degraded peer the remote is told apart.
+    Addresses are a node's by the topology's NIC addresses, or by the node's own side of its connections (the job's
+    other nodes' connections are read for an address neither names, 64 nodes at most)."""
+    from steplens.collector.analysis.hang import _nics_of, _topology
+    conns, healthy_of = [], {}
+    owner: dict[str, str] = {}
+    for s in sus[:ps.cfg.suspects]:
+        if s.cause != "network" or s.kind != "rank":
+            continue
+        why = s.evidence.get("why", {})
+        node, net = why.get("node") or s.evidence.get("node"), why.get("network", {})
+        if not node:
+            continue
+        healthy_of[node] = set(net.get("healthy_remotes", []))
+        for item in net.get("srtt_degraded", []):
+            src, _, dst = item["conn"].partition("->")
+            src_a, dst_a = src.rpartition(":")[0], dst.rpartition(":")[0]
+            owner.setdefault(src_a, node)
+            conns.append((node, dst_a))
+    if not conns:
+        return sus
+    topo = _topology(ps.reader)
+    if topo is not None:
+        for nic in topo.nics.values():
+            if nic.ip:
+                owner.setdefault(nic.ip, nic.node)
+    nodes = {p["node_id"] for p in ps.procs().values()}
+    unknown = {d for _, d in conns if d not in owner}
+    if unknown:
+        m = int(ps.cfg.margin_seconds * 1e9)
+        b0 = max(0, onset - int(ps.cfg.baseline_seconds * 1e9))
+        for node in sorted(nodes - set(healthy_of))[:64]:
+            for r in ps.conns(node, b0, max(last, onset + 1) + m):
+                owner.setdefault(r["src"], node)
+            if all(d in owner for d in unknown):
+                break
+    counts: dict[str, int] = {}
+    for node, dst in conns:
+        for end in {node, owner.get(dst, "")} - {""}:
+            counts[end] = counts.get(end, 0) + 1
+    # an end that kept healthy connections to hosts other than the degraded ones' far ends is cleared
+    cleared = {n for n, ok in healthy_of.items()
+               if {owner.get(a, a) for a in ok} - {owner.get(d, d) for n2, d in conns if n2 == n}}
+    ends = sorted(e for e, c in counts.items() if c == len(conns) and e not in cleared)
+    if len(ends) != 1 or ends[0] not in nodes:
+        return sus
+    lead = ends[0]
+    why = (f"every one of the {len(conns)} degraded TCP connection(s) has {lead} at one end"
+           + (f"; {', '.join(sorted(cleared))} kept healthy connections to other hosts" if cleared else ""))
+    score = max(x.score for x in sus)
+    added = [Suspect("node", lead, score, "network", {"why": why, "connections": len(conns), "added_by": "causes"})]
+    added += [Suspect("nic", nic, score, "network", {"node": lead, "why": "its link to its switch"})
+              for nic in _nics_of(ps.reader, lead)[:2]]
+    keep = [x for x in sus if not (x.kind in ("node", "nic") and x.id in {a.id for a in added})]
+    return added + keep
 
 
 def _say(s: Suspect) -> str:
