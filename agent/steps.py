@@ -52,6 +52,12 @@ so the step is found in the ops themselves:
   before the job's zero_grad(set_to_none=False) of 2.1 M floats, a constant -0.8..-0.9 ms (0.85-1.2 % of
   its step); with the zero_grad's end too, 0.10 % on the testbed (phase -0.10 ms, jitter 0.006 %) and 0.03 %
   for the same job on loopback (bench/testbed_steps.py, tests/test_steps_e2e.py; bench/testbed/README.md).
+- **Iterations inside a step.** Where the cycle is several repeats of its signatures (the gaps chose: one
+  all-reduce an iteration, as gloo records a DP-only rank) and an anchor (an iteration's end) falls between the
+  repeats for `relearn_after` steps in a row, the cycle holds several iterations: the pattern is learnt again
+  with at most as many repeats as one iteration showed (`split_relearned`). Seen on the testbed (2026-12-04): a
+  link fault made every other gap long while the stage-0 ranks learnt, and their Steps held two iterations each
+  from then on (half the step count, twice the step time), which kept the detectors from every later fault.
 - **ProfilerStep windows win**: ops inside a window are that step's (evidence `profiler`), and comm-pattern
   steps of the same process overlapping a window are not emitted.
 Evidence values: `profiler`, `comm_pattern`, `anchor` (a comm-pattern step whose end is an anchor: an optimizer
@@ -127,6 +133,7 @@ class Pattern:
     cut_thr_ns: float = 0.0         # idle gap a re-found cut op needs: above those of its signature's other
                                     # positions in the cycle (a 1F1B stage's bubble precedes two of them)
     anchor: int = 0                 # ops from the newest learnt cycle start to the end of the learning window
+    sub: int = 0                    # the signatures' own period where the cycle is a multiple of it (gaps chose)
 
     @property
     def ops(self) -> int:
@@ -140,8 +147,9 @@ def _steady(xs: list) -> float:
     return sum(1 for a, b in pairs if a <= 2 * b and b <= 2 * a) / len(pairs) if pairs else 1.0
 
 
-def learn(ops: list[CommOp], cfg: StepConfig = StepConfig()) -> Pattern | None:
-    """The step pattern of one process's recent ops (issue order), or None while they show none."""
+def learn(ops: list[CommOp], cfg: StepConfig = StepConfig(), max_multiple: int = MAX_MULTIPLE) -> Pattern | None:
+    """The step pattern of one process's recent ops (issue order), or None while they show none. max_multiple:
+    at most this many repeats of the signatures' period in one cycle (the process's anchors said fewer)."""
     sigs = [_sig(o) for o in ops]
     t = [_issue(o) for o in ops]
     n, c = len(sigs), cfg.confirm_cycles
@@ -155,7 +163,7 @@ def learn(ops: list[CommOp], cfg: StepConfig = StepConfig()) -> Pattern | None:
         # one signature throughout says nothing by itself: then the gaps alone make the step, over more cycles
         need = c if p > 1 else max(c, UNIFORM_CYCLES)
         m = 1
-        while m <= MAX_MULTIPLE and m * p <= cfg.max_period_ops and need * m * p <= n - lo:
+        while m <= min(MAX_MULTIPLE, max_multiple) and m * p <= cfg.max_period_ops and need * m * p <= n - lo:
             q = m * p
             base = n - ((n - lo) // q) * q  # whole cycles only, ending with the newest op
             gaps = {k: [] for k in range(q)}
@@ -178,7 +186,7 @@ def learn(ops: list[CommOp], cfg: StepConfig = StepConfig()) -> Pattern | None:
                             default=0.0)
                 thr = max(0.5 * ref, (ref * decoy) ** 0.5) if decoy < ref else 0.5 * ref
                 return Pattern(tuple(sigs[first:first + q]), float(ref), seq_comm, len(mine), residue, float(thr),
-                               n - first)
+                               n - first, p if m > 1 else 0)
             m += 1
         return None  # the shortest signature period has no consistent multiple (yet): more data
     return None
@@ -198,6 +206,8 @@ class _Proc:
     synced: bool = False                        # buf[0] is a cut op (the start of a cycle)
     profiled: list = field(default_factory=list)  # (start, end) ProfilerStep windows seen, newest last
     anchors: list = field(default_factory=list)   # optimizer-step ends (mono ns) not yet past, sorted
+    max_multiple: int = MAX_MULTIPLE            # what the anchors allow learn() (iterations seen inside a cycle)
+    split: int = 0                              # steps in a row with an iteration's end inside them
     anchored: bool = False                      # the process sends anchors: close a step at the next cut op
 
 
@@ -214,6 +224,7 @@ class StepSegmenter:
         self.relearned = 0
         self.anchors_dropped = 0      # anchors over max_anchors (oldest first)
         self.anchored_steps = 0       # steps whose end is an anchor
+        self.split_relearned = 0      # patterns learnt again because iterations ended inside their steps
 
     def add_anchors(self, pid: int, start_ticks: int, ends_mono_ns: list[int]) -> None:
         """The ends of a process's optimizer steps (this host's monotonic ns, any order): where its steps end
@@ -288,7 +299,7 @@ class StepSegmenter:
             st.synced = False
         for _ in range(2):  # a pattern dropped below is learnt again at once from the same ops
             if st.pattern is None:
-                st.pattern = self._learn(st.buf, TAIL_TRIM if final else 0)
+                st.pattern = self._learn(st.buf, TAIL_TRIM if final else 0, st.max_multiple)
                 if st.pattern is None:
                     return
                 st.mismatches, st.lost, st.cycles, st.last_cut = 0, False, [], 0
@@ -298,7 +309,7 @@ class StepSegmenter:
             st.pattern = None
             self.relearned += 1
 
-    def _learn(self, buf: list, trim_up_to: int = 0) -> Pattern | None:
+    def _learn(self, buf: list, trim_up_to: int = 0, max_multiple: int = MAX_MULTIPLE) -> Pattern | None:
         """The pattern of the newest ops; failing that, with trim_up_to (a process's last ops, add(final=True)),
         of the newest ops but the last 1..trim_up_to: a process read rarely gives much of its run, or all of it,
         in its exit dump, which ends with the collectives of its shutdown (a barrier, a group's destruction);
@@ -309,7 +320,7 @@ class StepSegmenter:
         window = cfg.max_period_ops * (cfg.confirm_cycles + 1) + 1
         for trim in range(min(trim_up_to, max(0, len(buf) - 2)) + 1):
             end = len(buf) - trim
-            pat = learn(buf[max(0, end - window):end], cfg)
+            pat = learn(buf[max(0, end - window):end], cfg, max_multiple)
             if pat is not None:
                 if trim:
                     pat.anchor += trim
@@ -415,6 +426,8 @@ class StepSegmenter:
             spans = bool(seqs) and (seqs[-1] - pat.seq_residue) // pat.seq_per_cycle != number
         end = max(_end(o) for o in seg)
         evidence = "comm_pattern"
+        if st.anchors and pat.sub and len(seg) == pat.ops:
+            self._split_check(st, seg)
         if st.anchors and next_issue:
             # st.anchors is sorted: the last anchor in [end, next_issue) by bisection (a poll that brings many
             # steps brings as many anchors; a scan per step was quadratic in them)
@@ -444,6 +457,23 @@ class StepSegmenter:
         if evidence == "anchor":
             self.anchored_steps += 1
         out.append(self._step(seg[0], number, start, end, evidence, pat.ops, seg))
+
+    def _split_check(self, st: _Proc, seg: list[CommOp]) -> None:
+        """A cycle learnt as several repeats of its signatures (the gaps chose: one all-reduce a step looks like
+        two when a fault made every other gap long while it was learnt) whose repeats an iteration's end (an
+        anchor) separates holds several iterations: `relearn_after` such steps in a row make it learnt again,
+        with at most as many repeats per cycle as one iteration showed."""
+        pat, anchors = st.pattern, st.anchors
+        inside = 0
+        for j in range(pat.sub, pat.ops, pat.sub):
+            lo, hi = _end(seg[j - 1]), _issue(seg[j])
+            k = bisect_left(anchors, lo)
+            inside += k < len(anchors) and anchors[k] < hi
+        st.split = st.split + 1 if inside else 0
+        if st.split >= self.config.relearn_after:
+            st.max_multiple = max(1, (pat.ops // pat.sub) // (inside + 1))
+            st.split, st.lost = 0, True
+            self.split_relearned += 1
 
     def _step(self, proc_op: CommOp, number: int, start: int, end: int, evidence: str, period: int,
               ops: list[CommOp]) -> Step:

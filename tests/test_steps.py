@@ -428,3 +428,34 @@ def test_a_whole_job_in_its_exit_dump_ending_with_its_shutdown_collectives():
     assert len(steps) >= 28 and all(s.period_ops == 3 for s in steps)
     ends = {s: e for s, _, e in truth}
     assert all(0 <= ends[s.step - 1] - s.end_mono_ns <= TAIL for s in steps)
+
+
+def test_a_cycle_learnt_as_two_iterations_is_split_where_the_anchors_say_iterations_end():
+    """The testbed's stage-0 ranks (2026-12-04): gloo records one DP all-reduce per iteration, so the signatures
+    repeat every op and the gaps decide; learnt while a link fault made every other gap long, the cycle was two
+    all-reduces, and every Step after it held two iterations (half the step count, steps twice as long, for good).
+    The iterations' ends (anchors) lie between the two: after `relearn_after` such steps the pattern is learnt
+    again with one repeat per cycle, and each step is one iteration, ending at its anchor."""
+    rng = random.Random(21)
+    ops, anchors, t, seq = [], [], T0, 5
+    for i in range(160):
+        # iterations 0-29 alternate 40 ms and 8 ms of compute (the disturbance), then 40 ms each
+        t += int((40 if i >= 30 or i % 2 == 0 else 8) * MS * (1 + rng.uniform(-0.03, 0.03)))
+        ops.append(op(t, 0, "pg:0", "all_reduce", 8 << 20, seq, end=False))
+        seq += 1
+        t += int(3 * MS)
+        anchors.append(t)   # the optimizer step's end, after the all-reduce
+    assert learn(ops[:30]).ops == 2 and learn(ops[:30]).sub == 1   # the disturbed gaps: two all-reduces a cycle
+    seg = StepSegmenter()
+    steps = polled(seg, ops, anchors)
+    assert seg.split_relearned == 1 and seg.procs[(100, 7)].max_multiple == 1
+    # learnt again once the disturbed gaps are under a fifth of those it learns from (consistency 0.8)
+    late = [s for s in steps if s.start_mono_ns >= ops[100].issue_mono_ns]
+    assert len(late) >= 50 and all(s.ops == 1 and s.period_ops == 1 and s.evidence == "anchor" for s in late)
+    ends = set(anchors)
+    assert all(s.end_mono_ns in ends for s in late)
+    numbers = [s.step for s in late]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))   # one step number per iteration now
+    # without anchors nothing tells the two apart: the doubled cycle stays (what the testbed showed)
+    plain = polled(StepSegmenter(), ops, [])
+    assert all(s.ops == 2 for s in plain if s.start_mono_ns >= ops[100].issue_mono_ns)

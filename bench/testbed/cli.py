@@ -52,7 +52,7 @@ def cmd_run(layout: netns.Layout, a) -> int:
 
 
 def cmd_inject(layout: netns.Layout, a) -> int:
-    _out(faults.inject(layout, a.kind, a.target, a.duration, rate=a.rate, cpu_share=a.cpu_share,
+    _out(faults.inject(layout, a.kind, a.target, a.duration, rate=a.rate, burst=a.burst, cpu_share=a.cpu_share,
                        processes=a.processes, slow_fraction=a.slow_fraction))
     return 0
 
@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(h1 or 1, or rank3 = its host); `all` for extra_sync")
     p.add_argument("--duration", type=float, required=True, help="seconds")
     p.add_argument("--rate", default="200mbit", help="link: tbf rate")
+    p.add_argument("--burst", default="64kb", help="link: tbf bucket (default 64kb; a smaller one is closer to a "
+                   "slower link, a larger one to a shaper that lets a message's start through at full speed)")
     p.add_argument("--cpu-share", type=float, default=0.1, help="cpu: fraction of one core")
     p.add_argument("--processes", type=int, default=1, help="noisy: CPU burners")
     p.add_argument("--slow-fraction", type=float, default=0.05, help="slow: extra compute, a share of the rank's")

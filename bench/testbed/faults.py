@@ -5,7 +5,7 @@ appends one JSON line {kind, target, params, start_ns, end_ns} (wall clock) to <
 Targets: a rank (`rank3` or `3`) for cpu / stop / gc_storm / hold / slow; a host (`h1`, `1`, or `rank3` = the host
 of rank 3) for link / drop / noisy. With TP (several ranks per host) a host's link fault slows its DP and PP traffic,
 not TP, which stays on the host's loopback path.
-- `link`: tbf (default 200 Mbit) on the target host's eth0 egress and on its bridge port's egress (both
+- `link`: tbf (default 200 Mbit, bucket 64 KiB) on the target host's eth0 egress and on its bridge port's egress (both
   directions of its link); the qdiscs also vanish with the namespaces on `down`.
 - `drop`: netem loss 100 % on the same two egresses (without sch_netem: a tc redirect of every packet into a
   veth leading nowhere): the host's link drops everything, both ways (its agent's
@@ -153,11 +153,11 @@ def resolve_target(layout: netns.Layout, kind: str, target: str) -> int:
     return i
 
 
-def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool) -> None:
+def _tbf(dev_ns: list[tuple[str, str]], rate: str, on: bool, burst: str = "64kb") -> None:
     for ns, dev in dev_ns:
         if on:
             netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-                     "burst", "64kb", "latency", "100ms")
+                     "burst", burst, "latency", "100ms")
         else:
             netns.sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
 
@@ -268,7 +268,8 @@ def _control(layout: netns.Layout, name: str, content: dict | None) -> None:
 
 
 def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float, rate: str = "200mbit",
-           cpu_share: float = 0.1, processes: int = 1, lead_steps: int = 4, slow_fraction: float = 0.05) -> dict:
+           cpu_share: float = 0.1, processes: int = 1, lead_steps: int = 4, slow_fraction: float = 0.05,
+           burst: str = "64kb") -> dict:
     """Apply one fault for `duration_seconds`, revert it, log and return the ground-truth entry."""
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; one of {', '.join(KINDS)}")
@@ -308,8 +309,8 @@ def inject(layout: netns.Layout, kind: str, target: str, duration_seconds: float
     entry["target"] = f"rank{i}" if kind in RANK_KINDS else netns.node_id(i)
     if kind == "link":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
-        params["rate"] = rate
-        _tbf(devs, rate, True)
+        params["rate"], params["burst"] = rate, burst
+        _tbf(devs, rate, True, burst)
         undo = lambda: _tbf(devs, rate, False)  # noqa: E731
     elif kind == "drop":
         devs = [(netns.host_ns(i), "eth0"), (netns.BRIDGE_NS, f"vh{i}")]
