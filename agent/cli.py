@@ -18,7 +18,8 @@ from steplens.agent.sources.base import ConfigError, HostContext
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help=f"TOML config (default {agent_config.DEFAULT_CONFIG_PATH} when present)")
-    p.add_argument("--collector", help="collector HOST:PORT")
+    p.add_argument("--collector", help="collector HOST:PORT, or several of one cluster: HOST:PORT,HOST:PORT,... "
+                   "(one stream at a time, the first chosen by node id, the next when it goes away)")
     p.add_argument("--node-id", help="this node's id (default: host name)")
     p.add_argument("--state-dir", help="spool and state directory")
     p.add_argument("--insecure", action="store_true", default=None, help="plaintext, loopback collectors only")

@@ -55,7 +55,7 @@ class AgentSettings:
             raise ConfigError("cpu_budget_fraction and deep_cpu_budget_fraction must be within 0..1")
         if not self.node_id or any(c.isspace() for c in self.node_id) or len(self.node_id) > 128:
             raise ConfigError(f"node_id must be 1-128 characters without spaces, got {self.node_id!r}")
-        conn.split_host_port(self.collector)
+        conn.split_addresses(self.collector)
         if self.metrics_listen:
             conn.split_host_port(self.metrics_listen)
         if not (1 <= self.batch_max_records <= 100_000):
@@ -78,7 +78,7 @@ class AgentSettings:
     def validate_transport(self) -> None:
         """How the agent reaches the collector (skipped by `check`, which never connects)."""
         if self.insecure:
-            conn.require_insecure_allowed(self.collector)
+            conn.require_insecure_allowed(*conn.split_addresses(self.collector))
         elif not (self.tls_ca or self.tls_cert):
             raise ConfigError("without --insecure the agent needs TLS: set tls_ca, tls_cert and tls_key "
                               "(mutual TLS to the collector)")

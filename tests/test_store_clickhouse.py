@@ -346,3 +346,25 @@ def test_a_store_that_fails_under_a_control_call_answers_unavailable_with_the_re
         asyncio.run_coroutine_threadsafe(c.stop(0.5), loop).result(30)
         loop.call_soon_threadsafe(loop.stop)
         th.join(10)
+
+
+def test_two_collectors_on_one_store_store_a_batch_once_when_its_agent_moves_between_them(url, tmp_path):
+    """Two collectors' writers on one ClickHouse database (each with its own state file): the agent streams seq 1
+    to `a`, moves to `b` (seq 2 stored there; `b` dies before acking it), and comes back to `a`, which still
+    remembers seq 1 from the first stream. The Hello's last_seq reads the store again, so `a` takes the resent
+    seq 2 for the duplicate it is."""
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    a = chs.ClickHouseWriter(str(tmp_path / "a.db"), url)
+    b = chs.ClickHouseWriter(str(tmp_path / "b.db"), url)
+    a.start()
+    b.start()
+    try:
+        assert _submit(a, "n1", 1, _records(20, t0), clock)[0] == "stored"
+        assert _submit(b, "n1", 2, _records(20, t0 + 100), clock)[0] == "stored"
+        assert a.last_seq("n1", "ab" * 8) == 2   # the agent's Hello on `a` again
+        assert _submit(a, "n1", 2, _records(20, t0 + 100), clock)[0] == "duplicate"
+        assert a.ch.query(f"SELECT count() FROM {url.database}.metrics")[0][0] == 40
+    finally:
+        a.stop()
+        b.stop()

@@ -14,6 +14,7 @@ import queue
 import random
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,7 +50,7 @@ _STOP = object()
 
 @dataclass
 class TransportConfig:
-    collector: str
+    collector: str                  # HOST:PORT, or several collectors of one cluster: HOST:PORT,HOST:PORT,...
     agent_id: str
     insecure: bool = False
     tls: conn.TlsFiles | None = None
@@ -90,6 +91,11 @@ class StreamClient:
         self._last_acked = 0
         self._appends = 0  # bumped by every spool append, so the sender never sleeps through one
         self._status_due = False  # a status to send now, not at the next interval (status_soon)
+        # several collectors: agents spread over them by their id, each staying with its own while it answers
+        self.targets = conn.split_addresses(cfg.collector)
+        self._tried = 0  # collectors tried in a row without a lasting stream
+        self._target = zlib.crc32(cfg.agent_id.encode()) % len(self.targets)
+        self.target = self.targets[self._target]
         spool.add_listener(self._notify)
 
     def status_soon(self) -> None:
@@ -150,7 +156,7 @@ class StreamClient:
                 code = exc.code() if hasattr(exc, "code") else None
                 self.last_error = f"{code.name if code else 'ERROR'}: {exc.details() if hasattr(exc, 'details') else exc}"
                 if not self._stop.is_set():
-                    log.warning("stream to %s ended: %s", self.cfg.collector, self.last_error)
+                    log.warning("stream to %s ended: %s", self.target, self.last_error)
             except Exception as exc:  # never let the transport thread die
                 self.last_error = f"{type(exc).__name__}: {exc}"
                 log.exception("transport error")
@@ -159,6 +165,18 @@ class StreamClient:
                 self.spool.reset_in_flight()
             if self._stop.is_set():
                 break
+            if len(self.targets) > 1:
+                # the next collector of the cluster: at once after a stream that had lasted (its collector
+                # went away, another takes over), with the back-off once every one of them was tried
+                self._target = (self._target + 1) % len(self.targets)
+                self.target = self.targets[self._target]
+                self._tried += 1
+                if got_hello and time.monotonic() - started > 10:
+                    self._tried = 1
+                if self._tried < len(self.targets):
+                    log.info("trying collector %s", self.target)
+                    continue
+                self._tried = 0
             if got_hello and time.monotonic() - started > 10:
                 delay = self.cfg.reconnect_min_seconds
             sleep = delay * random.uniform(0.8, 1.2)
@@ -177,7 +195,7 @@ class StreamClient:
 
     def _run_stream(self) -> bool:
         cfg = self.cfg
-        channel = conn.client_channel(cfg.collector, cfg.insecure, cfg.tls)
+        channel = conn.client_channel(self.target, cfg.insecure, cfg.tls)
         outbox: queue.Queue = queue.Queue()
         self._outbox = outbox
         stats = self.spool.stats()

@@ -406,6 +406,11 @@ class ClickHouseWriter(w.StoreWriter):
         return int(rows[0][0] or 0) if rows else 0
 
     def last_seq(self, agent_id: str, spool_id: str) -> int:
+        """At an agent's Hello: its spool's newest committed seq in the store. Several collectors share the store
+        and an agent moves between them: what this one remembered of the agent (from an earlier stream) is
+        forgotten, so the writer reads the store again before the agent's next batch (a batch another collector
+        stored but could not ack before it died comes again: a duplicate here, not a second copy)."""
+        self._last_seq.pop((agent_id, spool_id), None)
         try:
             return self._max_seq(agent_id, spool_id)
         except w.BackendError as exc:

@@ -37,6 +37,19 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def split_addresses(addresses: str) -> list[str]:
+    """'HOST:PORT[,HOST:PORT...]': one collector, or several of one cluster (an agent streams to one of them at
+    a time). Each is checked as split_host_port checks it; raises SecurityError naming a bad one."""
+    out = [a.strip() for a in addresses.split(",")] if addresses else []
+    if not out or any(not a for a in out):
+        raise SecurityError(f"bad address list {addresses!r}: expected HOST:PORT[,HOST:PORT...]")
+    for a in out:
+        split_host_port(a)
+    if len(set(out)) != len(out):
+        raise SecurityError(f"bad address list {addresses!r}: an address is named twice")
+    return out
+
+
 def is_loopback(address: str) -> bool:
     """True for unix: sockets and for hosts whose every resolved address is loopback."""
     if address.startswith("unix:") or address.startswith("unix-abstract:"):
