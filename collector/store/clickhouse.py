@@ -36,8 +36,9 @@ from steplens.collector.store.diagnosis import (
     DATA_TABLES,
     JOB_COMMS_WINDOW_NS,
     PROCESS_STATE_EVENTS,
+    process_event_rows,
 )
-from steplens.collector.store.queries import _PROGRESS_KEYS, Reader, _progress_row
+from steplens.collector.store.queries import _PROGRESS_KEYS, Reader, _progress_row, stack_row
 from steplens.collector.store.schema import StoreError
 
 log = logging.getLogger("steplens.collector.clickhouse")
@@ -491,10 +492,7 @@ class ClickHouseReader(Reader):
             args.append(pid)
         rows = self.ch.dicts(f"SELECT * FROM {self._t('stack_summaries')} WHERE {' AND '.join(cond)}"
                              " ORDER BY end_ns DESC, pid, tid LIMIT ?", args + [limit])
-        return [{"node_id": r["agent_id"], "pid": r["pid"], "start_ticks": r["start_ticks"], "tid": r["tid"],
-                 "thread_name": r["thread_name"], "python": r["python"], "start_ns": r["start_ns"],
-                 "end_ns": r["end_ns"], "samples": r["samples"], "errors": r["errors"],
-                 "last_state": r["last_state"], "stacks": json.loads(r["stacks_json"])} for r in rows]
+        return [stack_row(r) for r in rows]
 
     def flows(self, since_ns: int = 0, by: str = "pair", node_id: str = "", limit: int = 1000) -> list[dict]:
         if by not in ("pair", "connection"):
@@ -522,14 +520,7 @@ class ClickHouseReader(Reader):
             args.append(list(node_ids))
         rows = self.ch.query(f"SELECT agent_id, ts_ns, kind, entity, message, value FROM {self._t('events')} WHERE"
                              f" {' AND '.join(cond)} ORDER BY ts_ns, _rid LIMIT ?", args + [limit])
-        out = []
-        for agent, ts, kind, entity, message, value in rows:
-            pid, _, ticks = (entity or "").partition(":")
-            if not pid.isdigit() or not ticks.isdigit():
-                continue
-            out.append({"node_id": agent, "ts_ns": ts, "kind": kind, "pid": int(pid), "start_ticks": int(ticks),
-                        "message": message or "", "value": value or 0.0})
-        return out
+        return process_event_rows(rows)
 
     def node_events(self, node_id: str, kinds: tuple[str, ...], since_ns: int = 0, until_ns: int = 0,
                     limit: int = 1000) -> list[dict]:

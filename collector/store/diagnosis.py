@@ -106,6 +106,19 @@ def deep_dive_json(r: dict) -> dict:
             "start_spread_ns": res.get("start_spread_ns"), "data": res.get("data", {})}
 
 
+def process_event_rows(rows) -> list[dict]:
+    """(agent_id, ts_ns, kind, entity "pid:start_ticks", message, value) rows as process-state events; rows whose
+    entity names no process are left out."""
+    out = []
+    for agent, ts, kind, entity, message, value in rows:
+        pid, _, ticks = (entity or "").partition(":")
+        if not pid.isdigit() or not ticks.isdigit():
+            continue
+        out.append({"node_id": agent, "ts_ns": ts, "kind": kind, "pid": int(pid), "start_ticks": int(ticks),
+                    "message": message or "", "value": value or 0.0})
+    return out
+
+
 class DiagnosisQueries:
     """Read side; mixed into queries.Reader, whose _db() opens a read-only connection."""
 
@@ -220,14 +233,7 @@ class DiagnosisQueries:
                                    f" {' AND '.join(cond)} ORDER BY ts_ns LIMIT ?", args + [limit]).fetchall()
         finally:
             db.conn.close()
-        out = []
-        for agent, ts, kind, entity, message, value in rows:
-            pid, _, ticks = (entity or "").partition(":")
-            if not pid.isdigit() or not ticks.isdigit():
-                continue
-            out.append({"node_id": agent, "ts_ns": ts, "kind": kind, "pid": int(pid), "start_ticks": int(ticks),
-                        "message": message or "", "value": value or 0.0})
-        return out
+        return process_event_rows(rows)
 
     def node_events(self, node_id: str, kinds: tuple[str, ...], since_ns: int = 0, until_ns: int = 0,
                     limit: int = 1000) -> list[dict]:

@@ -25,6 +25,14 @@ def _progress_row(row) -> dict:
     return d
 
 
+def stack_row(r) -> dict:
+    """A stack_summaries row (columns by name) as the readers answer it."""
+    return {"node_id": r["agent_id"], "pid": r["pid"], "start_ticks": r["start_ticks"], "tid": r["tid"],
+            "thread_name": r["thread_name"], "python": r["python"], "start_ns": r["start_ns"], "end_ns": r["end_ns"],
+            "samples": r["samples"], "errors": r["errors"], "last_state": r["last_state"],
+            "stacks": json.loads(r["stacks_json"])}
+
+
 class Reader(DiagnosisQueries):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -208,10 +216,7 @@ class Reader(DiagnosisQueries):
                                  f" ORDER BY end_ns DESC, pid, tid LIMIT ?", args + [limit]))
         finally:
             db.conn.close()
-        return [{"node_id": r["agent_id"], "pid": r["pid"], "start_ticks": r["start_ticks"], "tid": r["tid"],
-                 "thread_name": r["thread_name"], "python": r["python"], "start_ns": r["start_ns"],
-                 "end_ns": r["end_ns"], "samples": r["samples"], "errors": r["errors"],
-                 "last_state": r["last_state"], "stacks": json.loads(r["stacks_json"])} for r in rows]
+        return [stack_row(r) for r in rows]
 
     def flows(self, since_ns: int = 0, by: str = "pair", node_id: str = "", limit: int = 1000) -> list[dict]:
         """Flows aggregated per (src, dst) address pair, or per connection (with ports)."""
