@@ -154,3 +154,23 @@ def no_gc() -> Iterator[None]:
             _gc_holders -= 1
             if _gc_holders == 0 and _gc_was_enabled:
                 gc.enable()
+
+
+def topology_of(reader):
+    """The imported physical topology, or None (none imported, or a reader without one)."""
+    try:
+        return reader.topology()
+    except Exception:  # a reader without a topology
+        return None
+
+
+def nics_of(reader, node: str) -> list[str]:
+    """The topology's NICs of a node (each stands for its link to its switch), where a topology is imported."""
+    topo = topology_of(reader)
+    return sorted(n.id for n in topo.nics.values() if n.node == node) if topo is not None else []
+
+
+def nic_addresses(reader) -> dict[str, str]:
+    """NIC address -> node, from the topology where one is imported (hang's and causes' connection ends)."""
+    topo = topology_of(reader)
+    return {n.ip: n.node for n in topo.nics.values() if n.ip} if topo is not None else {}

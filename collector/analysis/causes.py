@@ -69,6 +69,7 @@ import ipaddress
 import statistics
 from dataclasses import dataclass, replace
 
+from steplens.collector.analysis.base import nic_addresses, nics_of
 from steplens.collector.analysis.findings import Finding, Suspect
 
 EXAMINED_KINDS = ("slowdown", "degradation", "spike", "fluctuation", "network")
@@ -698,7 +699,6 @@ def _network_lead(ps: _Pass, sus: list[Suspect], onset: int, last: int) -> list[
     slow one (a slow link slows every connection through it), so with one degraded peer the remote is told apart.
     Addresses are a node's by the topology's NIC addresses, or by the node's own side of its connections (the job's
     other nodes' connections are read for an address neither names, 64 nodes at most)."""
-    from steplens.collector.analysis.hang import _nics_of, _topology
     conns, healthy_of = [], {}
     owner: dict[str, str] = {}
     for s in sus[:ps.cfg.suspects]:
@@ -716,11 +716,8 @@ def _network_lead(ps: _Pass, sus: list[Suspect], onset: int, last: int) -> list[
             conns.append((node, dst_a))
     if not conns:
         return sus
-    topo = _topology(ps.reader)
-    if topo is not None:
-        for nic in topo.nics.values():
-            if nic.ip:
-                owner.setdefault(nic.ip, nic.node)
+    for ip, node in nic_addresses(ps.reader).items():
+        owner.setdefault(ip, node)
     nodes = {p["node_id"] for p in ps.procs().values()}
     unknown = {d for _, d in conns if d not in owner}
     if unknown:
@@ -747,7 +744,7 @@ def _network_lead(ps: _Pass, sus: list[Suspect], onset: int, last: int) -> list[
     score = max(x.score for x in sus)
     added = [Suspect("node", lead, score, "network", {"why": why, "connections": len(conns), "added_by": "causes"})]
     added += [Suspect("nic", nic, score, "network", {"node": lead, "why": "its link to its switch"})
-              for nic in _nics_of(ps.reader, lead)[:2]]
+              for nic in nics_of(ps.reader, lead)[:2]]
     keep = [x for x in sus if not (x.kind in ("node", "nic") and x.id in {a.id for a in added})]
     return added + keep
 

@@ -45,7 +45,7 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
-from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
+from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window, nic_addresses, nics_of
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.irregularity import IrregularityConfig, JobSteps, load
 
@@ -390,7 +390,7 @@ def _ongoing(reader, window: Window, cfg: HangConfig, js: JobSteps, last: dict[i
         old = [x for x in sus if x.kind == "node" and x.id == node]
         sus = [x for x in sus if not (x.kind == "node" and x.id == node)]
         sus.insert(0, Suspect("node", node, 1.0, cause, {**(old[0].evidence if old else {}), **ev}))
-        for k, nic in enumerate(_nics_of(reader, node)[:2]):
+        for k, nic in enumerate(nics_of(reader, node)[:2]):
             sus.insert(1 + k, Suspect("nic", nic, 0.9, cause, {"node": node, "why": "its link to its switch"}))
     if stalled:
         for rank, n in hidden[:max(0, cfg.max_suspects - len(sus))]:
@@ -540,11 +540,8 @@ def stalled_connections(reader, nodes: list[str], since_ns: int, until_ns: int) 
                 conns.pop(key, None)
     if not conns:
         return {}
-    topo = _topology(reader)
-    if topo is not None:
-        for nic in topo.nics.values():
-            if nic.ip:
-                owner.setdefault(nic.ip, nic.node)
+    for ip, node in nic_addresses(reader).items():
+        owner.setdefault(ip, node)
     counts: dict[str, int] = {}
     for node, _src, dst in conns.values():
         for end in {node, owner.get(dst[0], dst[0])}:
@@ -569,19 +566,6 @@ def unreachable_nodes(reader, now_ns: int, silent_ns: int = 10 * 10**9) -> dict[
         return {}
     return {r["node_id"]: r["last_seen_ns"] for r in rows
             if r.get("last_seen_ns") and (not r.get("connected") or r["last_seen_ns"] < now_ns - silent_ns)}
-
-
-def _topology(reader):
-    try:
-        return reader.topology()
-    except Exception:  # a reader without a topology
-        return None
-
-
-def _nics_of(reader, node: str) -> list[str]:
-    """The topology's NICs of a node (each stands for its link to its switch), where a topology is imported."""
-    topo = _topology(reader)
-    return sorted(n.id for n in topo.nics.values() if n.node == node) if topo is not None else []
 
 
 def detect(reader, window: Window, cfg: HangConfig) -> list[Finding]:
