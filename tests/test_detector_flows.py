@@ -177,3 +177,38 @@ def test_the_analysis_loop_finds_flow_jobs_on_its_own(tmp_path):
         assert snap is eng.flowview._snap and eng.flowview.analyses == 1
     finally:
         writer.stop()
+
+
+def _recorded_testbed_flows():
+    import gzip
+    import os
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "testbed-flows")
+    with gzip.open(os.path.join(here, "link-h1.jsonl.gz"), "rt") as fh:
+        head = json.loads(fh.readline())
+        rows = [tuple(json.loads(line)) for line in fh if line.strip()]
+    with open(os.path.join(here, "topology.json")) as fh:
+        tdoc = json.load(fh)
+    return head["fault"], rows, tdoc
+
+
+def test_recorded_testbed_link_fault_names_the_hosts_link():
+    """Real eBPF flows of the testbed's DP2 x PP2 job with h1's link at 200 Mbit/s (fixtures/testbed-flows): from
+    3 s into the fault on, the flows detector leads with h1's link. Two things make it so: each flow is judged
+    against its own directed pair's history (the pipeline's forward bursts, which hold compute between messages,
+    are ~3x slower as bytes / duration than its backward ones: a pooled baseline of every pipeline flow called
+    h1's slowed backward flows normal), and an endpoint talking to two peers is also judged per direction."""
+    fault, rows, tdoc = _recorded_testbed_flows()
+    server_of, nic_of = topology_maps(from_dict(tdoc))
+    t0 = fault["start_ns"]
+    tops = []
+    for sec in (4, 6, 8, 10):
+        until = t0 + sec * 10**9
+        window = [r for r in rows if until - 30 * 10**9 <= r[0] < until]
+        snap = analyse(FlowWindow.from_rows(window, ignore_ports=(7707,)), server_of)
+        job = max(snap.jobs, key=lambda j: len(j.timeline))
+        assert sorted(job.endpoints) == ["10.77.0.10", "10.77.0.11", "10.77.0.12", "10.77.0.13"]
+        found = diagnose(snap, job, nic_of, server_of, FlowsConfig())
+        assert len(found) == 1 and found[0].kind == "slowdown" and found[0].severity > 3
+        assert abs(found[0].onset_ns - t0) < 0.5e9
+        tops.append(found[0].suspects[0].id if found[0].suspects else None)
+    assert tops == ["h1.eth0"] * 4, tops

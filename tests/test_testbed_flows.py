@@ -12,8 +12,10 @@ Checked:
     step log over the same span (mean step time: per step, the optimizer's time after the exchange jitters by
     a few ms on this loaded 2-core bed), and within 1 % of the steps the agents' comm-op path (Flight
     Recorder + anchors, the `steps` table) gives the same job;
-  * a link fault on h1 (tbf 200 Mbit/s, 20 s): a `flows` finding that began with it. Its attribution to h1 is
-    recorded and marked xfail when h1's link is not the first suspect (XFAIL_LINK).
+  * a link fault on h1 (tbf 200 Mbit/s, 20 s): a `flows` finding that began with it, naming h1's link (or h1)
+    first once a few passes have seen the fault (each flow against its own directed pair's history: the
+    pipeline's forward bursts hold compute between messages, its backward ones do not; and per direction of a
+    host's link where it talks to two peers or more).
 Figures are printed (-s)."""
 
 from __future__ import annotations
@@ -40,10 +42,6 @@ from bench.testbed import faults, netns  # noqa: E402
 IPS = {f"h{i}": netns.host_ip(i) for i in range(4)}
 DP = {tuple(sorted((IPS["h0"], IPS["h1"]))), tuple(sorted((IPS["h2"], IPS["h3"])))}
 PP = {tuple(sorted((IPS["h0"], IPS["h2"]))), tuple(sorted((IPS["h1"], IPS["h3"])))}
-XFAIL_LINK = ("found, but h1's link not first: a TCP burst's bytes / duration is not the link's rate on this bed "
-              "(tbf lets a 128 KiB message through at full speed from its token bucket, and a burst that merged "
-              "messages holds the compute between them), so only the DP exchange h0 <-> h1 shows the fault, "
-              "and it slows both of its ends alike")
 
 
 def _cli_json(layout, *args):
@@ -132,14 +130,21 @@ def test_link_fault_on_h1_is_found_from_the_flows(bed):
                     return f
             return None
         found = wait_for(flows_finding, 30, interval=1, what="a flows finding that began with the link fault")
+        first_s = time.time_ns() - t0
+        first_top = [(s["kind"], s["id"]) for s in found["suspects"][:3]]
+        # the finding is updated by every analysis pass (every 5 s over the newest 30 s) while the fault lasts:
+        # judged as an SRE reads it 12 s in, two passes on (the first pass may see a step or two of the fault,
+        # too few flows of each pair to clear a healthy peer)
+        time.sleep(max(0.0, 12.0 - (time.time_ns() - t0) / 1e9))
+        found = next((f for f in _cli_json(layout, "findings") if f["id"] == found["id"]), found)
     finally:
         th.join()
     top = [(s["kind"], s["id"]) for s in found["suspects"][:3]]
-    print(f"\nlink fault: {found['kind']} {found['severity']:.2f}x, {(found['onset_ns'] - t0) / 1e9:+.2f} s from "
-          f"the fault, suspects {top}: {found['summary']}")
+    print(f"\nlink fault: {found['kind']} {found['severity']:.2f}x, onset {(found['onset_ns'] - t0) / 1e9:+.2f} s "
+          f"from the fault, found {first_s / 1e9:.1f} s after it (suspects then {first_top}), 12 s in: suspects {top}: "
+          f"{found['summary']}")
     assert found["severity"] > 1.5 and found["kind"] == "slowdown"
-    if not top or top[0] not in {("link", "h1.eth0"), ("nic", "h1.eth0"), ("node", "h1")}:
-        pytest.xfail(XFAIL_LINK)
+    assert top and top[0] in {("link", "h1.eth0"), ("nic", "h1.eth0"), ("node", "h1")}, top
 
 
 def test_down_leaves_nothing(bed):

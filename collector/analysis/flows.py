@@ -11,15 +11,17 @@ deviation, which is identically 0), one-sided in the bad direction, and robust w
 1.4826 x MAD, floored so that a noiseless simulation does not divide by zero):
   1. cross-step: the job's step time (median over its endpoints' reconstructed steps) against its own trailing
      steps; a run of flagged steps reaching the window's end is a `slowdown` from the first of them;
-  2. per flow, its bandwidth (bytes / duration) over the expected for its kind (pair type and size, log2
-     bucket): the median of the same kind before the onset, or of its peers in the same span where there is no
-     baseline. Scored in the suspect span:
+  2. per flow, its bandwidth (bytes / duration) over the expected: the median of its own directed pair's flows
+     of its size (log2 bucket) before the onset where there are 10, else of its kind's (pair type and size), or
+     of its peers in the same span where there is no baseline. Scored in the suspect span:
        switch   the upper quartile of the ratios of the flows crossing it (a congested switch slows all of them);
        endpoint the median ratio of its best peer's flows (a slow NIC link slows the flows to every peer; each
                 of those peers has a healthy peer elsewhere, so its best stays high: no tie, unless the two
-                have no other peer: then the finding says they tie);
-     a score is an outlier when it is at least `min_drop` below 1 and, with >= 4 peers, `k` robust σ below
-     their median; endpoints whose flows all cross an outlier switch are explained by it;
+                have no other peer: then the finding says they tie), and where it sends to (receives from)
+                two peers or more, the same per direction (a link slow one way), the worst of these;
+     a score is an outlier when it is at least `min_drop` below 1 and, with >= `few_peers` peers, `k` robust σ
+     below their median (with 4 to few_peers - 1, whose MAD is no measure of spread: at most few_peers_ratio x
+     the others' median); endpoints whose flows all cross an outlier switch are explained by it;
   3. cross-group: each DP group's communication time per step (its DP flows' last end minus first start,
      per step segment) against the other groups' in the same span (high side).
 A finding: `slowdown` when the step time rose, else `network` (a switch, link or DP group measurably slower
@@ -55,6 +57,8 @@ class FlowsConfig(DetectorConfig):
     recent_steps: int = 3                # a slowdown must reach within this many steps of the window's end
     min_drop: float = 0.15               # a switch or endpoint score at least this far below 1
     min_group_ratio: float = 1.15        # a DP group at least this much slower than the groups' median
+    few_peers: int = 8                   # with 4..few_peers-1 scores, an outlier is judged by ratio, not robust z:
+    few_peers_ratio: float = 0.7         # at most this times the median of the others
 
     def validate(self) -> None:
         super().validate()
@@ -68,6 +72,8 @@ class FlowsConfig(DetectorConfig):
             raise ConfigError("recent_steps must be within 1..1000")
         if not 0 < self.min_drop < 1 or not 1 < self.min_group_ratio <= 10:
             raise ConfigError("min_drop within (0, 1), min_group_ratio within (1, 10]")
+        if not 4 <= self.few_peers <= 1000 or not 0 < self.few_peers_ratio < 1:
+            raise ConfigError("few_peers within 4..1000, few_peers_ratio within (0, 1)")
 
 
 def step_series(job) -> tuple[list[int], np.ndarray, np.ndarray, np.ndarray]:
@@ -109,9 +115,14 @@ def outliers(scores: dict, cfg: FlowsConfig) -> list[tuple[object, float, float]
     med = float(np.median(v))
     sd = max(MAD_SIGMA * float(np.median(np.abs(v - med))), 0.02)
     out = []
+    few = 4 <= len(v) < cfg.few_peers   # the MAD of a handful is no measure of their spread
     for key, s in scores.items():
         z = (med - s) / sd
-        if s <= 1.0 - cfg.min_drop and (len(v) < 4 or z >= cfg.k):
+        if few:
+            far = s <= cfg.few_peers_ratio * float(np.median([o for k2, o in scores.items() if k2 != key]))
+        else:
+            far = len(v) < 4 or z >= cfg.k
+        if s <= 1.0 - cfg.min_drop and far:
             out.append((key, float(s), float(z)))
     return sorted(out, key=lambda t: t[1])
 
@@ -156,9 +167,13 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
     ips = fw.ips
     kind = np.array([TYPES.get(job.pairs.get((ips[a], ips[b]) if ips[a] < ips[b] else (ips[b], ips[a]), ""), 3)
                      for a, b in zip(s_ep.tolist(), d_ep.tolist())], dtype=np.int64)
-    cls = kind * 64 + np.floor(np.log2(np.maximum(1, fw.nbytes[idx]))).astype(np.int64)
+    size = np.floor(np.log2(np.maximum(1, fw.nbytes[idx]))).astype(np.int64)
+    cls = kind * 64 + size
     in_span = fw.start[idx] >= span_lo
     before = ~in_span
+    # the expected bandwidth of a flow: its own directed pair's flows of its size before the onset where they are
+    # enough (the two directions of a pair need not move alike: a pipeline's forward bursts hold compute between
+    # messages, its backward ones may not), else its kind's (pair type, size), else its peers' in the span
     expected = np.ones(len(idx))
     for c in np.unique(cls):
         m = cls == c
@@ -166,6 +181,22 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
         if len(ref) < 10:
             ref = bw[m & in_span]
         expected[m] = float(np.median(ref)) if len(ref) else 1.0
+    n_ep = max(len(ips), 1)
+    dkey = (s_ep.astype(np.int64) * n_ep + d_ep.astype(np.int64)) * 64 + size
+    bkeys = dkey[before]
+    if len(bkeys):
+        order = np.argsort(bkeys, kind="stable")
+        ks_, starts, counts = np.unique(bkeys[order], return_index=True, return_counts=True)
+        bw_before = bw[before][order]
+        own = {int(k): float(np.median(bw_before[a:a + c])) for k, a, c in zip(ks_, starts, counts) if c >= 10}
+        if own:
+            span_keys = dkey[in_span]
+            exp_span = expected[in_span]
+            for j, k in enumerate(span_keys.tolist()):
+                v = own.get(k)
+                if v is not None:
+                    exp_span[j] = v
+            expected[in_span] = exp_span
     r = bw / np.maximum(expected, 1e-12)
     span_idx = np.flatnonzero(in_span)
     r_span = r[span_idx]
@@ -176,18 +207,41 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
         a, b = int(s_ep[i]), int(d_ep[i])
         ep_groups[a].append(j)
         ep_groups[b].append(j)
-        pair_groups[(a, b) if a < b else (b, a)].append(j)
+        pair_groups[(a, b)].append(j)   # directed: a sends, b receives
         for w in fw.switches[int(idx[i])]:
             sw_groups[w].append(j)
     sw_out = outliers(_upper_quartile(sw_groups, r_span), cfg)
-    # an endpoint's score: its best peer's (the median ratio of their flows): a slow NIC link slows every peer
-    # of its endpoint, while each of those peers still has a healthy peer elsewhere
-    ep_scores: dict[int, float] = {}
+    # an endpoint's score: the median ratio of its flows with its best peer (a slow NIC link slows the flows to
+    # every peer of its endpoint, while each of those peers still has a healthy peer elsewhere); and, where it
+    # sends to (receives from) two peers or more, the same per direction of its link (a link slow one way slows
+    # only what crosses it that way, and a pair's other direction would hide it). Its score is the worst of these.
+    undirected: dict[tuple[int, int], list[int]] = defaultdict(list)
     for (a, b), js in pair_groups.items():
+        undirected[(a, b) if a < b else (b, a)].extend(js)
+    ep_scores: dict[int, float] = {}
+    judged: dict[int, int] = defaultdict(int)
+    for (a, b), js in undirected.items():
         if len(js) >= 2:
             m = float(np.median(r_span[np.asarray(js)]))
             for e in (a, b):
                 ep_scores[e] = max(ep_scores.get(e, 0.0), m)
+                judged[e] += 1
+    # an endpoint judged on one peer while the job gives it others is not judged yet (early in a span only its
+    # busiest pair has flows: its healthy peers would clear it)
+    peers: dict[str, int] = defaultdict(int)
+    for x, y in job.pairs:
+        peers[x] += 1
+        peers[y] += 1
+    for e in [e for e, n_j in judged.items() if n_j < 2 <= peers.get(ips[e], 0)]:
+        del ep_scores[e]
+    for end in (0, 1):   # 0: the flows an endpoint sends, 1: those it receives
+        best: dict[int, list[float]] = defaultdict(list)
+        for ab, js in pair_groups.items():
+            if len(js) >= 2:
+                best[ab[end]].append(float(np.median(r_span[np.asarray(js)])))
+        for e, ms in best.items():
+            if len(ms) >= 2 and e in ep_scores:
+                ep_scores[e] = min(ep_scores[e], max(ms))
     ep_out = outliers(ep_scores, cfg)
     explained = set()   # endpoints whose flows (nearly) all cross an outlier switch: its victims, not causes
     for w, _, _ in sw_out:
