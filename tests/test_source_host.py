@@ -64,8 +64,8 @@ def test_cpu_memory_load_values_are_sane():
     assert set(load) == {"load1", "load5", "load15"}
     assert abs(load["load1"] - os.getloadavg()[0]) < 1.0
 
-    freq = _by(second, "cpu_frequency_mhz")
-    assert freq and all(v > 100 for v in freq.values())
+    freq = _by(first, "cpu_frequency_mhz")   # the first step reads them, then every 10 s (the default)
+    assert freq and all(v > 100 for v in freq.values()) and _by(second, "cpu_frequency_mhz") == {}
     assert all(isinstance(m.mono_ns, int) and m.mono_ns > 0 for m in second)
     assert all(not m.name.endswith("_total") or m.value >= 0 for m in second)
 
@@ -232,3 +232,66 @@ def test_swap_figures_equal_psutils_on_a_host_with_swap(tmp_path):
         assert got["swap_in_bytes_total"] == 0 and got["swap_total_bytes"] == 8388604 * 1024
     finally:
         psutil.PROCFS_PATH = old
+
+
+def test_memory_and_network_figures_equal_psutils(tmp_path):
+    """The host source picks memory and NIC counters out of meminfo and /proc/net/dev itself (psutil's
+    virtual_memory and net_io_counters parsed every line into named tuples, ~60 % of the source's step): on a copy
+    of this host's files the figures are psutil's, exactly; a meminfo without MemAvailable falls back to psutil."""
+    import warnings
+    proc = tmp_path / "proc"
+    (proc / "net").mkdir(parents=True)
+    for name in ("stat", "loadavg", "meminfo", "vmstat"):
+        shutil.copy(f"/proc/{name}", proc / name)
+    dev = open("/proc/net/dev").read().rstrip("\n")
+    # a NIC with every counter distinct, so that a column taken for another shows
+    dev += "\n  eth9: " + " ".join(str(1000 + i) for i in range(16)) + "\n"
+    (proc / "net" / "dev").write_text(dev)
+    old = psutil.PROCFS_PATH
+    try:
+        src = _source(proc_root=str(proc), sys_root=str(tmp_path / "sys"))
+        got = {(m.name, m.entity): m.value for m in src.step()}
+        psutil.PROCFS_PATH = str(proc)
+        vm = psutil.virtual_memory()
+        assert {k: got[(k, "")] for k in ("memory_total_bytes", "memory_available_bytes", "memory_used_bytes",
+                                          "memory_cached_bytes", "memory_buffers_bytes")} == \
+            {"memory_total_bytes": vm.total, "memory_available_bytes": vm.available, "memory_used_bytes": vm.used,
+             "memory_cached_bytes": vm.cached, "memory_buffers_bytes": vm.buffers}
+        nics = psutil.net_io_counters(pernic=True, nowrap=False)
+        assert "eth9" in nics
+        for nic, c in nics.items():
+            if src._nic_exclude.search(nic):
+                assert ("network_receive_bytes_total", nic) not in got
+                continue
+            assert [got[(m, nic)] for m in ("network_receive_bytes_total", "network_transmit_bytes_total",
+                                            "network_receive_packets_total", "network_transmit_packets_total",
+                                            "network_receive_errors_total", "network_transmit_errors_total",
+                                            "network_receive_drops_total", "network_transmit_drops_total")] == \
+                [c.bytes_recv, c.bytes_sent, c.packets_recv, c.packets_sent, c.errin, c.errout, c.dropin, c.dropout]
+        (proc / "meminfo").write_text("".join(ln + "\n" for ln in open("/proc/meminfo").read().splitlines()
+                                              if not ln.startswith("MemAvailable:")))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            got = {m.name: m.value for m in src.step()}
+            vm = psutil.virtual_memory()
+        assert got["memory_available_bytes"] == vm.available and got["memory_total_bytes"] == vm.total
+    finally:
+        psutil.PROCFS_PATH = old
+
+
+def test_cpu_frequency_every_interval_and_every_step_in_deep_mode():
+    from steplens.agent.records import Mode
+    ctx = HostContext(node_id="t")
+    src = HostSource(ctx, build_config(HostConfig, {"cpu_frequency_interval_seconds": 3600.0}, "sources.host"))
+    src.start()
+    try:
+        counts = [len(_by(src.step(), "cpu_frequency_mhz")) for _ in range(3)]
+        assert counts[0] > 0 and counts[1:] == [0, 0]   # once an hour: the first step only
+        src.set_mode(Mode.DEEP)
+        assert len(_by(src.step(), "cpu_frequency_mhz")) == counts[0]
+        src.set_mode(Mode.SENTINEL)
+        assert _by(src.step(), "cpu_frequency_mhz") == {}
+    finally:
+        src.stop()
+    with pytest.raises(ConfigError, match="cpu_frequency_interval_seconds"):
+        build_config(HostConfig, {"cpu_frequency_interval_seconds": -1.0}, "sources.host")

@@ -404,3 +404,67 @@ def test_step_cost():
     nprocs = sum(1 for d in os.listdir("/proc") if d.isdigit())
     print(f"procs step: {per_step * 1e6:.0f} us CPU for {nprocs} processes")
     assert per_step < 0.005
+
+
+def test_scans_without_a_fork_are_skipped_and_a_new_process_is_not_missed(children):
+    """With no workload to follow, a scan is skipped while the last PID the kernel handed out (/proc/loadavg) is
+    the one of the previous full scan and no re-read is due; a process started since is found at the next step
+    (its fork moved the last PID), and the known processes are still re-read every recheck_seconds."""
+    clock = Clock()
+    marker = f"skip-{uuid.uuid4().hex}"
+    src = ProcsSource(HostContext(node_id="t", mono_ns=clock),
+                      build_config(ProcsConfig, {"patterns": [marker]}, "sources.procs"))
+    src.start()
+    if not src._last_pid_path:
+        with open("/proc/self/status") as f:
+            assert len(next(ln for ln in f if ln.startswith("NSpid:")).split()) > 2
+        pytest.skip("this process's PID namespace is not the one /proc shows: every scan is a full one")
+    src.step()
+    for _ in range(20):   # other processes of this machine may fork meanwhile: some steps at least are skipped
+        clock.advance(0.1)
+        src.step()
+    assert src.scans_skipped >= 1
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    children.append(child)
+    _wait_file(f"/proc/{child.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while True:   # the child's cmdline is its interpreter's until it has exec'd
+        clock.advance(0.1)
+        got = _infos(src.step())
+        if child.pid in got or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert child.pid in got
+    child.kill()
+    child.wait()
+    clock.advance(0.1)
+    assert any(isinstance(r, ProcessExit) and r.pid == child.pid for r in src.step())
+    # no workload again: skipped until the known processes' recheck is due, then a full scan
+    skipped = src.scans_skipped
+    clock.advance(0.1)
+    src.step()
+    clock.advance(0.1)
+    src.step()
+    due = src._due_ns
+    clock.offset_ns += due - clock() + 1
+    before = src.scans_skipped
+    src.step()
+    assert src.scans_skipped == before, "a re-read due is a full scan"
+    assert src._due_ns > due
+    print(f"skipped {src.scans_skipped} scans ({skipped} before the child's exit)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")
+def test_no_scan_skipped_in_a_pid_namespace_below_the_one_proc_shows():
+    """An agent in a PID namespace of its own that reads the host's /proc: /proc/loadavg's last PID is its own
+    namespace's, not the host's, so no scan may be skipped on it."""
+    code = ("import sys; from steplens.agent.sources.procs import _last_pid_source; "
+            "print(repr(_last_pid_source('/proc')))")
+    res = subprocess.run(["unshare", "--pid", "--fork", sys.executable, "-c", code], capture_output=True,
+                         text=True, timeout=60)
+    if res.returncode != 0 and "unshare" in res.stderr:
+        pytest.skip(f"unshare --pid refused here: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "''"
+    from steplens.agent.sources.procs import _last_pid_source
+    assert _last_pid_source("/proc") == "/proc/loadavg"

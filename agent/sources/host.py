@@ -33,7 +33,7 @@ Why a rank is slow (the collector's causes): cpu-throttled, cpu-contention and g
 
 Emitted metrics (entity in brackets):
   cpu_utilization_percent, cpu_iowait_percent [cpuN] (from /proc/stat differences; none on the first step),
-  cpu_frequency_mhz [cpuN], load1/load5/load15 [""],
+  cpu_frequency_mhz [cpuN] (every cpu_frequency_interval_seconds; every step in deep mode), load1/load5/load15 [""],
   memory_{total,available,used,cached,buffers}_bytes, swap_{total,used}_bytes, swap_{in,out}_bytes_total [""],
   pressure_cpu_some_seconds_total, pressure_{memory,io}_{some,full}_seconds_total [""] (PSI `total=` us / 1e6),
   network_{receive,transmit}_{bytes,packets,errors,drops}_total [nic],
@@ -58,12 +58,16 @@ import os
 import re
 from dataclasses import dataclass
 
-from steplens.agent.records import Metric
+from steplens.agent.records import Metric, Mode
 from steplens.agent.sources.base import Availability, ConfigError, HostContext, Source, SourceConfig, host_path
 
 _SECTOR_BYTES = 512  # /proc/diskstats counts 512-byte sectors whatever the device's sector size
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+_NET_DEV_COLUMNS = (("network_receive_bytes_total", 0), ("network_transmit_bytes_total", 8),
+                    ("network_receive_packets_total", 1), ("network_transmit_packets_total", 9),
+                    ("network_receive_errors_total", 2), ("network_transmit_errors_total", 10),
+                    ("network_receive_drops_total", 3), ("network_transmit_drops_total", 11))
 
 
 def _field(text: bytes, key: bytes) -> int:
@@ -85,12 +89,16 @@ class HostConfig(SourceConfig):
     deep_interval_seconds: float = 0.25  # deep mode: the counters a deep dive ranks causes by, 4 per second
     cpu_per_core: bool = True  # per-core utilization and iowait percent
     cpu_frequency: bool = True  # per-core frequency (sysfs cpufreq, else /proc/cpuinfo)
+    # read that often (a file per core: ~0.2 % of a core at 1 Hz on a 192-core host), at every step in deep mode
+    cpu_frequency_interval_seconds: float = 10.0
     processes: bool = True  # per-process figures for the workloads the procs source found
     nic_exclude_regex: str = r"^(veth|cali|flannel|cni|docker|br-|virbr|ifb)"  # NICs to skip
     disk_exclude_regex: str = r"^(loop|ram|zram|sr)\d*$"  # block devices to skip
 
     def validate(self) -> None:
         super().validate()
+        if not 0 <= self.cpu_frequency_interval_seconds <= 3600:
+            raise ConfigError("cpu_frequency_interval_seconds must be within 0..3600 (0: every step)")
         for key in ("nic_exclude_regex", "disk_exclude_regex"):
             try:
                 re.compile(getattr(self, key))
@@ -115,6 +123,8 @@ class HostSource(Source):
         self._freq_paths: list[tuple[str, str]] | None = None  # (entity, scaling_cur_freq path) or [] for cpuinfo
         self._cgroups: CpuCgroups | None = None
         self._psi: list[tuple[str, str]] = []  # (resource, /proc/pressure/<resource>) that read
+        self._freq_due_ns = 0   # the next step reading the frequencies (0: the first)
+        self._deep = False
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -140,6 +150,9 @@ class HostSource(Source):
             self._cgroups = CpuCgroups.from_mountinfo(self.ctx.proc_root, self.ctx.sys_root)
         self._psi = _psi_paths(self.ctx.proc_root)
 
+    def set_mode(self, mode: Mode) -> None:
+        self._deep = mode == Mode.DEEP
+
     def stop(self) -> None:
         self._prev_cpu = None
         self._prev_proc = {}
@@ -148,7 +161,8 @@ class HostSource(Source):
         now = self.ctx.mono_ns()
         out: list[Metric] = []
         self._cpu(now, out)
-        if self.config.cpu_frequency:
+        if self.config.cpu_frequency and (self._deep or now >= self._freq_due_ns):
+            self._freq_due_ns = now + int(self.config.cpu_frequency_interval_seconds * 1e9)
             self._frequency(now, out)
         self._load(now, out)
         self._memory(now, out)
@@ -232,47 +246,68 @@ class HostSource(Source):
             out.append(Metric(now, name, "", float(value)))
 
     def _memory(self, now: int, out: list) -> None:
-        vm = self._psutil.virtual_memory()
-        out.append(Metric(now, "memory_total_bytes", "", float(vm.total)))
-        out.append(Metric(now, "memory_available_bytes", "", float(vm.available)))
-        out.append(Metric(now, "memory_used_bytes", "", float(vm.used)))
-        out.append(Metric(now, "memory_cached_bytes", "", float(getattr(vm, "cached", 0))))
-        out.append(Metric(now, "memory_buffers_bytes", "", float(getattr(vm, "buffers", 0))))
-        total, used, sin, sout = self._swap()
-        out.append(Metric(now, "swap_total_bytes", "", float(total)))
-        out.append(Metric(now, "swap_used_bytes", "", float(used)))
+        total, avail, used, cached, buffers, sw_total, sw_used, sin, sout = self._meminfo()
+        out.append(Metric(now, "memory_total_bytes", "", float(total)))
+        out.append(Metric(now, "memory_available_bytes", "", float(avail)))
+        out.append(Metric(now, "memory_used_bytes", "", float(used)))
+        out.append(Metric(now, "memory_cached_bytes", "", float(cached)))
+        out.append(Metric(now, "memory_buffers_bytes", "", float(buffers)))
+        out.append(Metric(now, "swap_total_bytes", "", float(sw_total)))
+        out.append(Metric(now, "swap_used_bytes", "", float(sw_used)))
         out.append(Metric(now, "swap_in_bytes_total", "", float(sin)))
         out.append(Metric(now, "swap_out_bytes_total", "", float(sout)))
 
-    def _swap(self) -> tuple[int, int, int, int]:
-        """psutil.swap_memory's total, used, sin, sout, the same way (SwapTotal/SwapFree from meminfo, pswpin/pswpout
-        x 4 KiB from vmstat) without parsing every line of both files: psutil's was a third of this source's
-        step (~0.3 of ~0.8 ms). Falls back to psutil where a field is missing."""
+    def _meminfo(self) -> tuple[int, ...]:
+        """psutil's virtual_memory (total, available, used = total - available, cached = Cached + SReclaimable,
+        buffers) and swap_memory (total, used, sin, sout: pswpin/pswpout x 4 KiB) figures, the same way, from one
+        read of meminfo and one of vmstat, picking the fields wanted instead of parsing every line (psutil's two
+        calls were ~60 % of this source's step). psutil where a field is missing (old kernels: no MemAvailable)."""
         try:
             with open(host_path(self.ctx.proc_root, "meminfo"), "rb") as f:
                 mem = f.read()
             with open(host_path(self.ctx.proc_root, "vmstat"), "rb") as f:
                 vm = f.read()
-            total, free = _field(mem, b"SwapTotal:") * 1024, _field(mem, b"SwapFree:") * 1024
-            return total, total - free, _field(vm, b"pswpin") * 4096, _field(vm, b"pswpout") * 4096
-        except (OSError, KeyError, ValueError):   # a file or field this kernel lacks: psutil's own fallbacks
-            sw = self._psutil.swap_memory()
-            return sw.total, sw.used, sw.sin, sw.sout
+            total, free, avail = (_field(mem, k) * 1024 for k in (b"MemTotal:", b"MemFree:", b"MemAvailable:"))
+            if avail <= 0:
+                raise KeyError("MemAvailable")
+            avail = free if avail > total else avail
+            cached = _field(mem, b"Cached:") * 1024
+            try:
+                cached += _field(mem, b"SReclaimable:") * 1024
+            except KeyError:
+                pass
+            buffers = _field(mem, b"Buffers:") * 1024
+            sw_total, sw_free = _field(mem, b"SwapTotal:") * 1024, _field(mem, b"SwapFree:") * 1024
+            return (total, avail, total - avail, cached, buffers, sw_total, sw_total - sw_free,
+                    _field(vm, b"pswpin") * 4096, _field(vm, b"pswpout") * 4096)
+        except (OSError, KeyError, ValueError):
+            v, sw = self._psutil.virtual_memory(), self._psutil.swap_memory()
+            return (v.total, v.available, v.used, getattr(v, "cached", 0), getattr(v, "buffers", 0),
+                    sw.total, sw.used, sw.sin, sw.sout)
 
     # -- network, disks --------------------------------------------------------------------------
 
     def _network(self, now: int, out: list) -> None:
-        for nic, c in self._psutil.net_io_counters(pernic=True, nowrap=False).items():
+        """Per NIC counters from /proc/net/dev (psutil.net_io_counters reads the same file and builds a named tuple
+        per NIC: ~3x this)."""
+        try:
+            with open(host_path(self.ctx.proc_root, "net", "dev"), "rb") as f:
+                lines = f.read().split(b"\n")[2:]
+        except OSError:
+            return
+        for line in lines:
+            name, sep, rest = line.partition(b":")
+            if not sep:
+                continue
+            nic = name.strip().decode("ascii", "replace")
             if self._nic_exclude.search(nic):
                 continue
-            out.append(Metric(now, "network_receive_bytes_total", nic, float(c.bytes_recv)))
-            out.append(Metric(now, "network_transmit_bytes_total", nic, float(c.bytes_sent)))
-            out.append(Metric(now, "network_receive_packets_total", nic, float(c.packets_recv)))
-            out.append(Metric(now, "network_transmit_packets_total", nic, float(c.packets_sent)))
-            out.append(Metric(now, "network_receive_errors_total", nic, float(c.errin)))
-            out.append(Metric(now, "network_transmit_errors_total", nic, float(c.errout)))
-            out.append(Metric(now, "network_receive_drops_total", nic, float(c.dropin)))
-            out.append(Metric(now, "network_transmit_drops_total", nic, float(c.dropout)))
+            c = rest.split()
+            if len(c) < 12:
+                continue
+            # receive: bytes packets errs drop fifo frame compressed multicast; transmit: bytes packets errs drop
+            for metric, col in _NET_DEV_COLUMNS:
+                out.append(Metric(now, metric, nic, float(c[col])))
 
     def _disks(self, now: int, out: list) -> None:
         try:

@@ -69,6 +69,10 @@ verifications (a stat read every recheck_seconds); a workload one stat read (~7 
 unclassified Python process one maps read (~0.5 ms for a large interpreter) per maps_recheck_max_seconds
 once the back-off has ramped up; a new process one classification (~0.1-1 ms). State tracking adds a dict
 update per workload per scan and one schedstat read (~5 µs) per workload sitting unreported in 't' or 'D'.
+With no workload to follow, a scan is skipped (one read of /proc/loadavg) while no process was created since
+the previous full scan (its last field, the last PID handed out, unchanged) and no re-read is due: an idle host
+costs a full scan every recheck_seconds. Not where the agent's PID namespace is below the one proc_root shows
+(that field is the reader's namespace's).
 """
 
 from __future__ import annotations
@@ -193,6 +197,10 @@ class ProcsSource(Source):
         self._by_pid: dict[int, tuple[int, int]] = {}
         self._reported: dict[tuple[int, int], ProcessInfo] = {}
         self._states: dict[tuple[int, int], _RunState] = {}
+        self._last_pid_path = ""   # /proc/loadavg where it speaks for proc_root's PID namespace, else ""
+        self._last_pid = b""       # its last field at the previous full scan
+        self._due_ns = 0           # the earliest re-read a full scan set (a non-workload's recheck, a maps read)
+        self.scans_skipped = 0
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -213,6 +221,22 @@ class ProcsSource(Source):
         self._by_pid = {}
         self._reported = {}
         self._states = {}
+        self._last_pid_path = _last_pid_source(self.ctx.proc_root)
+        self._last_pid = b""
+        self._due_ns = 0
+
+    def _fork_free(self, now: int) -> bool:
+        """True when this scan can be skipped: no workload to follow, no re-read due, and no process created since
+        the previous full scan (the last PID the kernel handed out, /proc/loadavg's last field, is unchanged). A
+        process that execs keeps its PID: it is caught at its recheck (recheck_seconds), as in a full scan."""
+        if not self._last_pid_path or self._reported or now >= self._due_ns:
+            return False
+        try:
+            with open(self._last_pid_path, "rb") as f:
+                last = f.read().rsplit(None, 1)[-1]
+        except (OSError, IndexError):
+            return False
+        return last == self._last_pid
 
     def stop(self) -> None:
         self._seen = {}
@@ -222,6 +246,15 @@ class ProcsSource(Source):
 
     def step(self) -> list:
         now = self.ctx.mono_ns()
+        if self._fork_free(now):
+            self.scans_skipped += 1
+            return []
+        if self._last_pid_path:
+            try:
+                with open(self._last_pid_path, "rb") as f:   # read before the listing: a fork after it is seen next time
+                    self._last_pid = f.read().rsplit(None, 1)[-1]
+            except (OSError, IndexError):
+                self._last_pid = b""
         root = self.ctx.proc_root
         ppids: dict[int, int] = {}
         current: dict[tuple[int, int], _Seen] = {}
@@ -278,6 +311,8 @@ class ProcsSource(Source):
             by_pid[pid] = key
         self._seen = current
         self._by_pid = by_pid
+        self._due_ns = min((t for seen in current.values() if seen.info is None
+                            for t in (seen.verify_ns, seen.maps_next_ns) if t), default=now + verify_ns)
 
         # Resolve job keys that fall back to the top-most workload ancestor, then filter helpers.
         workloads: dict[tuple[int, int], ProcessInfo] = {}
@@ -493,6 +528,24 @@ def _who(info: ProcessInfo) -> str:
     if info.rank >= 0:
         return f"rank {info.rank} of job {info.job_key}"
     return f"pid {info.pid} (no rank) of job {info.job_key}"
+
+
+def _last_pid_source(proc_root: str) -> str:
+    """/proc/loadavg, whose last field is the last PID handed out in the reader's PID namespace, where that is the
+    namespace proc_root shows: this process's NSpid there has one entry (a PID namespace nested below the mount's
+    would add its own); "" otherwise (an agent in a container of its own reading the host's /proc, a fixture
+    tree): then every scan is a full one."""
+    try:
+        with open(os.path.join(proc_root, "self", "status"), "rb") as f:
+            ns = [line.split()[1:] for line in f.read().splitlines() if line.startswith(b"NSpid:")]
+        if not ns or len(ns[0]) != 1 or int(ns[0][0]) != os.getpid():
+            return ""
+        path = os.path.join(proc_root, "loadavg")
+        with open(path, "rb") as f:
+            int(f.read().rsplit(None, 1)[-1])
+        return path
+    except (OSError, IndexError, ValueError):
+        return ""
 
 
 def _read_schedstat(root: str, pid: int) -> tuple | None:
