@@ -78,6 +78,14 @@ class CollectorExporter:
         yield CounterMetricFamily("steplens_collector_analysis_jobs", "Jobs analysed by the loop.",
                                   value=e.jobs_analysed)
         yield CounterMetricFamily("steplens_collector_analysis_passes", "Passes of the loop.", value=e.passes)
+        own = getattr(e, "ownership", None)
+        if own is not None:   # several collectors on one store: each job's analysis on one of them
+            yield GaugeMetricFamily("steplens_collector_collectors_live", "Collectors with a fresh heartbeat in "
+                                    "this store (this one included).", value=max(1, len(own.live)))
+            yield CounterMetricFamily("steplens_collector_analysis_jobs_elsewhere", "Jobs with new data left to the "
+                                      "collector that owns them.", value=e.jobs_elsewhere)
+            yield CounterMetricFamily("steplens_collector_heartbeat_errors", "Heartbeats or live-set reads that "
+                                      "failed.", value=own.errors)
         yield GaugeMetricFamily("steplens_collector_analysis_jobs_waiting", "Jobs with new data left for the next "
                                 "pass (max_jobs_per_cycle reached).", value=e.jobs_waiting)
         yield CounterMetricFamily("steplens_collector_analysis_store_failures", "Findings merges not committed.",

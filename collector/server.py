@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import socket
 import sqlite3
 from dataclasses import dataclass, field
 
@@ -106,8 +107,11 @@ class Collector:
                                       token=settings.token, operator_cns=settings.operator_cns)
         own = [p for a in (settings.listen, settings.control_listen, settings.metrics_listen) if a
                for p in [conn.split_host_port(a)[1]] if p]
-        analysis = dataclasses.replace(settings.analysis, flows_ignore_ports=sorted(
-            set(settings.analysis.flows_ignore_ports) | set(own)))   # its agents' streams are no job's flows
+        analysis = dataclasses.replace(
+            settings.analysis, flows_ignore_ports=sorted(set(settings.analysis.flows_ignore_ports) | set(own)),
+            # its id among the collectors of this store (analysis/ownership.py): host and listen address
+            collector_id=settings.analysis.collector_id or f"{socket.gethostname()}/{settings.listen}",
+            collector_address=settings.analysis.collector_address or settings.listen)
         self.analysis = AnalysisEngine(make_reader(), self.writer, analysis, settings.detectors,
                                        settings.detector_configs, now_ns=self.clock.now_ns)
         self.control.engine = self.analysis

@@ -221,3 +221,10 @@ def agents():
                 pass
             a.proc.kill()
             a.proc.wait(5)
+
+
+@pytest.fixture(scope="session")
+def engine_dir(tmp_path_factory):
+    """chDB's one engine directory for this test process (chDB runs one engine per process: every test that opens
+    a chdb:// store uses this directory, each with a database of its own)."""
+    return str(tmp_path_factory.mktemp("chdb"))

@@ -34,11 +34,6 @@ ALL_SOURCES = {r.Step: "flightrec", r.ProcessInfo: "procs", r.CommProgress: "fli
                r.CommSummary: "flightrec", r.Metric: "gpu", r.Flow: "netflows"}
 
 
-@pytest.fixture(scope="session")
-def engine_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("chdb"))
-
-
 @pytest.fixture
 def url(engine_dir):
     return chs.parse_store(f"chdb://{engine_dir}?database=t{os.getpid()}_{next(_N)}")

@@ -91,6 +91,11 @@ class AnalysisSettings:
     flows_segmenter: str = "gap"           # step division of a pair's flows: gap (natural break) | bocd (reference)
     idle_watch_seconds: float = 3600.0     # a job whose data stopped (hung in an op no source reports, stopped)
                                            # is still run through the hang detector, up to now, this long
+    # several collectors on one store (analysis/ownership.py): each job's analysis on one of them
+    collector_id: str = ""                 # this collector's id among them ('' : the collector sets host:port)
+    collector_address: str = ""            # where its peers reach it (the collector sets its listen address)
+    heartbeat_seconds: float = 2.0         # its heartbeat into the store's collectors table
+    collector_ttl_seconds: float = 10.0    # a collector silent this long is gone: its jobs go to the others
 
     def validate(self) -> None:
         if not 0.05 <= self.interval_seconds <= 3600:
@@ -107,6 +112,9 @@ class AnalysisSettings:
             raise ConfigError(f"flows_ignore_ports must be TCP ports (1..65535), got {self.flows_ignore_ports}")
         if not 0 <= self.idle_watch_seconds <= 7 * 86400:
             raise ConfigError(f"idle_watch_seconds must be within 0..604800, got {self.idle_watch_seconds}")
+        if not 0.1 <= self.heartbeat_seconds < self.collector_ttl_seconds <= 3600:
+            raise ConfigError("need 0.1 <= heartbeat_seconds < collector_ttl_seconds <= 3600, got "
+                              f"{self.heartbeat_seconds} and {self.collector_ttl_seconds}")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
             raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
 

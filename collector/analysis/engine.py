@@ -221,6 +221,13 @@ class AnalysisEngine:
                                      FlowConfig(segmenter=self.settings.flows_segmenter,
                                                 ignore_ports=tuple(self.settings.flows_ignore_ports)))
         self._flow_mark = 0
+        self.ownership = None   # several collectors on one store: which jobs are this one's (ownership.py)
+        s = self.settings
+        if s.collector_id and hasattr(writer, "heartbeat") and hasattr(reader, "live_collectors"):
+            from steplens.collector.analysis.ownership import Ownership
+            self.ownership = Ownership(writer, reader, s.collector_id, s.collector_address, s.heartbeat_seconds,
+                                       s.collector_ttl_seconds, now_ns=now_ns)
+        self.jobs_elsewhere = 0   # jobs with new data left to the collector that owns them, over the passes
         self.hub = FindingsHub(self.settings.watch_queue_size)
         self.stats = {n: DetectorStats() for n in self.detectors}
         self.cycle = Histogram()
@@ -360,11 +367,15 @@ class AnalysisEngine:
     def start(self) -> None:
         if not self.settings.enabled or self._thread is not None:
             return
+        if self.ownership is not None:
+            self.ownership.start()
         self._thread = threading.Thread(target=self._main, name="analysis", daemon=True)
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self.ownership is not None:
+            self.ownership.stop()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -384,6 +395,15 @@ class AnalysisEngine:
         """One pass of the loop: jobs with new data since the last pass, each run within the CPU budget."""
         self.passes += 1
         self._rowid, marks = self.reader.new_data_since(self._rowid)
+        if self.ownership is not None:   # another collector on this store runs the others' analysis
+            self.ownership.refresh()
+            mine = {job: mark for job, mark in marks.items() if self.ownership.owns(job)}
+            self.jobs_elsewhere += len(marks) - len(mine)
+            marks = mine
+            for job in [j for j in self._marks if not self.ownership.owns(j)]:
+                del self._marks[job]
+            for job in [j for j in self._seen if not self.ownership.owns(j)]:
+                del self._seen[job]
         for job, mark in marks.items():
             self._marks[job] = max(self._marks.get(job, 0), mark)
         due = sorted(self._marks.items(), key=lambda kv: kv[1])
@@ -458,6 +478,10 @@ class AnalysisEngine:
         from its processes are analysed with it (the flows detector finds them by the match)."""
         if self.flowview is None or self._stop.is_set():
             return 0
+        if self.ownership is not None:
+            from steplens.collector.analysis.ownership import FLOWS_KEY
+            if not self.ownership.owns(FLOWS_KEY):   # the cluster's flows are another collector's to analyse
+                return 0
         c0 = time.thread_time()
         rowid, newest = self.reader.flow_watermark()
         if not rowid or rowid == self._flow_mark:

@@ -86,6 +86,9 @@ TABLES: dict[str, tuple[tuple[tuple[str, str], ...], str, str]] = {
                     ("batch_size", _I), ("prefill_requests", _I), ("prefill_tokens", _I), ("decode_requests", _I),
                     ("kv_tokens", _I), ("input_tokens", _I), ("output_tokens", _I), ("tokens", _I),
                     ("micro_batches", _I)), "end_ns", "job_key, end_ns"),
+    # the collectors sharing this store (analysis/ownership.py): a heartbeat row each, the newest one counts
+    "collectors": ((("collector_id", _LC), ("address", _S), ("started_ns", _I), ("heartbeat_ns", _I)),
+                   "heartbeat_ns", "collector_id, heartbeat_ns"),
     "batches": ((("agent_id", _LC), ("spool_id", _S), ("seq", _I), ("n_records", _I), ("n_rejected", _I),
                  ("n_bytes", _I), ("received_ns", _I), ("clock_offset_ns", _I), ("clock_uncertainty_ns", _I)),
                 "received_ns", "agent_id, spool_id, seq"),
@@ -312,6 +315,11 @@ class ClickHouseWriter(w.StoreWriter):
     def _metric_row(self, s: list, agent: str, name: str, entity: str, ts: int, value: float) -> tuple:
         self._series_before.setdefault((agent, name, entity), (s, s[1], s[2], s[3]))
         return (agent, name, entity, ts, value)
+
+    def _heartbeat_rows(self, conn, row: tuple) -> int:
+        """Into ClickHouse, where every collector on this store reads it (the SQLite beside it is this one's)."""
+        self._append(None, "collectors", tuple(c for c, _ in TABLES["collectors"][0]), [row])
+        return 1
 
     # -- a group ---------------------------------------------------------------------------
     def _write_group(self, group: list) -> None:
@@ -572,6 +580,12 @@ class ClickHouseReader(Reader):
         return [tuple(r) for r in self.ch.query(
             f"SELECT start_ns, end_ns, src, dst, bytes, switches, origin, sport, dport FROM {self._t('flows')}"
             " WHERE start_ns >= ? AND start_ns < ? ORDER BY start_ns, _rid LIMIT ?", [since_ns, until_ns, limit])]
+
+    def live_collectors(self, since_ns: int) -> list[dict]:
+        rows = self.ch.query(f"SELECT collector_id, argMax(address, heartbeat_ns), argMax(started_ns, heartbeat_ns),"
+                             f" max(heartbeat_ns) AS hb FROM {self._t('collectors')} GROUP BY collector_id"
+                             " HAVING hb >= ? ORDER BY collector_id", [since_ns])
+        return [{"id": a, "address": b, "started_ns": c, "heartbeat_ns": d} for a, b, c, d in rows]
 
     def flow_watermark(self) -> tuple[int, int]:
         row = self.ch.query(f"SELECT max(_rid), max(end_ns) FROM {self._t('flows')}")[0]

@@ -358,6 +358,21 @@ class DiagnosisQueries:
         finally:
             db.conn.close()
 
+    def live_collectors(self, since_ns: int) -> list[dict]:
+        """The collectors whose newest heartbeat is at or after since_ns: {id, address, started_ns, heartbeat_ns},
+        by id (analysis/ownership.py)."""
+        db = self._db()
+        try:
+            rows = db.conn.execute("SELECT id, address, started_ns, heartbeat_ns FROM collectors"
+                                   " WHERE heartbeat_ns >= ? ORDER BY id", (since_ns,)).fetchall()
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):   # a store this collector has not migrated yet (read-only opened)
+                return []
+            raise
+        finally:
+            db.conn.close()
+        return [{"id": a, "address": b, "started_ns": c, "heartbeat_ns": d} for a, b, c, d in rows]
+
     def new_data_since(self, rowid: int | tuple = 0) -> tuple[tuple, dict[str, int]]:
         """Per-job data stored after `rowid` (an incremental read, so a pass costs what arrived, not what is
         kept): (new high rowids, {job_key: newest end_ns among the new rows}). rowid: what the previous call

@@ -223,6 +223,12 @@ ALTER TABLE agents ADD COLUMN agent_cpu_cores REAL NOT NULL DEFAULT 0;
 ALTER TABLE agents ADD COLUMN cpu_budget_cores REAL NOT NULL DEFAULT 0;
 """))
 
+MIGRATIONS.append((15, """
+CREATE TABLE collectors (
+  id TEXT PRIMARY KEY, address TEXT NOT NULL, started_ns INTEGER NOT NULL, heartbeat_ns INTEGER NOT NULL
+);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

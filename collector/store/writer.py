@@ -289,6 +289,18 @@ class StoreWriter:
         conn.execute("RELEASE store_job")
         return "stored", ""
 
+    def heartbeat(self, collector_id: str, address: str, started_ns: int, now_ns: int) -> bool:
+        """The collector's heartbeat row (analysis/ownership.py), written in the next group; False when the queue
+        is full (the next heartbeat tries again)."""
+        row = (collector_id, address, int(started_ns), int(now_ns))
+        return self.submit(StoreJob(lambda conn: self._heartbeat_rows(conn, row), lambda *_: None))
+
+    def _heartbeat_rows(self, conn, row: tuple) -> int:
+        conn.execute("INSERT INTO collectors(id, address, started_ns, heartbeat_ns) VALUES (?, ?, ?, ?)"
+                     " ON CONFLICT(id) DO UPDATE SET address = excluded.address, started_ns = excluded.started_ns,"
+                     " heartbeat_ns = MAX(heartbeat_ns, excluded.heartbeat_ns)", row)
+        return 1
+
     def _committed_seq(self, key: tuple[str, str]) -> int:
         seq = self._last_seq.get(key)
         if seq is None:
