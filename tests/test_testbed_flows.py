@@ -124,11 +124,11 @@ def test_link_fault_on_h1_is_found_from_the_flows(bed):
     found = None
     try:
         def flows_finding():
-            for f in _cli_json(layout, "findings"):
-                if f["detector"] == "flows" and f["kind"] in ("slowdown", "network") and \
-                        abs(f["onset_ns"] - t0) <= 3e9:
-                    return f
-            return None
+            # the one that began with the fault: a noise episode of this loaded bed may have begun (and ended)
+            # within the same 3 s before it, so the most severe of those found
+            near = [f for f in _cli_json(layout, "findings") if f["detector"] == "flows" and
+                    f["kind"] in ("slowdown", "network") and abs(f["onset_ns"] - t0) <= 3e9]
+            return max(near, key=lambda f: f["severity"], default=None)
         found = wait_for(flows_finding, 30, interval=1, what="a flows finding that began with the link fault")
         first_s = time.time_ns() - t0
         first_top = [(s["kind"], s["id"]) for s in found["suspects"][:3]]
@@ -136,7 +136,7 @@ def test_link_fault_on_h1_is_found_from_the_flows(bed):
         # judged as an SRE reads it 12 s in, two passes on (the first pass may see a step or two of the fault,
         # too few flows of each pair to clear a healthy peer)
         time.sleep(max(0.0, 12.0 - (time.time_ns() - t0) / 1e9))
-        found = next((f for f in _cli_json(layout, "findings") if f["id"] == found["id"]), found)
+        found = flows_finding() or found
     finally:
         th.join()
     top = [(s["kind"], s["id"]) for s in found["suspects"][:3]]

@@ -188,15 +188,14 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
         order = np.argsort(bkeys, kind="stable")
         ks_, starts, counts = np.unique(bkeys[order], return_index=True, return_counts=True)
         bw_before = bw[before][order]
-        own = {int(k): float(np.median(bw_before[a:a + c])) for k, a, c in zip(ks_, starts, counts) if c >= 10}
-        if own:
-            span_keys = dkey[in_span]
-            exp_span = expected[in_span]
-            for j, k in enumerate(span_keys.tolist()):
-                v = own.get(k)
-                if v is not None:
-                    exp_span[j] = v
-            expected[in_span] = exp_span
+        keep = counts >= 10
+        if keep.any():
+            own_keys = ks_[keep]   # sorted (np.unique)
+            own_med = np.array([np.median(bw_before[a:a + c]) for a, c in zip(starts[keep], counts[keep])])
+            span_at = np.flatnonzero(in_span)
+            pos = np.minimum(np.searchsorted(own_keys, dkey[span_at]), len(own_keys) - 1)
+            hit = own_keys[pos] == dkey[span_at]
+            expected[span_at[hit]] = own_med[pos[hit]]
     r = bw / np.maximum(expected, 1e-12)
     span_idx = np.flatnonzero(in_span)
     r_span = r[span_idx]
@@ -219,21 +218,11 @@ def diagnose(snap, job, nic_of: dict[str, str], node_of: dict[str, str], cfg: Fl
     for (a, b), js in pair_groups.items():
         undirected[(a, b) if a < b else (b, a)].extend(js)
     ep_scores: dict[int, float] = {}
-    judged: dict[int, int] = defaultdict(int)
     for (a, b), js in undirected.items():
         if len(js) >= 2:
             m = float(np.median(r_span[np.asarray(js)]))
             for e in (a, b):
                 ep_scores[e] = max(ep_scores.get(e, 0.0), m)
-                judged[e] += 1
-    # an endpoint judged on one peer while the job gives it others is not judged yet (early in a span only its
-    # busiest pair has flows: its healthy peers would clear it)
-    peers: dict[str, int] = defaultdict(int)
-    for x, y in job.pairs:
-        peers[x] += 1
-        peers[y] += 1
-    for e in [e for e, n_j in judged.items() if n_j < 2 <= peers.get(ips[e], 0)]:
-        del ep_scores[e]
     for end in (0, 1):   # 0: the flows an endpoint sends, 1: those it receives
         best: dict[int, list[float]] = defaultdict(list)
         for ab, js in pair_groups.items():
