@@ -228,15 +228,21 @@ class ProcsSource(Source):
     def _fork_free(self, now: int) -> bool:
         """True when this scan can be skipped: no workload to follow, no re-read due, and no process created since
         the previous full scan (the last PID the kernel handed out, /proc/loadavg's last field, is unchanged). A
-        process that execs keeps its PID: it is caught at its recheck (recheck_seconds), as in a full scan."""
-        if not self._last_pid_path or self._reported or now >= self._due_ns:
+        process that execs keeps its PID: it is caught at its recheck (recheck_seconds), as in a full scan.
+        Otherwise the field as read now is kept for the next call (read before the scan's listing: a fork after
+        it is seen next time)."""
+        if not self._last_pid_path:
             return False
         try:
             with open(self._last_pid_path, "rb") as f:
                 last = f.read().rsplit(None, 1)[-1]
         except (OSError, IndexError):
+            self._last_pid = b""
             return False
-        return last == self._last_pid
+        if last == self._last_pid and not self._reported and now < self._due_ns:
+            return True
+        self._last_pid = last
+        return False
 
     def stop(self) -> None:
         self._seen = {}
@@ -249,12 +255,6 @@ class ProcsSource(Source):
         if self._fork_free(now):
             self.scans_skipped += 1
             return []
-        if self._last_pid_path:
-            try:
-                with open(self._last_pid_path, "rb") as f:   # read before the listing: a fork after it is seen next time
-                    self._last_pid = f.read().rsplit(None, 1)[-1]
-            except (OSError, IndexError):
-                self._last_pid = b""
         root = self.ctx.proc_root
         ppids: dict[int, int] = {}
         current: dict[tuple[int, int], _Seen] = {}
