@@ -99,7 +99,10 @@ class Collector:
         self.settings = settings
         self.clock = ClusterClock()
         self.store_url, make_writer, make_reader = make_store(settings.db, settings.store)
-        self.writer = make_writer(now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds)
+        # its id among the collectors of this store (analysis/ownership.py; the writer's id on what it stores)
+        collector_id = settings.analysis.collector_id or f"{socket.gethostname()}/{settings.listen}"
+        self.writer = make_writer(now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds,
+                                  writer_id=collector_id)
         ingest_settings = settings.ingest
         ingest_settings.require_client_cert = not settings.insecure
         self.ingest = IngestService(self.writer, self.clock, ingest_settings)
@@ -109,8 +112,7 @@ class Collector:
                for p in [conn.split_host_port(a)[1]] if p]
         analysis = dataclasses.replace(
             settings.analysis, flows_ignore_ports=sorted(set(settings.analysis.flows_ignore_ports) | set(own)),
-            # its id among the collectors of this store (analysis/ownership.py): host and listen address
-            collector_id=settings.analysis.collector_id or f"{socket.gethostname()}/{settings.listen}",
+            collector_id=collector_id,
             collector_address=settings.analysis.collector_address or settings.listen)
         self.analysis = AnalysisEngine(make_reader(), self.writer, analysis, settings.detectors,
                                        settings.detector_configs, now_ns=self.clock.now_ns)

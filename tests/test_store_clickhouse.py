@@ -169,9 +169,9 @@ def test_rows_of_a_write_cut_by_a_crash_are_removed_at_start(url, tmp_path):
     wr.stop()
     # what a collector killed between its inserts leaves: rows of seq 2, no commit row
     top = chs.committed_rid(wr.ch)
-    wr.ch.insert("metrics", [("n1", "gpu_utilization_percent", "gpu0", time.time_ns(), 1.0, "ab" * 8, 2, top + 5)],
-                 tuple(c for c, _ in chs.TABLES["metrics"][0]) + chs.DELIVERY)
-    wr.ch.insert("batches", [("n1", "ab" * 8, 2, 1, 0, 10, time.time_ns(), 0, 0, "ab" * 8, 2, top + 5)],
+    wr.ch.insert("metrics", [("n1", "gpu_utilization_percent", "gpu0", time.time_ns(), 1.0, "ab" * 8, 2, top + 5,
+                              "")], tuple(c for c, _ in chs.TABLES["metrics"][0]) + chs.DELIVERY)
+    wr.ch.insert("batches", [("n1", "ab" * 8, 2, 1, 0, 10, time.time_ns(), 0, 0, "ab" * 8, 2, top + 5, "")],
                  tuple(c for c, _ in chs.TABLES["batches"][0]) + chs.DELIVERY)
     wr2 = chs.ClickHouseWriter(path, url)
     wr2.start()
@@ -363,3 +363,162 @@ def test_two_collectors_on_one_store_store_a_batch_once_when_its_agent_moves_bet
     finally:
         a.stop()
         b.stop()
+
+
+def _steps(job: str, rank: int, t0: int, n: int = 3) -> list:
+    return [r.Step(t0 + (i + 1) * 1000, 10 + rank, 55, job, rank, i, t0 + i * 1000, t0 + (i + 1) * 1000,
+                   "comm_pattern", 4, 4) for i in range(n)]
+
+
+class _Paused:
+    """Holds a writer's group after its first insert (into `table`) until released: a collector caught between
+    its inserts, its group in flight while others write."""
+
+    def __init__(self, writer, table: str = "metrics") -> None:
+        import threading
+        self.real, self.table = writer.ch.insert, table
+        self.holding, self.release = threading.Event(), threading.Event()
+        writer.ch = _Wrapped(writer.ch, self)
+
+
+class _Wrapped:
+    def __init__(self, ch, pause: _Paused) -> None:
+        self._ch, self._pause = ch, pause
+
+    def __getattr__(self, name):
+        return getattr(self._ch, name)
+
+    def insert(self, table, rows, cols):
+        out = self._ch.insert(table, rows, cols)
+        if table == self._pause.table and not self._pause.release.is_set():
+            self._pause.holding.set()
+            assert self._pause.release.wait(30)
+        return out
+
+
+def test_two_writers_on_one_store_recover_only_their_own_rows_and_readers_miss_no_late_commit(url, tmp_path):
+    """Collector b's group is caught between its inserts (its rows in, no commit) after collector a's last commit;
+    a restarts (its recovery runs) and stores a later group. b's rows stay (they are b's to judge, b is alive);
+    a reader's incremental marks taken while b's group was in flight still read b's group once it commits, though
+    a group of a with a higher id committed first."""
+    import threading
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    db = url.database
+    a = chs.ClickHouseWriter(str(tmp_path / "a.db"), url, writer_id="a")
+    b = chs.ClickHouseWriter(str(tmp_path / "b.db"), url, writer_id="b")
+    a.start()
+    b.start()
+    rd = chs.ClickHouseReader(str(tmp_path / "a.db"), url)
+    pause = _Paused(b)
+    out_b: list = []
+    try:
+        assert _submit(a, "na", 1, _records(20, t0) + _steps("jobA", 0, t0), clock)[0] == "stored"
+        mark0, jobs = rd.new_data_since(0)
+        assert set(jobs) == {"jobA"}
+        th = threading.Thread(target=lambda: out_b.append(
+            _submit(b, "nb", 1, _records(20, t0, pid=20) + _steps("jobB", 1, t0), clock)))
+        th.start()
+        assert pause.holding.wait(30)
+        a.stop()
+        a = chs.ClickHouseWriter(str(tmp_path / "a.db"), url, writer_id="a")   # a restarts: recovery runs
+        a.start()
+        assert a.ch.query(f"SELECT count() FROM {db}.metrics WHERE _writer = 'b'")[0][0] == 20   # b's rows stay
+        assert _submit(a, "na", 2, _steps("jobA", 0, t0 + 10_000), clock)[0] == "stored"
+        mark1, jobs = rd.new_data_since(mark0)
+        assert set(jobs) == {"jobA"}            # b's group is in flight: not read yet
+        steps_b, smark = rd.steps_after("jobB", 0)
+        assert steps_b == []
+        pause.release.set()
+        th.join(30)
+        assert out_b and out_b[0][0] == "stored"
+        mark2, jobs = rd.new_data_since(mark1)
+        assert set(jobs) == {"jobB"}            # committed after a's later group, read all the same
+        assert rd.new_data_since(mark2)[1] == {}
+        more, _ = rd.steps_after("jobB", smark)
+        assert [s["step"] for s in more] == [0, 1, 2]
+        assert a.ch.query(f"SELECT count() FROM {db}.metrics")[0][0] == 40
+        assert a.last_seq("nb", "ab" * 8) == 1 and a.last_seq("na", "ab" * 8) == 2
+    finally:
+        pause.release.set()
+        a.stop()
+        b.stop()
+
+
+def test_a_dead_collectors_unfinished_rows_are_removed_by_a_survivor_and_a_live_ones_are_not(url, tmp_path):
+    """What a collector killed between its inserts leaves (rows, no commit) is deleted by another collector once
+    the dead one's heartbeats are older than peer_dead_seconds; a collector heard from lately keeps its rows in
+    flight. Committed rows of either stay."""
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    db = url.database
+    dead = chs.ClickHouseWriter(str(tmp_path / "d.db"), url, writer_id="dead")
+    dead.start()
+    assert _submit(dead, "nd", 1, _records(5, t0), clock)[0] == "stored"
+    dead.stop()
+    now = time.time_ns()
+    cols = tuple(c for c, _ in chs.TABLES["metrics"][0]) + chs.DELIVERY
+    hb_cols = tuple(c for c, _ in chs.TABLES["collectors"][0]) + chs.DELIVERY
+    top = chs.committed_rid(dead.ch, "dead")
+    for peer, hb in (("dead", now - 700 * 10**9), ("live", now)):
+        dead.ch.insert("collectors", [(peer, "x:1", hb, hb, "", 0, 1, peer)], hb_cols)
+        dead.ch.insert("commits", [(1, hb, peer)], ("_rid", "ts_ns", "writer"))
+        dead.ch.insert("metrics", [("n-" + peer, "m", "e", now, 1.0, "ab" * 8, 2, top + 10, peer)], cols)
+    sv = chs.ClickHouseWriter(str(tmp_path / "s.db"), url, writer_id="survivor", peer_dead_seconds=600)
+    try:
+        assert sv.peer_cleanups == 1
+        left = dict(sv.ch.query(f"SELECT _writer, count() FROM {db}.metrics GROUP BY _writer"))
+        assert left == {"dead": 5, "live": 1}   # the dead one's committed rows stay, its unfinished row went
+    finally:
+        sv.stop()
+
+
+def test_a_group_past_the_commit_fence_is_given_up_and_its_resend_lands_once(url, tmp_path):
+    """A collector paused between its inserts for longer than the fence (a survivor may have judged it dead and
+    cleaned its rows) does not commit: the batch fails unacked, the rows go, and the resend is stored once."""
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    wr = chs.ClickHouseWriter(str(tmp_path / "s.db"), url, writer_id="w", commit_fence_seconds=0.2)
+    real = wr.ch.insert
+
+    def slow(table, rows, cols):
+        if table == "batches" and wr.commit_fence_s < 1:
+            time.sleep(0.4)
+        return real(table, rows, cols)
+    wr.ch.insert = slow
+    wr.start()
+    try:
+        out = _submit(wr, "n1", 1, _records(10, t0), clock)
+        assert out[0] == "failed" and "commit fence" in out[2] and wr.fenced == 1
+        assert wr.ch.query(f"SELECT count() FROM {url.database}.metrics")[0][0] == 0
+        wr.commit_fence_s = 60.0
+        assert _submit(wr, "n1", 1, _records(10, t0), clock)[0] == "stored"
+        assert _submit(wr, "n1", 1, _records(10, t0), clock)[0] == "duplicate"
+        assert wr.ch.query(f"SELECT count() FROM {url.database}.metrics")[0][0] == 10
+    finally:
+        wr.stop()
+
+
+def test_a_database_written_before_writer_ids_reads_on(url, tmp_path):
+    """Tables made by the schema before rows named their writer gain the column (rows and commits of writer
+    ''), and what was stored reads and deduplicates as before."""
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    ch = chs.open_ch(url)
+    db = url.database
+    for table, (cols, tcol, order) in chs.TABLES.items():
+        body = ", ".join(f"{n} {t}" for n, t in cols) + ", _spool String, _seq Int64, _rid UInt64"
+        ch.command(f"CREATE TABLE {db}.{table} ({body}) ENGINE = MergeTree ORDER BY ({order})")
+    ch.command(f"CREATE TABLE {db}.commits (_rid UInt64, ts_ns Int64) ENGINE = MergeTree ORDER BY _rid")
+    old = tuple(c for c, _ in chs.TABLES["batches"][0]) + ("_spool", "_seq", "_rid")
+    ch.insert("batches", [("n1", "ab" * 8, 1, 1, 0, 10, time.time_ns(), 0, 0, "ab" * 8, 1, 7)], old)
+    ch.insert("commits", [(7, time.time_ns())], ("_rid", "ts_ns"))
+    wr = chs.ClickHouseWriter(str(tmp_path / "s.db"), url, writer_id="new")
+    wr.start()
+    try:
+        assert wr.last_seq("n1", "ab" * 8) == 1
+        assert _submit(wr, "n1", 1, _records(5, t0), clock)[0] == "duplicate"
+        assert _submit(wr, "n1", 2, _records(5, t0), clock)[0] == "stored"
+        assert chs.commit_marks(wr.ch).keys() == {"", "new"}
+    finally:
+        wr.stop()

@@ -13,11 +13,20 @@ rows by end time; one node's series by time), TTL = the collector's retention. E
 columns: `_spool`, `_seq` (the batch it came from; '' and 0 for an import) and `_rid`, the write group's id.
 
 Exactly once without transactions: a write group inserts its rows into each table, then commits the state
-(SQLite), then inserts one row into `commits` (its _rid). Rows whose _rid is above the newest commit belong to
-a group that did not finish: the writer deletes them before it writes again (after a failure, and at start
-after a crash), so a batch is either stored with its `batches` record or not at all, its agent is acked only
-after the commit row landed, and a resent batch is recognized by its (agent, spool, seq) in `batches`.
-Readers of incremental data (new_data_since, steps_after) read up to the newest commit only.
+(SQLite), then inserts one row into `commits` (its writer and _rid). Every row also carries `_writer`, the id of
+the collector that wrote it (its collector id; '' for a store with one writer), and each writer's group ids rise:
+a row is committed when its _rid is at most its own writer's newest commit. Rows above it belong to a group that
+did not finish: the writer deletes its own before it writes again (after a failure, and at start after a crash),
+so a batch is either stored with its `batches` record or not at all, its agent is acked only after the commit
+row landed, and a resent batch is recognized by its (agent, spool, seq) in `batches`, committed rows only.
+Several collectors on one database: each recovers only its own rows (another's group in flight is not touched),
+and the unfinished rows of a collector silent for `peer_dead_seconds` are deleted by the survivors. A writer
+whose group took longer than `commit_fence_seconds` between its first insert and its commit gives the group up
+instead (the agents resend), so a collector paused past the point where a survivor cleaned its rows does not
+commit what was cleaned (as with any lease, this holds while the machines' clocks do).
+Readers of incremental data (new_data_since, steps_after) read per writer, up to that writer's newest commit: a
+mark is each writer's last group read, so a group that commits after a later group of another writer is still
+read.
 Durability: an insert returns once ClickHouse wrote its part (the OS holds it: a collector crash loses nothing;
 the server's fsync settings decide about a power loss, as SQLite's synchronous=NORMAL does here).
 """
@@ -43,7 +52,7 @@ from steplens.collector.store.schema import StoreError
 
 log = logging.getLogger("steplens.collector.clickhouse")
 
-DELIVERY = ("_spool", "_seq", "_rid")
+DELIVERY = ("_spool", "_seq", "_rid", "_writer")
 
 # table -> (columns with ClickHouse types, the time column that partitions it and expires it, ORDER BY)
 _S, _I, _F, _LC = "String", "Int64", "Float64", "LowCardinality(String)"
@@ -94,14 +103,14 @@ TABLES: dict[str, tuple[tuple[tuple[str, str], ...], str, str]] = {
                 "received_ns", "agent_id, spool_id, seq"),
 }
 # the group's commit record goes in last
-COMMITS_DDL = ("CREATE TABLE IF NOT EXISTS {db}.commits (_rid UInt64, ts_ns Int64) ENGINE = MergeTree"
-               " ORDER BY _rid")
+COMMITS_DDL = ("CREATE TABLE IF NOT EXISTS {db}.commits (_rid UInt64, ts_ns Int64,"
+               " writer LowCardinality(String) DEFAULT '') ENGINE = MergeTree ORDER BY (writer, _rid)")
 SCHEMA_VERSION = 1
 
 
 def _ddl(db: str, table: str, retention_s: float) -> str:
     cols, tcol, order = TABLES[table]
-    body = ", ".join(f"{n} {t}" for n, t in cols) + ", _spool String, _seq Int64, _rid UInt64"
+    body = ", ".join(f"{n} {t}" for n, t in cols) + ", _spool String, _seq Int64, _rid UInt64, _writer LowCardinality(String) DEFAULT ''"
     ttl = f" TTL toDateTime(intDiv({tcol}, 1000000000)) + INTERVAL {max(1, int(retention_s))} SECOND" \
         if retention_s > 0 else ""
     return (f"CREATE TABLE IF NOT EXISTS {db}.{table} ({body}) ENGINE = MergeTree"
@@ -279,29 +288,90 @@ def ensure_schema(ch: CH, retention_s: float) -> None:
         elif " TTL " in ch.query("SELECT create_table_query FROM system.tables WHERE database = ? AND name = ?",
                                  [ch.db, table])[0][0]:
             ch.command(f"ALTER TABLE {ch.db}.{table} REMOVE TTL")
+        # a database written before rows named their writer: its rows and commits are the one writer ''
+        ch.command(f"ALTER TABLE {ch.db}.{table} ADD COLUMN IF NOT EXISTS _writer LowCardinality(String) DEFAULT ''")
     ch.command(COMMITS_DDL.format(db=ch.db))
+    ch.command(f"ALTER TABLE {ch.db}.commits ADD COLUMN IF NOT EXISTS writer LowCardinality(String) DEFAULT ''")
 
 
-def committed_rid(ch: CH) -> int:
-    rows = ch.query(f"SELECT max(_rid) FROM {ch.db}.commits")
-    return int(rows[0][0] or 0) if rows else 0
+def commit_marks(ch: CH) -> dict[str, int]:
+    """Each writer's newest commit: its rows up to that _rid are committed."""
+    return {str(wr): int(rid) for wr, rid in ch.query(f"SELECT writer, max(_rid) FROM {ch.db}.commits GROUP BY writer")}
+
+
+def committed_rid(ch: CH, writer: str | None = None) -> int:
+    """One writer's newest commit (None: the newest of any writer)."""
+    marks = commit_marks(ch)
+    if writer is not None:
+        return marks.get(writer, 0)
+    return max(marks.values(), default=0)
+
+
+def committed_cond(marks: dict[str, int]) -> tuple[str, list]:
+    """SQL condition (and its arguments) true for the committed rows of `marks`' writers."""
+    if not marks:
+        return "0", []
+    parts, args = [], []
+    for wr, top in sorted(marks.items()):
+        parts.append("(_writer = ? AND _rid <= ?)")
+        args += [wr, top]
+    return "(" + " OR ".join(parts) + ")", args
+
+
+Mark = tuple   # ((writer, rid), ...) sorted: what an incremental reader has read, per writer
+
+
+def as_marks(mark) -> dict[str, int]:
+    """A reader's mark as a dict; 0 or a tuple of numbers (a fresh reader, another store's mark) is nothing read."""
+    if isinstance(mark, (tuple, list)) and mark and isinstance(mark[0], (tuple, list)):
+        return {str(wr): int(rid) for wr, rid in mark}
+    return {}
+
+
+def to_mark(marks: dict[str, int]) -> Mark:
+    return tuple(sorted((wr, rid) for wr, rid in marks.items() if rid))
+
+
+def span_cond(after: dict[str, int], upto: dict[str, int]) -> tuple[str, list]:
+    """Rows committed after `after` and up to `upto`, per writer (a writer whose commits went back below what
+    was read, a store emptied and begun again, is read from its start)."""
+    parts, args = [], []
+    for wr, top in sorted(upto.items()):
+        lo = after.get(wr, 0)
+        lo = lo if lo <= top else 0
+        if top > lo:
+            parts.append("(_writer = ? AND _rid > ? AND _rid <= ?)")
+            args += [wr, lo, top]
+    return ("(" + " OR ".join(parts) + ")", args) if parts else ("0", [])
 
 
 class ClickHouseWriter(w.StoreWriter):
     """StoreWriter whose append-only tables live in ClickHouse (the module's docstring: order of a group's
     writes, recovery); the state stays in the SQLite file at `path`."""
 
-    def __init__(self, path: str, url: StoreURL, **kw) -> None:
+    def __init__(self, path: str, url: StoreURL, writer_id: str = "", commit_fence_seconds: float = 60.0,
+                 peer_dead_seconds: float = 600.0, **kw) -> None:
+        if not 0 < commit_fence_seconds < peer_dead_seconds:
+            raise ValueError(f"need 0 < commit_fence_seconds < peer_dead_seconds, got {commit_fence_seconds} and"
+                             f" {peer_dead_seconds}")
         super().__init__(path, **kw)
         self.url = url
+        self.writer_id = writer_id
+        self.commit_fence_s = commit_fence_seconds
+        self.peer_dead_ns = int(peer_dead_seconds * 1e9)
         self.ch = open_ch(url)
         ensure_schema(self.ch, self.retention_ns / 1e9)
         self._buf: dict[str, list] = {}
         self._series_before: dict[tuple, tuple] = {}
         self._rid = 0
+        self._group_t0 = 0.0
         self._recovery_due = True
+        self._peers_cleaned: dict[str, int] = {}   # silent peer -> its last heartbeat when this writer cleaned
+        self._peers_checked = 0.0
         self.ch_inserts = 0
         self.recoveries = 0   # recoveries that removed rows
+        self.peer_cleanups = 0
+        self.fenced = 0       # groups given up at the commit fence
         try:
             self._recover()
         except w.BackendError as exc:   # the next group retries first
@@ -336,21 +406,33 @@ class ClickHouseWriter(w.StoreWriter):
         self._buf = {}
         self._series_before = {}
         self._rid = max(self._rid + 1, time.time_ns())
+        self._group_t0 = time.monotonic()
         super()._write_group(group)
+        if time.monotonic() - self._peers_checked > self.peer_dead_ns / 4e9:
+            try:
+                self._clean_dead_peers()
+            except w.BackendError as exc:
+                log.error("ClickHouse store: cleaning a dead collector's unfinished rows failed: %s", exc)
 
     def _before_commit(self) -> None:
-        rid = self._rid
+        rid, me = self._rid, self.writer_id
         for table in sorted(self._buf, key=lambda t: t == "batches"):
             rows = self._buf[table]
             cols = tuple(c for c, _ in TABLES[table][0]) + DELIVERY
-            self.ch.insert(table, [(*r, rid) for r in rows], cols)
+            self.ch.insert(table, [(*r, rid, me) for r in rows], cols)
             self.ch_inserts += 1
 
     def _after_commit(self) -> str:
         if not self._buf:
             return ""
+        took = time.monotonic() - self._group_t0
+        if took > self.commit_fence_s:   # a survivor may have taken this writer for dead and cleaned its rows
+            self.fenced += 1
+            self._restore_series()
+            return (f"the write took {took:.0f} s, past the commit fence ({self.commit_fence_s:g} s): given up,"
+                    " the agents resend")
         try:
-            self.ch.insert("commits", [(self._rid, self.now_ns())], ("_rid", "ts_ns"))
+            self.ch.insert("commits", [(self._rid, self.now_ns(), self.writer_id)], ("_rid", "ts_ns", "writer"))
         except w.BackendError as exc:
             self._restore_series()
             return str(exc)
@@ -384,20 +466,52 @@ class ClickHouseWriter(w.StoreWriter):
             self._series.clear()
             log.error("could not put the series back after a failed ClickHouse write: %s", exc)
 
-    def _recover(self) -> int:
-        """Delete the rows of groups that never committed; returns how many went."""
-        top = committed_rid(self.ch)
+    def _delete_unfinished(self, writer: str, top: int) -> int:
+        """Delete `writer`'s rows above its newest commit `top`; how many went."""
         removed = 0
         for table in TABLES:
-            n = self.ch.query(f"SELECT count() FROM {self.ch.db}.{table} WHERE _rid > ?", [top])[0][0]
+            n = self.ch.query(f"SELECT count() FROM {self.ch.db}.{table} WHERE _writer = ? AND _rid > ?",
+                              [writer, top])[0][0]
             if n:
-                self.ch.command(f"DELETE FROM {self.ch.db}.{table} WHERE _rid > ?", [top])
+                self.ch.command(f"DELETE FROM {self.ch.db}.{table} WHERE _writer = ? AND _rid > ?", [writer, top])
                 removed += n
+        return removed
+
+    def _recover(self) -> int:
+        """Delete this writer's rows of groups that never committed (another writer's are its own to judge);
+        returns how many went."""
+        top = committed_rid(self.ch, self.writer_id)
+        removed = self._delete_unfinished(self.writer_id, top)
         if removed:
-            log.warning("ClickHouse store: removed %d rows of unfinished writes (above commit %d)", removed, top)
+            log.warning("ClickHouse store: removed %d rows of unfinished writes (writer %r, above commit %d)",
+                        removed, self.writer_id, top)
             self.recoveries += 1
         self._rid = max(self._rid, top)
         self._recovery_due = False
+        self._clean_dead_peers()
+        return removed
+
+    def _clean_dead_peers(self) -> int:
+        """The unfinished rows of collectors on this store silent for peer_dead_seconds (by their heartbeats):
+        what a collector killed between its inserts left, which it would have deleted itself had it come back."""
+        self._peers_checked = time.monotonic()
+        if not self.writer_id:   # a store with one writer: nobody else's rows
+            return 0
+        db, removed = self.ch.db, 0
+        silent = self.ch.query(f"SELECT collector_id, max(heartbeat_ns) AS hb FROM {db}.collectors"
+                               " GROUP BY collector_id HAVING hb < ?", [self.now_ns() - self.peer_dead_ns])
+        marks = None
+        for peer, hb in silent:
+            if peer == self.writer_id or self._peers_cleaned.get(peer) == hb:
+                continue
+            marks = marks if marks is not None else commit_marks(self.ch)
+            n = self._delete_unfinished(peer, marks.get(peer, 0))
+            self._peers_cleaned[peer] = hb
+            if n:
+                log.warning("ClickHouse store: removed %d rows of unfinished writes of collector %r, silent for"
+                            " more than %.0f s", n, peer, self.peer_dead_ns / 1e9)
+                self.peer_cleanups += 1
+                removed += n
         return removed
 
     # -- dedupe ----------------------------------------------------------------------------
@@ -409,9 +523,9 @@ class ClickHouseWriter(w.StoreWriter):
         return seq
 
     def _max_seq(self, agent_id: str, spool_id: str) -> int:
-        db = self.ch.db
-        rows = self.ch.query(f"SELECT max(seq) FROM {db}.batches WHERE agent_id = ? AND spool_id = ?"
-                             f" AND _rid <= (SELECT max(_rid) FROM {db}.commits)", [agent_id, spool_id])
+        cond, args = committed_cond(commit_marks(self.ch))
+        rows = self.ch.query(f"SELECT max(seq) FROM {self.ch.db}.batches WHERE agent_id = ? AND spool_id = ?"
+                             f" AND {cond}", [agent_id, spool_id] + args)
         return int(rows[0][0] or 0) if rows else 0
 
     def last_seq(self, agent_id: str, spool_id: str) -> int:
@@ -587,9 +701,11 @@ class ClickHouseReader(Reader):
                              " HAVING hb >= ? ORDER BY collector_id", [since_ns])
         return [{"id": a, "address": b, "started_ns": c, "heartbeat_ns": d} for a, b, c, d in rows]
 
-    def flow_watermark(self) -> tuple[int, int]:
-        row = self.ch.query(f"SELECT max(_rid), max(end_ns) FROM {self._t('flows')}")[0]
-        return int(row[0] or 0), int(row[1] or 0)
+    def flow_watermark(self) -> tuple:
+        """(a mark that changes with every flow stored, 0 without any; the newest flow's end). Several writers'
+        group ids interleave: the mark is the count beside the newest id."""
+        n, rid, end = self.ch.query(f"SELECT count(), max(_rid), max(end_ns) FROM {self._t('flows')}")[0]
+        return ((int(n), int(rid or 0)) if n else 0), int(end or 0)
 
     def data_watermarks(self, job_keys: list[str]) -> dict[str, int]:
         if not job_keys:
@@ -602,18 +718,19 @@ class ClickHouseReader(Reader):
                     out[key] = max(out.get(key, 0), top)
         return out
 
-    def new_data_since(self, rowid: int | tuple = 0) -> tuple[tuple, dict[str, int]]:
-        """As the SQLite reader's, over write-group ids (_rid) instead of rowids, up to the newest commit."""
-        marks = tuple(rowid) if isinstance(rowid, (tuple, list)) else (rowid,) + (0,) * (len(DATA_TABLES) - 1)
-        top = committed_rid(self.ch)
+    def new_data_since(self, rowid: int | tuple = 0) -> tuple[Mark, dict[str, int]]:
+        """As the SQLite reader's, over each writer's committed write groups instead of rowids (the mark: each
+        writer's newest commit read)."""
+        after, upto = as_marks(rowid), commit_marks(self.ch)
+        cond, args = span_cond(after, upto)
         out: dict[str, int] = {}
-        for table, since in zip(DATA_TABLES, marks):
-            since = since if since <= top else 0
-            for key, v in self.ch.query(f"SELECT job_key, max(end_ns) FROM {self._t(table)} WHERE _rid > ?"
-                                        " AND _rid <= ? AND job_key != '' GROUP BY job_key", [since, top]):
-                if v:
-                    out[key] = max(out.get(key, 0), v)
-        return (top,) * len(DATA_TABLES), out
+        if args:
+            for table in DATA_TABLES:
+                for key, v in self.ch.query(f"SELECT job_key, max(end_ns) FROM {self._t(table)} WHERE {cond}"
+                                            " AND job_key != '' GROUP BY job_key", args):
+                    if v:
+                        out[key] = max(out.get(key, 0), v)
+        return to_mark(upto), out
 
     def steps(self, job_key: str, ranks: list[int] | None = None, since_ns: int = 0, limit: int = 200_000,
               with_comms: bool = False) -> list[dict]:
@@ -631,28 +748,32 @@ class ClickHouseReader(Reader):
         rows.reverse()
         return rows
 
-    def steps_after(self, job_key: str, after_rowid: int, since_ns: int = 0, limit: int = 2_000_000,
-                    before_ns: int = 0, upto_rowid: int = 0) -> tuple[list[dict], int]:
-        """As the SQLite reader's, over write-group ids (a cut read goes on after the group it stopped in: rows of
-        one group are read whole, so `limit` may be passed by the rest of that group)."""
-        top = upto_rowid or committed_rid(self.ch)
-        cond, args = ["job_key = ?", "end_ns >= ?", "_rid <= ?"], [job_key, since_ns, top]
-        if after_rowid:
-            cond.append("_rid > ?")
-            args.append(after_rowid)
+    def steps_after(self, job_key: str, after_rowid: Mark | int, since_ns: int = 0, limit: int = 2_000_000,
+                    before_ns: int = 0, upto_rowid: Mark | int = 0) -> tuple[list[dict], Mark]:
+        """As the SQLite reader's, over each writer's committed write groups (marks as new_data_since's). A cut
+        read goes on after the group it stopped in: rows of one group are read whole, so `limit` may be passed by
+        the rest of that group. Rows come in storage order (group id, then end time)."""
+        after = as_marks(after_rowid)
+        upto = as_marks(upto_rowid) or commit_marks(self.ch)
+        span, span_args = span_cond(after, upto)
+        cond, args = ["job_key = ?", "end_ns >= ?", span], [job_key, since_ns] + span_args
         if before_ns:
             cond.append("end_ns < ?")
             args.append(before_ns)
         names = ", ".join(c for c, _ in TABLES["steps"][0])
-        rows = self.ch.dicts(f"SELECT _rid, {names} FROM {self._t('steps')} WHERE {' AND '.join(cond)}"
-                             " ORDER BY _rid, end_ns LIMIT ? WITH TIES", args + [limit])
-        if len(rows) >= limit:
-            top = rows[-1]["_rid"]
+        rows = self.ch.dicts(f"SELECT _writer, _rid, {names} FROM {self._t('steps')} WHERE {' AND '.join(cond)}"
+                             " ORDER BY _writer, _rid LIMIT ? WITH TIES", args + [limit])
+        read = {wr: max(top, after.get(wr, 0)) for wr, top in upto.items()}
+        if len(rows) >= limit:   # writers before the cut one: read to their top; after it: not read
+            cut_w, cut_rid = rows[-1]["_writer"], rows[-1]["_rid"]
+            read = {wr: (top if wr < cut_w else cut_rid if wr == cut_w else after.get(wr, 0))
+                    for wr, top in read.items()}
+        rows.sort(key=lambda r: (r["_rid"], r["end_ns"]))
         for r in rows:
             r["node_id"] = r.pop("agent_id")
             r["comms"] = json.loads(r.pop("comms_json"))
-            del r["_rid"]
-        return rows, max(top, after_rowid)
+            del r["_rid"], r["_writer"]
+        return rows, to_mark(read)
 
     def iterations(self, job_key: str, since_ns: int = 0, until_ns: int = 0, limit: int = 500_000) -> list[dict]:
         cond, args = ["job_key = ?", "end_ns > ?"], [job_key, since_ns]
@@ -692,7 +813,9 @@ def make_store(db: str, store: str = ""):
     url = parse_store(store) if store else StoreURL("sqlite", path=db)
     if url.kind == "sqlite":
         path = url.path if store else db
-        return url, (lambda **kw: w.StoreWriter(path, **kw)), (lambda: Reader(path))
+        def sqlite_writer(writer_id: str = "", **kw):   # one writer per file: no writer id to keep
+            return w.StoreWriter(path, **kw)
+        return url, sqlite_writer, (lambda: Reader(path))
     return url, (lambda **kw: ClickHouseWriter(db, url, **kw)), (lambda: ClickHouseReader(db, url))
 
 
