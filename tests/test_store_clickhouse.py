@@ -522,3 +522,74 @@ def test_a_database_written_before_writer_ids_reads_on(url, tmp_path):
         assert chs.commit_marks(wr.ch).keys() == {"", "new"}
     finally:
         wr.stop()
+
+
+def _sync(writer) -> None:
+    """The writer's state sync, run now and waited for (the heartbeat runs it every few seconds)."""
+    done = []
+    writer.submit(w.StoreJob(writer._sync_state, lambda *a: done.append(a)))
+    deadline = time.monotonic() + 30
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert done and done[0][0] == "stored", done
+
+
+def test_collectors_on_one_clickhouse_share_agents_processes_findings_and_deep_dives(url, tmp_path):
+    """Two collectors, each with its own SQLite state: a job's two ranks stream to different collectors, one
+    collector finds something; after a sync both list the job with both ranks, both agents (each with the
+    collector that holds it), the finding, and the deep dive. An agent that moves is held by its new collector,
+    whose row the other collector's stale one does not overwrite. A restart applies nothing twice."""
+    from steplens.collector.analysis.findings import Change, Finding, Suspect
+    from steplens.collector.store.diagnosis import write_changes
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    a = chs.ClickHouseWriter(str(tmp_path / "a.db"), url, writer_id="a")
+    b = chs.ClickHouseWriter(str(tmp_path / "b.db"), url, writer_id="b")
+    a.start()
+    b.start()
+    try:
+        a.submit(w.AgentUpdate("na", {"hostname": "host-a", "connected": 1}))
+        b.submit(w.AgentUpdate("nb", {"hostname": "host-b", "connected": 1}))
+        assert _submit(a, "na", 1, [r.ProcessInfo(t0, 10, 55, job_key="job1", rank=0, world_size=2)], clock)[0] \
+            == "stored"
+        assert _submit(b, "nb", 1, [r.ProcessInfo(t0, 20, 56, job_key="job1", rank=1, world_size=2)], clock)[0] \
+            == "stored"
+        f = Finding("slowdown", 1000, 2000, 1.5, "rank 1 is slow", (Suspect("rank", "1", 1.0, "compute"),),
+                    job_key="job1", detector="irregularity", id="f1")
+        done = []
+        a.submit(w.StoreJob(lambda conn: write_changes(conn, [Change("opened", f)], time.time_ns()),
+                            lambda *x: done.append(x)))
+        while not done:
+            time.sleep(0.01)
+        for x in (a, b, a, b):
+            _sync(x)
+        for name in ("a.db", "b.db"):
+            rd = chs.ClickHouseReader(str(tmp_path / name), url)
+            (job,) = rd.jobs()
+            assert job["job_key"] == "job1" and sorted(x["rank"] for x in job["ranks"]) == [0, 1], (name, job)
+            assert {x["node_id"] for x in job["ranks"]} == {"na", "nb"}, job
+            nodes = {n["node_id"]: n["collector"] for n in rd.nodes()}
+            assert nodes == ({"na": "", "nb": "b"} if name == "a.db" else {"na": "a", "nb": ""})
+            assert [f.id for f in rd.findings()] == ["f1"], name
+        assert b.state_applied >= 3 and a.state_applied >= 2
+        held = dict(b.conn.execute("SELECT agent_id, collector_id FROM agents"))
+        assert held == {"na": "a", "nb": ""}
+        # nb moves to a, and b notices the lost stream only after the Hello on a (its keepalive): a holds it, and
+        # b's late disconnect does not undo that, on either collector
+        a.submit(w.AgentUpdate("nb", {"hostname": "host-b", "connected": 1}))
+        _sync(a)
+        b.submit(w.AgentUpdate("nb", {"connected": 0}))
+        _sync(b)
+        for x in (a, b, a):
+            _sync(x)
+        assert a.conn.execute("SELECT connected, collector_id FROM agents WHERE agent_id = 'nb'").fetchone() == (1, "")
+        assert b.conn.execute("SELECT connected, collector_id FROM agents WHERE agent_id = 'nb'").fetchone() == (1, "a")
+        before = b.state_applied
+        b.stop()
+        b = chs.ClickHouseWriter(str(tmp_path / "b.db"), url, writer_id="b")   # marks kept: nothing again
+        b.start()
+        _sync(b)
+        assert b.state_applied == 0 and before > 0
+    finally:
+        a.stop()
+        b.stop()

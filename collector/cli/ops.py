@@ -106,7 +106,7 @@ def cmd_nodes(stub, args) -> int:
             "records_stored": n.records_stored, "records_rejected": n.records_rejected,
             "batches_stored": n.batches_stored, "batches_duplicate": n.batches_duplicate, "gaps": n.gaps,
             "mode": n.mode, "mode_until_ns": n.mode_until_ns, "agent_cpu_cores": n.agent_cpu_cores,
-            "cpu_budget_cores": n.cpu_budget_cores})
+            "cpu_budget_cores": n.cpu_budget_cores, "collector": n.collector})
     if args.json:
         print(json.dumps(nodes, indent=2))
         return 0
@@ -114,7 +114,8 @@ def cmd_nodes(stub, args) -> int:
     for n in nodes:
         up = [k for k, s in n["sources"].items() if s["up"]]
         down = [f"{k}({s['reason']})" for k, s in n["sources"].items() if not s["up"]]
-        rows.append([n["node_id"], "yes" if n["connected"] else "no", _ago(n["last_seen_ns"]),
+        conn = ("yes" if n["connected"] else "no") + (f" (on {n['collector']})" if n["collector"] else "")
+        rows.append([n["node_id"], conn, _ago(n["last_seen_ns"]),
                      f"±{_us(n['clock_uncertainty_ns'])}", ",".join(up) or "-", "; ".join(down) or "-",
                      n["spool_backlog"], n["records_produced"], n["records_stored"], n["records_dropped"],
                      n["records_rejected"], n["gaps"], n["mode"], _cpu(n)])

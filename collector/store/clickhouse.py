@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from steplens.collector.store import replication
 from steplens.collector.store import writer as w
 from steplens.collector.store.diagnosis import (
     DATA_TABLES,
@@ -98,6 +99,8 @@ TABLES: dict[str, tuple[tuple[tuple[str, str], ...], str, str]] = {
     # the collectors sharing this store (analysis/ownership.py): a heartbeat row each, the newest one counts
     "collectors": ((("collector_id", _LC), ("address", _S), ("started_ns", _I), ("heartbeat_ns", _I)),
                    "heartbeat_ns", "collector_id, heartbeat_ns"),
+    # the collectors' shared state (store/replication.py): each replicated SQLite row as it changed
+    "state_log": replication.STATE_LOG,
     "batches": ((("agent_id", _LC), ("spool_id", _S), ("seq", _I), ("n_records", _I), ("n_rejected", _I),
                  ("n_bytes", _I), ("received_ns", _I), ("clock_offset_ns", _I), ("clock_uncertainty_ns", _I)),
                 "received_ns", "agent_id, spool_id, seq"),
@@ -345,6 +348,23 @@ def span_cond(after: dict[str, int], upto: dict[str, int]) -> tuple[str, list]:
     return ("(" + " OR ".join(parts) + ")", args) if parts else ("0", [])
 
 
+def read_span(ch: CH, table: str, select: str, where: list[str], args: list, after: dict[str, int],
+              upto: dict[str, int], limit: int) -> tuple[list[dict], dict[str, int]]:
+    """Rows of `table` committed after `after` and up to `upto` (per writer) that match `where`, at most `limit`
+    of them but whole write groups (a cut read goes on after the group it stopped in), in storage order (group
+    id); and the marks read up to."""
+    span, span_args = span_cond(after, upto)
+    rows = ch.dicts(f"SELECT _writer, _rid, {select} FROM {ch.db}.{table} WHERE {' AND '.join([*where, span])}"
+                    " ORDER BY _writer, _rid LIMIT ? WITH TIES", [*args, *span_args, limit])
+    read = {wr: max(top, after.get(wr, 0)) for wr, top in upto.items()}
+    if len(rows) >= limit:   # writers before the cut one: read to their top; after it: not read
+        cut_w, cut_rid = rows[-1]["_writer"], rows[-1]["_rid"]
+        read = {wr: (top if wr < cut_w else cut_rid if wr == cut_w else after.get(wr, 0))
+                for wr, top in read.items()}
+    rows.sort(key=lambda r: r["_rid"])
+    return rows, read
+
+
 class ClickHouseWriter(w.StoreWriter):
     """StoreWriter whose append-only tables live in ClickHouse (the module's docstring: order of a group's
     writes, recovery); the state stays in the SQLite file at `path`."""
@@ -372,6 +392,14 @@ class ClickHouseWriter(w.StoreWriter):
         self.recoveries = 0   # recoveries that removed rows
         self.peer_cleanups = 0
         self.fenced = 0       # groups given up at the commit fence
+        # the collectors' shared state (store/replication.py): only where the store has writers to share it with
+        self._repl_cols: dict[str, list[str]] = {}
+        self._agents_sent: dict[str, tuple] = {}
+        self.state_sent = self.state_applied = 0
+        if writer_id:
+            replication.install(self.conn)
+            # what this collector held before it stopped is held by nobody now (the agents reconnect anywhere)
+            self.conn.execute("UPDATE agents SET connected = 0 WHERE connected = 1 AND collector_id = ''")
         try:
             self._recover()
         except w.BackendError as exc:   # the next group retries first
@@ -387,9 +415,32 @@ class ClickHouseWriter(w.StoreWriter):
         return (agent, name, entity, ts, value)
 
     def _heartbeat_rows(self, conn, row: tuple) -> int:
-        """Into ClickHouse, where every collector on this store reads it (the SQLite beside it is this one's)."""
+        """Into ClickHouse, where every collector on this store reads it (the SQLite beside it is this one's);
+        and the other collectors' state since the last heartbeat into this one's SQLite."""
         self._append(None, "collectors", tuple(c for c, _ in TABLES["collectors"][0]), [row])
+        try:
+            self._sync_state(conn)
+        except w.BackendError as exc:   # the heartbeat stands; the next one syncs again
+            log.error("ClickHouse store: reading the other collectors' state failed: %s", exc)
         return 1
+
+    def sync_state(self) -> bool:
+        """Apply the other collectors' state now (in the writer's next group; the heartbeat does it regularly)."""
+        return self.submit(w.StoreJob(self._sync_state, lambda *_: None))
+
+    def _sync_state(self, conn, limit: int = 20_000) -> int:
+        """The other writers' committed state-log rows since this collector's marks, applied to its SQLite."""
+        if not self.writer_id:
+            return 0
+        upto = {wr: rid for wr, rid in commit_marks(self.ch).items() if wr != self.writer_id}
+        after = replication.marks(conn)
+        if not span_cond(after, upto)[1]:
+            return 0
+        rows, read = read_span(self.ch, "state_log", "tbl, key, version_ns, row_json", ["1"], [], after, upto, limit)
+        n = replication.apply(conn, [(r["_writer"], r["tbl"], r["key"], r["version_ns"], r["row_json"])
+                                     for r in rows], read, self._repl_cols)
+        self.state_applied += n
+        return n
 
     # -- a group ---------------------------------------------------------------------------
     def _write_group(self, group: list) -> None:
@@ -416,6 +467,11 @@ class ClickHouseWriter(w.StoreWriter):
 
     def _before_commit(self) -> None:
         rid, me = self._rid, self.writer_id
+        if me:
+            state = replication.collect(self.conn, self.now_ns(), me, self._repl_cols, self._agents_sent)
+            if state:
+                self._append(None, "state_log", (), state)
+                self.state_sent += len(state)
         for table in sorted(self._buf, key=lambda t: t == "batches"):
             rows = self._buf[table]
             cols = tuple(c for c, _ in TABLES[table][0]) + DELIVERY
@@ -755,19 +811,12 @@ class ClickHouseReader(Reader):
         the rest of that group. Rows come in storage order (group id, then end time)."""
         after = as_marks(after_rowid)
         upto = as_marks(upto_rowid) or commit_marks(self.ch)
-        span, span_args = span_cond(after, upto)
-        cond, args = ["job_key = ?", "end_ns >= ?", span], [job_key, since_ns] + span_args
+        cond, args = ["job_key = ?", "end_ns >= ?"], [job_key, since_ns]
         if before_ns:
             cond.append("end_ns < ?")
             args.append(before_ns)
         names = ", ".join(c for c, _ in TABLES["steps"][0])
-        rows = self.ch.dicts(f"SELECT _writer, _rid, {names} FROM {self._t('steps')} WHERE {' AND '.join(cond)}"
-                             " ORDER BY _writer, _rid LIMIT ? WITH TIES", args + [limit])
-        read = {wr: max(top, after.get(wr, 0)) for wr, top in upto.items()}
-        if len(rows) >= limit:   # writers before the cut one: read to their top; after it: not read
-            cut_w, cut_rid = rows[-1]["_writer"], rows[-1]["_rid"]
-            read = {wr: (top if wr < cut_w else cut_rid if wr == cut_w else after.get(wr, 0))
-                    for wr, top in read.items()}
+        rows, read = read_span(self.ch, "steps", names, cond, args, after, upto, limit)
         rows.sort(key=lambda r: (r["_rid"], r["end_ns"]))
         for r in rows:
             r["node_id"] = r.pop("agent_id")

@@ -55,6 +55,8 @@ class Reader(DiagnosisQueries):
             out.append({
                 "node_id": r["agent_id"], "hostname": r["hostname"] or "", "agent_version": r["agent_version"] or "",
                 "connected": bool(r["connected"]), "peer": r["peer"] or "",
+                # the collector that holds its stream, when another on a shared store ('' : this one)
+                "collector": r.get("collector_id") or "",
                 "first_seen_ns": r["first_seen_ns"] or 0, "last_seen_ns": r["last_seen_ns"] or 0,
                 "clock_offset_ns": r["clock_offset_ns"] or 0, "clock_uncertainty_ns": r["clock_uncertainty_ns"] or 0,
                 "clock_drift_ppm": r["clock_drift_ppm"] or 0.0, "clock_rtt_ns": r["clock_rtt_ns"] or 0,

@@ -229,6 +229,18 @@ CREATE TABLE collectors (
 );
 """))
 
+# the collectors' shared state on ClickHouse (store/replication.py): which collector holds an agent's stream ('':
+# this one) since when (its Hello there), each replicated row's version, and each other collector's last state-log group applied here
+MIGRATIONS.append((16, """
+ALTER TABLE agents ADD COLUMN collector_id TEXT NOT NULL DEFAULT '';
+ALTER TABLE agents ADD COLUMN connected_ns INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE state_versions (
+  tbl TEXT NOT NULL, key TEXT NOT NULL, version_ns INTEGER NOT NULL, writer TEXT NOT NULL,
+  PRIMARY KEY (tbl, key)
+) WITHOUT ROWID;
+CREATE TABLE state_marks (writer TEXT PRIMARY KEY, rid INTEGER NOT NULL);
+"""))
+
 LATEST_VERSION = MIGRATIONS[-1][0]
 
 

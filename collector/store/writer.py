@@ -495,9 +495,18 @@ class StoreWriter:
         if "sources" in fields:
             fields["sources_json"] = json.dumps(fields.pop("sources"), sort_keys=True)
         fields.setdefault("last_seen_ns", self.now_ns())
+        held = ""
+        if fields.get("connected"):   # its stream is on this collector since now (store/replication.py)
+            fields["collector_id"] = ""
+            fields["connected_ns"] = fields["last_seen_ns"]
+        elif "connected" in fields:   # a stream lost here: says nothing of an agent another collector holds now
+            held = " AND collector_id = ''"
         cols = list(fields)
-        cur = self.conn.execute(f"UPDATE agents SET {', '.join(c + '=?' for c in cols)} WHERE agent_id=?",
+        cur = self.conn.execute(f"UPDATE agents SET {', '.join(c + '=?' for c in cols)} WHERE agent_id=?{held}",
                                 [fields[c] for c in cols] + [agent_id])
+        if cur.rowcount == 0 and held and self.conn.execute("SELECT 1 FROM agents WHERE agent_id=?",
+                                                            (agent_id,)).fetchone():
+            return
         if cur.rowcount == 0:
             fields.setdefault("first_seen_ns", fields["last_seen_ns"])
             cols = list(fields)

@@ -25,7 +25,7 @@ class SourceHealth(_message.Message):
     def __init__(self, name: _Optional[str] = ..., up: _Optional[bool] = ..., reason: _Optional[str] = ..., last_duration_seconds: _Optional[float] = ..., errors: _Optional[int] = ..., cpu_cores: _Optional[float] = ..., rate_scale: _Optional[float] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("node_id", "hostname", "agent_version", "connected", "peer", "first_seen_ns", "last_seen_ns", "clock_offset_ns", "clock_uncertainty_ns", "clock_drift_ppm", "clock_rtt_ns", "clock_samples", "sources", "spool_backlog", "records_produced", "records_acked", "records_dropped", "records_stored", "records_rejected", "batches_stored", "batches_duplicate", "gaps", "mode", "mode_until_ns", "agent_cpu_cores", "cpu_budget_cores")
+    __slots__ = ("node_id", "hostname", "agent_version", "connected", "peer", "first_seen_ns", "last_seen_ns", "clock_offset_ns", "clock_uncertainty_ns", "clock_drift_ppm", "clock_rtt_ns", "clock_samples", "sources", "spool_backlog", "records_produced", "records_acked", "records_dropped", "records_stored", "records_rejected", "batches_stored", "batches_duplicate", "gaps", "mode", "mode_until_ns", "agent_cpu_cores", "cpu_budget_cores", "collector")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class Node(_message.Message):
     MODE_UNTIL_NS_FIELD_NUMBER: _ClassVar[int]
     AGENT_CPU_CORES_FIELD_NUMBER: _ClassVar[int]
     CPU_BUDGET_CORES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTOR_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     hostname: str
     agent_version: str
@@ -78,7 +79,8 @@ class Node(_message.Message):
     mode_until_ns: int
     agent_cpu_cores: float
     cpu_budget_cores: float
-    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., connected: _Optional[bool] = ..., peer: _Optional[str] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., clock_offset_ns: _Optional[int] = ..., clock_uncertainty_ns: _Optional[int] = ..., clock_drift_ppm: _Optional[float] = ..., clock_rtt_ns: _Optional[int] = ..., clock_samples: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceHealth, _Mapping]]] = ..., spool_backlog: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., records_stored: _Optional[int] = ..., records_rejected: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps: _Optional[int] = ..., mode: _Optional[str] = ..., mode_until_ns: _Optional[int] = ..., agent_cpu_cores: _Optional[float] = ..., cpu_budget_cores: _Optional[float] = ...) -> None: ...
+    collector: str
+    def __init__(self, node_id: _Optional[str] = ..., hostname: _Optional[str] = ..., agent_version: _Optional[str] = ..., connected: _Optional[bool] = ..., peer: _Optional[str] = ..., first_seen_ns: _Optional[int] = ..., last_seen_ns: _Optional[int] = ..., clock_offset_ns: _Optional[int] = ..., clock_uncertainty_ns: _Optional[int] = ..., clock_drift_ppm: _Optional[float] = ..., clock_rtt_ns: _Optional[int] = ..., clock_samples: _Optional[int] = ..., sources: _Optional[_Iterable[_Union[SourceHealth, _Mapping]]] = ..., spool_backlog: _Optional[int] = ..., records_produced: _Optional[int] = ..., records_acked: _Optional[int] = ..., records_dropped: _Optional[int] = ..., records_stored: _Optional[int] = ..., records_rejected: _Optional[int] = ..., batches_stored: _Optional[int] = ..., batches_duplicate: _Optional[int] = ..., gaps: _Optional[int] = ..., mode: _Optional[str] = ..., mode_until_ns: _Optional[int] = ..., agent_cpu_cores: _Optional[float] = ..., cpu_budget_cores: _Optional[float] = ..., collector: _Optional[str] = ...) -> None: ...
 
 class GpuSample(_message.Message):
     __slots__ = ("name", "value", "ts_ns")
