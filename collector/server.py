@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 import sqlite3
 from dataclasses import dataclass, field
@@ -49,6 +50,10 @@ class CollectorSettings:
     detectors: dict | None = None  # name -> DetectorSpec; None: every registered one (analysis.DETECTORS)
     metrics_listen: str = ""       # HOST:PORT for /metrics ('' : none)
     deep_dive: DeepDiveConfig = field(default_factory=DeepDiveConfig)   # [deep_dive]: findings start deep dives
+    # collector to collector on a shared store (control/peers.py): the CNs accepted from other collectors, and
+    # this one's client certificate for them ('' : its server certificate, which then needs clientAuth usage)
+    peer_cns: tuple[str, ...] = ("steplens-collector",)
+    peer_tls: conn.TlsFiles | None = None
 
     def validate(self) -> None:
         if self.store:
@@ -93,6 +98,17 @@ class StoreErrors(grpc.aio.ServerInterceptor):
                                                    response_serializer=handler.response_serializer)
 
 
+def dial_address(listen: str, port: int) -> str:
+    """The address other collectors dial for one listening on `listen` (bound `port`): a wildcard host becomes
+    this host's name, port 0 the port bound."""
+    if listen.startswith("unix:"):
+        return listen
+    host, _ = conn.split_host_port(listen)
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.getfqdn()
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
 class Collector:
     def __init__(self, settings: CollectorSettings) -> None:
         settings.validate()
@@ -101,6 +117,8 @@ class Collector:
         self.store_url, make_writer, make_reader = make_store(settings.db, settings.store)
         # its id among the collectors of this store (analysis/ownership.py; the writer's id on what it stores)
         collector_id = settings.analysis.collector_id or f"{socket.gethostname()}/{settings.listen}"
+        if not settings.analysis.collector_id and settings.listen.endswith(":0"):   # a port chosen at bind: unique
+            collector_id += f"/{os.getpid()}"
         self.writer = make_writer(now_ns=self.clock.now_ns, retention_seconds=settings.retention_seconds,
                                   writer_id=collector_id)
         ingest_settings = settings.ingest
@@ -120,6 +138,13 @@ class Collector:
         self.deepdives = DeepDives(self.ingest, make_reader(), self.writer, self.clock, self.analysis.hub,
                                    settings.deep_dive)
         self.control.deepdives = self.deepdives
+        self.peer_service = None
+        if self.store_url.kind != "sqlite":   # collectors sharing the store reach each other's agents
+            from steplens.collector.control.peers import Peers, PeerService
+            self.ingest.peers = Peers(make_reader(), collector_id, settings.insecure,
+                                      settings.peer_tls or settings.tls, settings.analysis.collector_ttl_seconds,
+                                      settings.max_message_bytes)
+            self.peer_service = PeerService(self.ingest, collector_id, not settings.insecure, settings.peer_cns)
         self.make_reader = make_reader
         self.metrics = None
         self.server: grpc.aio.Server | None = None
@@ -135,6 +160,9 @@ class Collector:
         self.server = grpc.aio.server(options=opts, interceptors=[StoreErrors()])
         self.server.add_generic_rpc_handlers((self.ingest.generic_handler(),))
         cgrpc.add_ControlServicer_to_server(self.control, self.server)
+        if self.peer_service is not None:
+            from steplens.v1 import peer_pb2_grpc
+            peer_pb2_grpc.add_PeerServicer_to_server(self.peer_service, self.server)
         if s.insecure:
             self.port = self.server.add_insecure_port(s.listen)
         else:
@@ -148,6 +176,9 @@ class Collector:
                 s.control_listen, conn.server_credentials(conn.TlsFiles("", s.tls.cert, s.tls.key), False))
             if self.control_port == 0:
                 raise OSError(f"cannot listen on {s.control_listen}")
+        own = self.analysis.ownership
+        if own is not None and not s.analysis.collector_address:   # where the other collectors reach this one
+            own.address = dial_address(s.listen, self.port)
         self.writer.start()
         await self.server.start()
         self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock)
@@ -173,3 +204,5 @@ class Collector:
             await self.server.stop(grace)
             self.server = None
         await asyncio.to_thread(self.writer.stop)
+        if self.ingest.peers is not None:
+            await self.ingest.peers.close()

@@ -53,6 +53,12 @@ class _Ingest:
         self.sent: list = []
         self.sessions = {n: _Session(n, self.sent) for n in nodes}
 
+    async def session(self, node: str):
+        return self.sessions.get(node)
+
+    async def connected_nodes(self) -> list[str]:
+        return sorted(self.sessions)
+
 
 def _dives(cfg=None, nodes=("h0", "h1")):
     return DeepDives(_Ingest(nodes), None, None, _Clock(), None, cfg or DeepDiveConfig())

@@ -187,7 +187,8 @@ class DeepDives:
         if not procs:
             raise LookupError(f"no live process of job {job_key!r} is known")
         nodes = sorted({p["node_id"] for p in procs})
-        connected = [n for n in nodes if n in self.ingest.sessions]
+        reachable = set(await self.ingest.connected_nodes())   # here or on another collector of the store
+        connected = [n for n in nodes if n in reachable]
         duration = duration_ns or int(c.duration_seconds * 1e9)
         now = self.clock.now_ns()
         why = self.admission(job_key, duration, now, len(connected))

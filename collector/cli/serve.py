@@ -23,7 +23,7 @@ else:  # pragma: no cover
 
 DEFAULT_CONFIG_PATH = "/etc/steplens/collector.toml"
 _KEYS = {"db", "store", "listen", "control_listen", "insecure", "tls_ca", "tls_cert", "tls_key", "token_file",
-         "operator_cns", "retention", "log_level", "metrics_listen"}
+         "operator_cns", "retention", "log_level", "metrics_listen", "peer_cns", "peer_tls_cert", "peer_tls_key"}
 _TABLES = {"collector", "analysis", "detectors", "deep_dive"}
 
 
@@ -67,7 +67,10 @@ def _settings(args) -> tuple[CollectorSettings, str]:
         token=conn.read_token(table.get("token_file", "")),
         operator_cns=tuple(table.get("operator_cns", ["steplens-operator"])),
         retention_seconds=parse_duration(table.get("retention", "7d")), metrics_listen=table.get("metrics_listen", ""),
-        analysis=analysis, detector_configs=detector_configs, deep_dive=deep_dive)
+        analysis=analysis, detector_configs=detector_configs, deep_dive=deep_dive,
+        peer_cns=tuple(table.get("peer_cns", ["steplens-collector"])),
+        peer_tls=conn.TlsFiles(table.get("tls_ca", ""), table["peer_tls_cert"], table.get("peer_tls_key", ""))
+        if table.get("peer_tls_cert") else None)
     return s, table.get("log_level", "info")
 
 

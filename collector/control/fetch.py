@@ -59,8 +59,10 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
         raise FetchError(grpc.StatusCode.INVALID_ARGUMENT, "since_ns is after until_ns")
     out = Fetched()
     asks = {}
+    nodes = sorted(by_node)
+    sessions = dict(zip(nodes, await asyncio.gather(*(ingest.session(node) for node in nodes))))
     for node, node_ranks in sorted(by_node.items()):
-        session = ingest.sessions.get(node)
+        session = sessions[node]
         if session is None or session.clock is None:
             out.offline.append(node)
             out.messages[node] = "not connected: its detail stays on the node until it is"

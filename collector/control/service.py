@@ -59,8 +59,9 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
                                       cpu_cores=s["cpu_cores"], rate_scale=s["rate_scale"])
                 else:
                     setattr(n, k, v)
-            # a live stream knows better than the store whether it is connected right now
-            n.connected = r["node_id"] in self.ingest.sessions
+            # a live stream knows better than the store whether it is connected right now (one on another
+            # collector of the store: its replicated row says)
+            n.connected = r["node_id"] in self.ingest.sessions or bool(r["collector"] and r["connected"])
         return out
 
     async def ListGpus(self, request, context):
@@ -161,7 +162,7 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
         await self._auth(context)
         from steplens.collector.ingest.decode import BatchRejected, detail_json
         from steplens.v1 import ingest_pb2 as ipb
-        session = self.ingest.sessions.get(request.node_id)
+        session = await self.ingest.session(request.node_id)
         if session is None or session.clock is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"node {request.node_id!r} is not connected: its detail stays on the node until it is")

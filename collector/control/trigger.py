@@ -13,11 +13,11 @@ async def start_deep_mode(ingest, clock, request: cpb.DeepRequest, command_id: s
                           reply_timeout_s: float = 5.0) -> cpb.DeepReply:
     lead_ns = (request.lead_ms or 500) * 1_000_000
     start_ns = request.start_ns or clock.now_ns() + lead_ns
-    targets = list(request.node_ids) or sorted(ingest.sessions)
+    targets = list(request.node_ids) or await ingest.connected_nodes()
     reply = cpb.DeepReply(command_id=command_id, start_ns=start_ns if request.enable else 0)
     futures = {}
-    for node in targets:
-        session = ingest.sessions.get(node)
+    sessions = await asyncio.gather(*(ingest.session(node) for node in targets))
+    for node, session in zip(targets, sessions):
         if session is None or session.clock is None:
             reply.offline.append(node)
             reply.messages[node] = "not connected"

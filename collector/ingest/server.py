@@ -91,6 +91,25 @@ class IngestService:
         self._probe_ids = itertools.count(1)
         self.streams_refused = 0
         self._writer_slots: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
+        self.peers = None   # control/peers.py Peers: agents whose streams other collectors of the store hold
+
+    async def session(self, node_id: str):
+        """The agent's stream: here (a Session), on another collector of the store (a RemoteSession relaying
+        through it), or None."""
+        local = self.sessions.get(node_id)
+        if local is not None or self.peers is None:
+            return local
+        return await self.peers.session(node_id)
+
+    async def connected_nodes(self) -> list[str]:
+        """Every agent connected here or to another live collector of the store."""
+        nodes = set(self.sessions)
+        if self.peers is not None:
+            try:
+                nodes |= set(await asyncio.to_thread(self.peers.holders))
+            except Exception as exc:   # the store went away: what is here still answers
+                log.warning("which collectors hold the other agents: %s", exc)
+        return sorted(nodes)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler("steplens.v1.Ingest", {
