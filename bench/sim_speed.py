@@ -6,6 +6,7 @@ over worker processes, through one real collector (a child process) on loopback.
     .venv/bin/python bench/sim_speed.py [--stream-agents 1250] [--stream-procs 2] [--agent-kind light|real]
                                         [--stream-iterations 5] [--stream-batch-records 250]
                                         [--no-stream | --stream-only] [--quick]
+                                        [--stream-setups sqlite,chdb:2]
 
 The simulation figure is the model alone (no sink), dense (TP=1, TP=8) and with expert parallelism (EP=8,
 `ep_rank_iterations_per_s`); the output figure writes step summaries for the same
@@ -54,23 +55,58 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _nodes_held(addresses: list[str]) -> dict:
+    """collector_nodes over several collectors of one store: each agent counted on the one holding it."""
+    import grpc
+
+    from steplens.v1 import control_pb2 as cpb
+    from steplens.v1 import control_pb2_grpc as cgrpc
+    out = {"nodes": 0, "connected": 0, "records_stored": 0, "records_rejected": 0, "batches_duplicate": 0}
+    for address in addresses:
+        with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+            nodes = [n for n in cgrpc.ControlStub(ch).ListNodes(cpb.ListRequest(), timeout=30).nodes
+                     if n.node_id.startswith("sim-node-") and not getattr(n, "collector", "")]
+        out["nodes"] += len(nodes)
+        out["connected"] += sum(1 for n in nodes if n.connected)
+        for k in ("records_stored", "records_rejected", "batches_duplicate"):
+            out[k] += sum(getattr(n, k) for n in nodes)
+    return out
+
+
 def run_stream(agents: int, procs: int, iterations: int, tmp: str, kind: str = "light",
-               batch_records: int = 250, agents_per_channel: int = 100) -> dict:
+               batch_records: int = 250, agents_per_channel: int = 100, setup: str = "sqlite") -> dict:
+    """One streaming run into `setup`: 'sqlite' (one `steplens-collector serve` on SQLite) or 'chdb:N' (N
+    collectors on one chDB database, in one helper process: bench/scaleout.py --serve; chDB runs one engine per
+    process), the agents spread over the N collectors."""
     import psutil
 
     from bench.sim.stream import collector_nodes, store_check
-    port = _free_port()
-    address = f"127.0.0.1:{port}"
-    exe = os.path.join(os.path.dirname(sys.executable), "steplens-collector")
-    cmd = ([exe] if os.path.exists(exe) else [sys.executable, "-m", "steplens.collector.cli.serve"])
     log = open(os.path.join(tmp, "collector.log"), "ab")
-    db = os.path.join(tmp, "c.db")
-    proc = subprocess.Popen(cmd + ["serve", "--db", db, "--listen", address, "--insecure"],
-                            stdout=subprocess.PIPE, stderr=log)
+    if setup == "sqlite":
+        port = _free_port()
+        address = f"127.0.0.1:{port}"
+        exe = os.path.join(os.path.dirname(sys.executable), "steplens-collector")
+        cmd = ([exe] if os.path.exists(exe) else [sys.executable, "-m", "steplens.collector.cli.serve"])
+        db = os.path.join(tmp, "c.db")
+        proc = subprocess.Popen(cmd + ["serve", "--db", db, "--listen", address, "--insecure"],
+                                stdout=subprocess.PIPE, stderr=log)
+    else:
+        n = int(setup.split(":", 1)[1]) if ":" in setup else 1
+        helper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scaleout.py")
+        sdir = tempfile.mkdtemp(dir=tmp)
+        proc = subprocess.Popen([sys.executable, helper, "--serve", str(n), "--tmp", sdir], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=log)
     try:
         line = proc.stdout.readline().decode()
-        if "listening" not in line:
-            raise RuntimeError(f"collector did not start: {line!r}")
+        if setup == "sqlite":
+            if "listening" not in line:
+                raise RuntimeError(f"collector did not start: {line!r}")
+            addresses = [address]
+        else:
+            if not line.startswith("{"):
+                raise RuntimeError(f"collectors did not start: {line!r}")
+            addresses = [f"127.0.0.1:{p}" for p in json.loads(line)["ports"]]
+            address = ",".join(addresses)
         cp = psutil.Process(proc.pid)
 
         def cpu() -> float:
@@ -81,7 +117,7 @@ def run_stream(agents: int, procs: int, iterations: int, tmp: str, kind: str = "
         def on_phase(name: str, info: dict) -> None:
             marks[name] = (time.perf_counter(), cpu())
             if name == "connected":
-                marks["seen"] = collector_nodes(address)
+                marks["seen"] = collector_nodes(address) if setup == "sqlite" else _nodes_held(addresses)
                 marks[name] = (time.perf_counter(), cpu())  # the ListNodes call is not streaming work
         # one node per agent, 8 GPUs each: DP = agents, PP = 8, TP = 1
         cfg = ModelConfig(dp=agents, pp=8, tp=1, micro_batches=8, iterations=iterations, seed=1)
@@ -91,8 +127,16 @@ def run_stream(agents: int, procs: int, iterations: int, tmp: str, kind: str = "
                                                drain_timeout_s=300, batch_records=batch_records,
                                                agents_per_channel=agents_per_channel),
                      on_phase=on_phase)
-        seen = collector_nodes(address)
-        store = store_check(db)
+        if setup == "sqlite":
+            seen = collector_nodes(address)
+            store = store_check(db)
+        else:
+            time.sleep(1.0)   # the agents' last acks are after the commits: nothing more to wait for but the log
+            seen = _nodes_held(addresses)
+            proc.stdin.write(b"check sim-node-\n")
+            proc.stdin.flush()
+            store = json.loads(proc.stdout.readline())
+            seen["batches_duplicate"] = 0   # per-collector counts: the store's seq check is the one that holds
         (tc, cc), (ts, cs) = marks["connected"], marks["streamed"]
         phase_s = max(1e-9, ts - tc)
         out["collector_connected"] = marks["seen"]["connected"]
@@ -114,8 +158,17 @@ def run_stream(agents: int, procs: int, iterations: int, tmp: str, kind: str = "
             warnings = [x.strip() for x in f if " WARNING " in x or " ERROR " in x]
         out["collector_warnings"] = len(warnings)
         out["collector_warning_sample"] = warnings[:3]
+        out["setup"] = setup
+        out["collectors"] = len(addresses)
         return out
     finally:
+        if setup != "sqlite" and proc.poll() is None:
+            try:
+                proc.stdin.write(b"stop\n")
+                proc.stdin.flush()
+                proc.wait(60)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(30)
@@ -136,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--agent-kind", choices=("light", "real"), default="light",
                     help="light: asyncio wire-protocol agents (scale); real: Spool + StreamClient (~250 at most)")
     ap.add_argument("--agents-per-channel", type=int, default=100, help="light agents sharing one gRPC channel")
+    ap.add_argument("--stream-setups", default="sqlite",
+                    help="comma list, run one after the other: sqlite (one collector) and/or chdb:N (N collectors on "
+                         "one ClickHouse database, chDB); figures of others than sqlite prefixed e.g. chdb2_")
     args = ap.parse_args(argv)
     big = (1024, 1, 20) if args.quick else (1024, 8, 100)  # dp, tp, iterations with pp = 8
     specs = ["slow_gpu:5:10:20", "slow_link:n3.nic1:30:40", "congested_switch:spine1:50:60",
@@ -146,9 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         if not args.stream_only:
             simulate_figures(big, specs, tmp, res)
         if not args.no_stream:
-            st = run_stream(args.stream_agents, args.stream_procs, args.stream_iterations, tmp, args.agent_kind,
-                            args.stream_batch_records, args.agents_per_channel)
-            print_stream(st, res)
+            for setup in args.stream_setups.split(","):
+                st = run_stream(args.stream_agents, args.stream_procs, args.stream_iterations, tmp, args.agent_kind,
+                                args.stream_batch_records, args.agents_per_channel, setup)
+                sub: dict = {}
+                print_stream(st, sub)
+                tag = setup.replace(":", "")
+                res.update(sub if setup == "sqlite" else {f"{tag}_{k}": v for k, v in sub.items()})
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if not args.stream_only:
@@ -224,7 +284,8 @@ def print_stream(st: dict, res: dict) -> None:
              and not store["seq_not_contiguous"] and st["collector_batches_duplicate"] == 0)
     wait, busy = st["wait_on_collector_s_max"], st["emulator_busy_s_max"]
     bottleneck = "collector" if wait > busy else "emulator"
-    print(f"stream    {st['agent_kind']} agents: {st['collector_connected']:,} of {st['agents']:,} connected "
+    print(f"stream    [{st['setup']}: {st['collectors']} collector(s)] {st['agent_kind']} agents: "
+          f"{st['collector_connected']:,} of {st['agents']:,} connected "
           f"(collector's count) in {st['connect_s']:.1f} s ({st['procs']} worker processes; collector CPU "
           f"{st['collector_connect_cpu_percent']:.0f}% meanwhile)")
     print(f"stream    {st['gpus']:,} GPUs x {st['iterations']} it: {st['records']:,} records in {st['batches']:,} "

@@ -267,8 +267,10 @@ async def _light_main(cfg: ModelConfig, faults: list[Fault], sc: StreamConfig, a
         with progress:
             progress.notify_all()
 
-    n_ch = max(1, -(-len(agent_ids) // sc.agents_per_channel))
-    channels = [channel(sc.collector) for _ in range(n_ch)]
+    from steplens.conn import split_addresses
+    addrs = split_addresses(sc.collector)   # several collectors of one store: the channels spread over them
+    n_ch = max(len(addrs), -(-len(agent_ids) // sc.agents_per_channel))
+    channels = [channel(addrs[i % len(addrs)]) for i in range(n_ch)]
     streaming = {"mono_base": None}
     agents = {k: LightAgent(f"sim-node-{k}", window_batches=sc.window_batches, on_ack=on_ack,
                             hello_timeout_s=max(15.0, sc.connect_timeout_s / 2),
