@@ -165,3 +165,22 @@ def test_peer_relay_needs_a_collector_certificate(tmp_path):
     finally:
         lp.run(server.stop(0))
         lp.close()
+
+
+def test_the_scaleout_run_loses_nothing_when_a_collector_dies(tmp_path):
+    """bench/scaleout.py small: 12 agents over two collectors on one chDB database, the job's owner killed; the
+    run's own checks (every agent listed and reached from both, the survivor takes the agents and the job, every
+    record stored once) come back in its JSON line."""
+    import json
+    import subprocess
+    import sys
+    bench = os.path.join(os.path.dirname(__file__), "..", "bench", "scaleout.py")
+    out = subprocess.run([sys.executable, bench, "--agents", "12", "--before", "2", "--after", "2", "--rate", "6000"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    head = json.loads(out.stdout.strip().splitlines()[-1])
+    assert head["fetch_ok_before"] == 24 and head["fetch_ok_after"] == 12, head
+    assert head["job_ranks_seen_per_collector"] == [12, 12]
+    assert head["records_produced"] > 0 and head["records_lost"] == 0 and head["batches_duplicated"] == 0
+    assert head["metric_rows_lost"] == 0 and head["metric_rows_duplicated"] == 0
+    assert head["analysis_takeover_seconds"] is not None
