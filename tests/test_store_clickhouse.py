@@ -593,3 +593,34 @@ def test_collectors_on_one_clickhouse_share_agents_processes_findings_and_deep_d
     finally:
         a.stop()
         b.stop()
+
+
+def test_state_of_a_group_that_failed_after_its_state_committed_is_sent_again(url, tmp_path):
+    """The commit row's insert fails: the state (a new process) is in this collector's SQLite, its state-log
+    row was deleted with the group's other rows. It goes with the next group, and the other collector sees it."""
+    clock = _clock()
+    t0 = time.monotonic_ns()
+    a = chs.ClickHouseWriter(str(tmp_path / "a.db"), url, writer_id="a")
+    b = chs.ClickHouseWriter(str(tmp_path / "b.db"), url, writer_id="b")
+    real = a.ch.insert
+    armed = [True]
+
+    def flaky(table, rows, cols):
+        if table == "commits" and armed[0]:
+            armed[0] = False
+            raise w.BackendError("injected: commits refused")
+        return real(table, rows, cols)
+    a.ch.insert = flaky
+    a.start()
+    b.start()
+    try:
+        out = _submit(a, "na", 1, [r.ProcessInfo(t0, 10, 55, job_key="job1", rank=0, world_size=1)], clock)
+        assert out[0] == "failed"
+        assert a.conn.execute("SELECT count(*) FROM processes").fetchone()[0] == 1   # the state committed
+        metrics = [r.Metric(t0 + 10 + i, "gpu_utilization_percent", "gpu0", 1.0) for i in range(3)]
+        assert _submit(a, "na", 2, metrics, clock)[0] == "stored"   # nothing in it changes a process
+        _sync(b)
+        assert b.conn.execute("SELECT agent_id, pid FROM processes").fetchall() == [("na", 10)]
+    finally:
+        a.stop()
+        b.stop()

@@ -370,11 +370,12 @@ class ClickHouseWriter(w.StoreWriter):
     writes, recovery); the state stays in the SQLite file at `path`."""
 
     def __init__(self, path: str, url: StoreURL, writer_id: str = "", commit_fence_seconds: float = 60.0,
-                 peer_dead_seconds: float = 600.0, **kw) -> None:
+                 peer_dead_seconds: float = 600.0, min_group_seconds: float = 0.0, **kw) -> None:
         if not 0 < commit_fence_seconds < peer_dead_seconds:
             raise ValueError(f"need 0 < commit_fence_seconds < peer_dead_seconds, got {commit_fence_seconds} and"
                              f" {peer_dead_seconds}")
         super().__init__(path, **kw)
+        self.min_group_seconds = min_group_seconds
         self.url = url
         self.writer_id = writer_id
         self.commit_fence_s = commit_fence_seconds
@@ -395,6 +396,8 @@ class ClickHouseWriter(w.StoreWriter):
         # the collectors' shared state (store/replication.py): only where the store has writers to share it with
         self._repl_cols: dict[str, list[str]] = {}
         self._agents_sent: dict[str, tuple] = {}
+        self._state_last: list[tuple] = []
+        self._state_retry: list[tuple] = []
         self.state_sent = self.state_applied = 0
         if writer_id:
             replication.install(self.conn)
@@ -468,7 +471,11 @@ class ClickHouseWriter(w.StoreWriter):
     def _before_commit(self) -> None:
         rid, me = self._rid, self.writer_id
         if me:
-            state = replication.collect(self.conn, self.now_ns(), me, self._repl_cols, self._agents_sent)
+            # a group that failed after its state committed sends its state rows again (same versions: a row
+            # that did land is applied once)
+            state = self._state_retry + replication.collect(self.conn, self.now_ns(), me, self._repl_cols,
+                                                            self._agents_sent)
+            self._state_retry, self._state_last = [], state
             if state:
                 self._append(None, "state_log", (), state)
                 self.state_sent += len(state)
@@ -493,11 +500,13 @@ class ClickHouseWriter(w.StoreWriter):
             self._restore_series()
             return str(exc)
         self._buf = {}
+        self._state_last = []
         return ""
 
     def _on_failure(self) -> None:
         self._recovery_due = True
         self._buf = {}
+        self._state_retry, self._state_last = self._state_last, []
         try:
             self._recover()
         except w.BackendError as exc:
