@@ -370,12 +370,11 @@ class ClickHouseWriter(w.StoreWriter):
     writes, recovery); the state stays in the SQLite file at `path`."""
 
     def __init__(self, path: str, url: StoreURL, writer_id: str = "", commit_fence_seconds: float = 60.0,
-                 peer_dead_seconds: float = 600.0, min_group_seconds: float = 0.0, **kw) -> None:
+                 peer_dead_seconds: float = 600.0, **kw) -> None:
         if not 0 < commit_fence_seconds < peer_dead_seconds:
             raise ValueError(f"need 0 < commit_fence_seconds < peer_dead_seconds, got {commit_fence_seconds} and"
                              f" {peer_dead_seconds}")
         super().__init__(path, **kw)
-        self.min_group_seconds = min_group_seconds
         self.url = url
         self.writer_id = writer_id
         self.commit_fence_s = commit_fence_seconds
