@@ -89,6 +89,10 @@ class Peers:
             got = self._stubs[address] = (ch, pgrpc.PeerStub(ch))
         return got[1]
 
+    def live_ids(self) -> set[str]:
+        """The collectors of the store heard from within the TTL."""
+        return {c["id"] for c in self.reader.live_collectors(time.time_ns() - self.ttl_ns)}
+
     def holders(self) -> dict[str, tuple[str, str]]:
         """Agents connected to another live collector: node -> (collector id, its address)."""
         live = {c["id"]: c["address"] for c in self.reader.live_collectors(time.time_ns() - self.ttl_ns)}

@@ -48,6 +48,9 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
     async def ListNodes(self, request, context):
         await self._auth(context)
         rows = await asyncio.to_thread(self.reader.nodes, request.node_id)
+        live: set[str] = set()
+        if self.ingest.peers is not None and any(r["collector"] for r in rows):
+            live = await asyncio.to_thread(self.ingest.peers.live_ids)
         out = cpb.NodeList()
         for r in rows:
             n = out.nodes.add()
@@ -60,8 +63,9 @@ class ControlService(DiagnosisControl, cgrpc.ControlServicer):
                 else:
                     setattr(n, k, v)
             # a live stream knows better than the store whether it is connected right now (one on another
-            # collector of the store: its replicated row says)
-            n.connected = r["node_id"] in self.ingest.sessions or bool(r["collector"] and r["connected"])
+            # collector of the store: its replicated row says, while that collector is alive)
+            n.connected = r["node_id"] in self.ingest.sessions or bool(
+                r["collector"] and r["connected"] and r["collector"] in live)
         return out
 
     async def ListGpus(self, request, context):
