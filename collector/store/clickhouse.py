@@ -24,6 +24,9 @@ and the unfinished rows of a collector silent for `peer_dead_seconds` are delete
 whose group took longer than `commit_fence_seconds` between its first insert and its commit gives the group up
 instead (the agents resend), so a collector paused past the point where a survivor cleaned its rows does not
 commit what was cleaned (as with any lease, this holds while the machines' clocks do).
+A ClickHouse insert makes a part per table, merged later: the writer gathers a group for up to
+`min_group_seconds` (0.2 s, up to 512 batches) where SQLite takes what is queued (the 10,000-GPU stream of
+bench/sim_speed.py: 10k -> 26k records/s stored on chDB).
 Readers of incremental data (new_data_since, steps_after) read per writer, up to that writer's newest commit: a
 mark is each writer's last group read, so a group that commits after a later group of another writer is still
 read.
@@ -370,11 +373,14 @@ class ClickHouseWriter(w.StoreWriter):
     writes, recovery); the state stays in the SQLite file at `path`."""
 
     def __init__(self, path: str, url: StoreURL, writer_id: str = "", commit_fence_seconds: float = 60.0,
-                 peer_dead_seconds: float = 600.0, **kw) -> None:
+                 peer_dead_seconds: float = 600.0, min_group_seconds: float = 0.2, **kw) -> None:
         if not 0 < commit_fence_seconds < peer_dead_seconds:
             raise ValueError(f"need 0 < commit_fence_seconds < peer_dead_seconds, got {commit_fence_seconds} and"
                              f" {peer_dead_seconds}")
+        kw.setdefault("max_group", 512)
         super().__init__(path, **kw)
+        # each group writes a part per table it touches: fewer, larger groups (the ack waits up to this long)
+        self.min_group_seconds = min_group_seconds
         self.url = url
         self.writer_id = writer_id
         self.commit_fence_s = commit_fence_seconds

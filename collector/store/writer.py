@@ -127,6 +127,7 @@ class StoreWriter:
         self.retention_ns = int(retention_seconds * 1e9)
         self.retention_check_seconds = retention_check_seconds
         self.max_group = max_group
+        self.min_group_seconds = 0.0   # >0: gather a group this long (ClickHouse: a part per table per group)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._series: dict[tuple[str, str, str], list] = {}  # key -> [id, last_mono, last_ts, last_value, dirty]
         self._last_seq: dict[tuple[str, str], int] = {}
@@ -190,9 +191,13 @@ class StoreWriter:
                 self._drain_remaining()
                 return
             group = [first]
+            until = time.monotonic() + self.min_group_seconds if self.min_group_seconds > 0 else 0.0
             while len(group) < self.max_group:
                 try:
-                    item = self.queue.get_nowait()
+                    if until:   # a store that pays per write gathers its group a little longer
+                        item = self.queue.get(timeout=max(0.0, until - time.monotonic()))
+                    else:
+                        item = self.queue.get_nowait()
                 except queue.Empty:
                     break
                 if item is None:
