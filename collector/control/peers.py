@@ -72,6 +72,7 @@ class Peers:
         self.max_message_bytes = max_message_bytes
         self.relay_timeout_s = relay_timeout_s
         self._stubs: dict[str, tuple] = {}
+        self._holders: tuple[float, dict | None] = (0.0, None)
         self.relayed = 0
         self.errors = 0
 
@@ -93,8 +94,17 @@ class Peers:
         """The collectors of the store heard from within the TTL."""
         return {c["id"] for c in self.reader.live_collectors(time.time_ns() - self.ttl_ns)}
 
-    def holders(self) -> dict[str, tuple[str, str]]:
-        """Agents connected to another live collector: node -> (collector id, its address)."""
+    def holders(self, max_age_s: float = 1.0) -> dict[str, tuple[str, str]]:
+        """Agents connected to another live collector: node -> (collector id, its address). Read from the store at
+        most once per max_age_s (a fetch across a job asks for each of its nodes at once)."""
+        t, got = self._holders
+        if got is not None and time.monotonic() - t < max_age_s:
+            return got
+        got = self._read_holders()
+        self._holders = (time.monotonic(), got)
+        return got
+
+    def _read_holders(self) -> dict[str, tuple[str, str]]:
         live = {c["id"]: c["address"] for c in self.reader.live_collectors(time.time_ns() - self.ttl_ns)}
         out = {}
         for n in self.reader.nodes():
