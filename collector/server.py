@@ -65,6 +65,8 @@ class CollectorSettings:
             conn.split_host_port(self.metrics_listen)
         for cfg in self.detector_configs.values():
             cfg.validate()
+        if self.peer_tls is not None and bool(self.peer_tls.cert) != bool(self.peer_tls.key):
+            raise conn.SecurityError("peer_tls_cert needs peer_tls_key, and the key its certificate")
         if self.insecure:
             conn.require_insecure_allowed(self.listen)
         else:

@@ -184,3 +184,9 @@ def test_the_scaleout_run_loses_nothing_when_a_collector_dies(tmp_path):
     assert head["records_produced"] > 0 and head["records_lost"] == 0 and head["batches_duplicated"] == 0
     assert head["metric_rows_lost"] == 0 and head["metric_rows_duplicated"] == 0
     assert head["analysis_takeover_seconds"] is not None
+
+
+def test_a_peer_certificate_without_its_key_is_a_clear_error(tmp_path):
+    with pytest.raises(conn.SecurityError, match="peer_tls_cert needs peer_tls_key"):
+        CollectorSettings(db=str(tmp_path / "c.db"), listen="127.0.0.1:0", insecure=True,
+                          peer_tls=conn.TlsFiles("", str(tmp_path / "c.crt"), "")).validate()

@@ -376,7 +376,7 @@ class _Paused:
 
     def __init__(self, writer, table: str = "metrics") -> None:
         import threading
-        self.real, self.table = writer.ch.insert, table
+        self.table = table
         self.holding, self.release = threading.Event(), threading.Event()
         writer.ch = _Wrapped(writer.ch, self)
 

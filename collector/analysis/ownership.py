@@ -11,7 +11,8 @@ that ranks second for it; when one joins, it takes about 1/n of the jobs from th
 While two collectors see different live sets (a heartbeat written but not yet read, for up to heartbeat_seconds
 plus a loop interval) a job may be analysed twice or not at all for that moment: on a shared SQLite store its
 findings are keyed by (job, detector, suspect) and merged the same way by either, so a double run yields the
-same finding (on ClickHouse the findings live in each collector's own SQLite: a double run leaves one in each);
+same finding (on ClickHouse each collector's SQLite holds the findings, replicated between them by
+store/replication.py: a finding's id is its key and onset, so a double run's two copies are one row);
 a skipped pass is made up at the next one. A store that cannot be read or written leaves the set as last read; a
 collector that has never read one owns every job (a lone collector, or a store without the table yet).
 

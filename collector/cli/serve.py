@@ -69,8 +69,8 @@ def _settings(args) -> tuple[CollectorSettings, str]:
         retention_seconds=parse_duration(table.get("retention", "7d")), metrics_listen=table.get("metrics_listen", ""),
         analysis=analysis, detector_configs=detector_configs, deep_dive=deep_dive,
         peer_cns=tuple(table.get("peer_cns", ["steplens-collector"])),
-        peer_tls=conn.TlsFiles(table.get("tls_ca", ""), table["peer_tls_cert"], table.get("peer_tls_key", ""))
-        if table.get("peer_tls_cert") else None)
+        peer_tls=conn.TlsFiles(table.get("tls_ca", ""), table.get("peer_tls_cert", ""), table.get("peer_tls_key", ""))
+        if table.get("peer_tls_cert") or table.get("peer_tls_key") else None)
     return s, table.get("log_level", "info")
 
 

@@ -377,10 +377,9 @@ class ClickHouseWriter(w.StoreWriter):
         if not 0 < commit_fence_seconds < peer_dead_seconds:
             raise ValueError(f"need 0 < commit_fence_seconds < peer_dead_seconds, got {commit_fence_seconds} and"
                              f" {peer_dead_seconds}")
-        kw.setdefault("max_group", 512)
-        super().__init__(path, **kw)
         # each group writes a part per table it touches: fewer, larger groups (the ack waits up to this long)
-        self.min_group_seconds = min_group_seconds
+        kw.setdefault("max_group", 512)
+        super().__init__(path, min_group_seconds=min_group_seconds, **kw)
         self.url = url
         self.writer_id = writer_id
         self.commit_fence_s = commit_fence_seconds

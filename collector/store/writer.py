@@ -119,7 +119,8 @@ class AgentUpdate:
 
 class StoreWriter:
     def __init__(self, path: str, now_ns: Callable[[], int] = time.time_ns, retention_seconds: float = 7 * 86400,
-                 retention_check_seconds: float = 300.0, max_group: int = 64, queue_size: int = 2048) -> None:
+                 retention_check_seconds: float = 300.0, max_group: int = 64, queue_size: int = 2048,
+                 min_group_seconds: float = 0.0) -> None:
         self.path = path
         self.db = schema.connect(path)
         self.conn: sqlite3.Connection = self.db.conn
@@ -127,7 +128,7 @@ class StoreWriter:
         self.retention_ns = int(retention_seconds * 1e9)
         self.retention_check_seconds = retention_check_seconds
         self.max_group = max_group
-        self.min_group_seconds = 0.0   # >0: gather a group this long (ClickHouse: a part per table per group)
+        self.min_group_seconds = min_group_seconds   # >0: gather a group this long (ClickHouse: a part per table)
         self.queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._series: dict[tuple[str, str, str], list] = {}  # key -> [id, last_mono, last_ts, last_value, dirty]
         self._last_seq: dict[tuple[str, str], int] = {}
