@@ -78,11 +78,12 @@ def test_the_demo_job_gets_a_finding_naming_its_straggler_and_a_trace(tmp_path):
     run = AllInOne(tmp_path, "--demo", "on", "--demo-fault-after", "25")
     try:
         run.wait_for(lambda t: "4-rank gloo training job `demo`" in t, 60, what="demo start")
-        # the straggler named; its cause is "compute" when it was last into its collectives in enough of the slow
-        # steps, and on this 2-core machine, where the busy rank and the others share the CPUs, it is "waiting"
-        # in some runs (4 of 8 on 2026-12-04; irregularity.compute_suspects' z rule over the first slow steps)
+        # the straggler named, cause compute: late into its gradients' first all-reduce of every slow step (at the
+        # next ones the ranks arrive together, so its share of last arrivals is near chance; it was "waiting" in 4
+        # of 8 runs before irregularity.late_every_step)
         out = run.wait_for(lambda t: "(top suspect: rank 1, " in t, 240, what="finding naming rank 1")
         first = [ln for ln in out.splitlines() if ln.startswith("demo: finding ") and "(top suspect: rank 1, " in ln][0]
+        assert "(top suspect: rank 1, compute)" in first, first
         assert " opened: " in first or " updated: " in first
         fid = first.split()[2]
         assert any(k in first for k in ("slowdown by", "degradation by")), first

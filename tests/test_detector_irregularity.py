@@ -226,3 +226,55 @@ def test_two_concurrent_slow_gpus_are_two_findings(tmp_path):
     tops = {f.suspects[0].id: f for f in out if f.suspects and f.suspects[0].cause == "compute"}
     assert {"13", "40"} <= set(tops), [(f.kind, [s.id for s in f.suspects]) for f in out]
     assert sum("concurrent_with" in f.evidence for f in tops.values()) == 1
+
+
+def _pair_skew(shares: dict[str, float], steps: int):
+    """A Skew of rank 1 in two-member groups (rank 0 the other member), last in `shares[c]` of c's collectives."""
+    from steplens.collector.analysis.irregularity import Skew
+    last, total, members = {}, {}, {}
+    for c, sh in shares.items():
+        members[c] = {0, 1}
+        total[(1, c)] = total[(0, c)] = steps
+        last[(1, c)] = sh * steps
+        last[(0, c)] = (1 - sh) * steps
+    return Skew(last=last, total=total, margin={}, members=members, transfer={}, all_members=dict(members))
+
+
+def test_a_rank_last_every_time_in_a_young_episode_of_pairs_is_compute_not_waiting():
+    # pairs over 4 slow steps cannot reach z 2.5 (at most sqrt(4) = 2): last into both groups every time is
+    # compute; last into one of them only half the time (chance) is waiting, as it was
+    from steplens.collector.analysis.irregularity import JobSteps, compute_suspects
+    js = JobSteps.__new__(JobSteps)
+    js.node_of = {0: "a", 1: "b"}
+    bad = _pair_skew({"dp": 1.0, "tp": 1.0}, 4)
+    good = _pair_skew({"dp": 0.5, "tp": 0.5}, 40)
+    top = [s for s in compute_suspects(js, bad, good, [0, 1, 2, 3]) if s.id == "1"]
+    assert top and top[0].cause == "compute"
+    bad = _pair_skew({"dp": 1.0, "tp": 0.75}, 4)   # once early into tp over 4 steps: not every collective
+    top = [s for s in compute_suspects(js, bad, good, [0, 1, 2, 3]) if s.id == "1"]
+    assert top and top[0].cause == "waiting"
+    # 8 steps: last 7 of 8 times into a pair is z 2.12, under the bar 0.8 x sqrt(8) = 2.26
+    bad = _pair_skew({"dp": 1.0, "tp": 7 / 8}, 8)
+    top = [s for s in compute_suspects(js, bad, good, list(range(8))) if s.id == "1"]
+    assert top and top[0].cause == "waiting"
+    bad = _pair_skew({"dp": 1.0, "tp": 1.0}, 8)
+    top = [s for s in compute_suspects(js, bad, good, list(range(8))) if s.id == "1"]
+    assert top and top[0].cause == "compute"
+
+
+def test_late_every_step_by_margins_where_last_is_diluted():
+    from steplens.collector.analysis.irregularity import JobSteps, Skew, late_every_step
+    js = JobSteps.__new__(JobSteps)
+    js.x_ns = [300_000_000] * 20
+    sk = lambda late: Skew(last={}, total={}, margin={}, members={}, transfer={}, all_members={}, late=late)
+    good = sk({i: {1: 50_000.0, 0: -50_000.0} for i in range(10)})
+    # 37.5 ms later than the median a step, every slow step: late into every collective it joins
+    assert late_every_step(js, sk({i: {1: 37_500_000.0} for i in range(10, 16)}), good, 1, list(range(10, 16)))
+    # once early in six: not every step
+    bad = {i: {1: 37_500_000.0} for i in range(10, 16)}
+    bad[12] = {1: -1_000.0}
+    assert not late_every_step(js, sk(bad), good, 1, list(range(10, 16)))
+    # late every step but by 0.1 ms: not what slowed a 300 ms step
+    assert not late_every_step(js, sk({i: {1: 100_000.0} for i in range(10, 16)}), good, 1, list(range(10, 16)))
+    # three steps are too few to tell from a coin
+    assert not late_every_step(js, sk({i: {1: 37_500_000.0} for i in range(10, 13)}), good, 1, list(range(10, 13)))

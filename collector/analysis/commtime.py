@@ -22,10 +22,18 @@ flag on a healthy job (tests). Slow spans (slow_spans): >= recent_steps flagged 
 or >= fluctuation_min within fluctuation_steps, or runs that come back (`fluctuating`), anywhere in the
 window, not only at its end: a fault that ended before the window did is still reported (evidence `ongoing`
 false, "(over)" in the summary). A span whose median excess is < min_step_fraction of the job's step time is
-left out: a 20 % rise on a communicator that takes 0.1 % of the step is noise.
+left out: a 20 % rise on a communicator that takes 0.1 % of the step is noise (a ring's 8 % under 4 % jitter,
+0.5 % of the step, was the one false finding of a healthy jittered job at 0.1 %). A pipeline pair's sends have
+a lower floor (min_step_fraction_p2p, 0.1 %): their path is two NIC links and the switches between, so a slow
+pair is a sharp witness of its link even when the sends take 1 % of the step (a 1.3x link under a pipeline
+pair that no ring crosses: the slow sends were left out at 0.5 % and the fault went unreported).
 Findings: overlapping spans form an episode; its root causes are explained greedily (explain()): the best
 device over the episode's slow communicators, then the best over those it does not explain (a slow link
-beside a congested switch elsewhere), up to 3, one finding each (`concurrent_with` names the first). Kind
+beside a congested switch elsewhere), up to 3, one finding each (`concurrent_with` names the first). A cause
+keeps its spans only over its own time (split_outside(): the median first to the median last step of its
+spans): a span slow for >= recent_steps steps before or after that (a pair crossing a congested leaf and a bad
+link of its own that was slow longer) leaves those steps to be explained again, so the link gets its finding
+and the leaf its onset; a left-over the same device explains again joins that cause. Kind
 `network`, onset at the cause's first flagged step, severity = the largest transfer-time ratio (not the
 step-time ratio the other kinds carry; the summary says so), suspects: NICs, links and switches scored by
 irregularity.score_devices over the slow vs all collective communicators' ring paths; the members' nodes
@@ -52,8 +60,8 @@ from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import (IrregularityConfig, comm_devices, groups, load, nic_map, per_step,
-                                                      refine, score_devices)
+from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, load, nic_map,
+                                                      per_step, refine, score_devices)
 
 NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
 
@@ -68,6 +76,7 @@ class CommtimeConfig(DetectorConfig):
     baseline_steps: int = 100            # trailing unflagged steps in a communicator's baseline (median)
     min_baseline_steps: int = 10         # no verdict before this many baseline steps
     min_step_fraction: float = 0.005     # excess transfer time per step at least this share of the step time
+    min_step_fraction_p2p: float = 0.001  # ... for a pipeline pair's sends (a two-link path: a sharper witness)
     gate_ratio: float = 1.1              # job step time this far above baseline: irregularity's (0: ignore)
     complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
     max_suspects: int = 5
@@ -84,8 +93,9 @@ class CommtimeConfig(DetectorConfig):
             raise ConfigError("need 2 <= fluctuation_min <= fluctuation_steps <= 1000")
         if not 2 <= self.min_baseline_steps <= self.baseline_steps <= 100_000:
             raise ConfigError("need 2 <= min_baseline_steps <= baseline_steps <= 100000")
-        if not 0.0 <= self.min_step_fraction < 1.0:
-            raise ConfigError(f"min_step_fraction must be within [0, 1), got {self.min_step_fraction}")
+        for name in ("min_step_fraction", "min_step_fraction_p2p"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{name} must be within [0, 1), got {getattr(self, name)}")
         if self.gate_ratio != 0 and not 1.0 < self.gate_ratio <= 10.0:
             raise ConfigError(f"gate_ratio must be 0 or within (1, 10], got {self.gate_ratio}")
         if not 0.0 < self.complete_fraction <= 1.0:
@@ -203,10 +213,10 @@ def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], s
     its flagged steps), baseline_ns, flagged}; a span whose median excess is < min_step_fraction of the step
     is left out (a 20 % rise on a communicator that takes 0.1 % of the step is noise)."""
     out = []
-    floor = cfg.min_step_fraction * step_ns
     for cid, per in trans.items():
         if cid not in members or len(per) < cfg.min_baseline_steps + cfg.fluctuation_min:
             continue
+        floor = (cfg.min_step_fraction_p2p if cid.endswith(SEND) else cfg.min_step_fraction) * step_ns
         lo, hi = min(per.values()), max(per.values())
         if hi - lo < floor or hi < cfg.ratio * lo:
             continue  # no value can be flagged (a baseline is >= the lowest value) or matter: exact, and cheap
@@ -216,7 +226,7 @@ def slow_comms(trans: dict[str, dict[int, int]], members: dict[str, set[int]], s
             hit = [j for j in range(a, b + 1) if flags[j]]
             r = median(ratios[j] for j in hit)
             b0 = series[hit[0]][1] / ratios[hit[0]] if ratios[hit[0]] else 0.0
-            if not b0 or (r - 1.0) * b0 < cfg.min_step_fraction * step_ns:
+            if not b0 or (r - 1.0) * b0 < floor:
                 continue
             out.append({"comm": cid, "first": series[a][0], "last": series[b][0], "pattern": pattern,
                         "ratio": r, "baseline_ns": b0, "flagged": [series[j][0] for j in hit]})
@@ -290,7 +300,9 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
     elsewhere, two bad links at once), up to max_causes. Each cause: (its suspects, its spans, probe evidence)."""
     out = []
     rest = list(ep)
-    while rest and len(out) < max_causes:
+    rounds = 0
+    while rest and len(out) < max_causes and rounds < 2 * max_causes:  # a merged left-over adds no cause: bounded
+        rounds += 1
         slow: dict[str, float] = {}
         for sp in rest:
             slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
@@ -309,10 +321,45 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
                 top in comm_devices(topo, nic_of, js.node_of, members[sp["comm"]])]
         if not mine:  # the best device is on no slow communicator's path (a fetched pair's): all of them
             mine = rest
-        out.append((sus[:cfg.max_suspects], mine, pev))
         taken = {id(sp) for sp in mine}
         rest = [sp for sp in rest if id(sp) not in taken]
+        mine, outside = split_outside(mine, cfg)
+        same = next((k for k, (s0, _, _) in enumerate(out) if s0 and (s0[0].kind, s0[0].id) == top), None)
+        if same is not None:  # a left-over span the same device explains again: that cause's, not a new one
+            out[same] = (out[same][0], out[same][1] + mine, out[same][2])
+        else:
+            out.append((sus[:cfg.max_suspects], mine, pev))
+        rest += outside
     return out
+
+
+def split_outside(mine: list[dict], cfg: CommtimeConfig, gap: int = 0) -> tuple[list[dict], list[dict]]:
+    """A cause's spans cut to when the cause was on: its core is the median first to the median last step of
+    its spans; a span slow for >= recent_steps flagged steps before or after the core (a pipeline pair that
+    crosses a congested switch and a bad link on its own that began earlier or lasted longer) keeps only the
+    core part, the parts outside go back to be explained (split spans keep their ratio and baseline). Returns
+    (the cause's spans, the parts outside). One span alone has nothing to be cut against."""
+    if len(mine) < 2:
+        return mine, []
+    firsts = sorted(sp["first"] for sp in mine)
+    lasts = sorted(sp["last"] for sp in mine)
+    lo, hi = firsts[len(firsts) // 2] - gap, lasts[len(lasts) // 2] + gap
+    kept, outside = [], []
+    for sp in mine:
+        before = [i for i in sp["flagged"] if i < lo]
+        after = [i for i in sp["flagged"] if i > hi]
+        core = [i for i in sp["flagged"] if lo <= i <= hi]
+        cut = False
+        for part in (before, after):
+            if len(part) >= cfg.recent_steps and core:
+                outside.append({**sp, "first": part[0], "last": part[-1], "flagged": part})
+                cut = True
+            else:
+                core = sorted(core + part)
+        if cut:
+            sp = {**sp, "first": core[0], "last": core[-1], "flagged": core}
+        kept.append(sp)
+    return kept, outside
 
 
 def _finding(js, part: list[dict], sus: list, pev: dict | None, members: dict[str, set[int]], step_ns: float,

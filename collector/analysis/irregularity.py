@@ -28,7 +28,11 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            start_ns + issue_offsets_ns[k]; the last one (ties shared) takes the blame. late(r, c) = the share
            of c's collectives r was last in during F, minus the same during H. A rank late into every
            collective it joins computes slowly: cause `compute`, score = its mean late(r, c); a rank late only
-           into some (its group waited for someone upstream) keeps half of it, cause `waiting`.
+           into some (its group waited for someone upstream) keeps half of it, cause `waiting`. "Every" is
+           judged by a z of its last-arrival share per communicator (against chance; for a small group over
+           few steps, 0.8 x the most those steps allow), or, where being last is diluted by back-to-back
+           collectives, by its margins: later than the members' median into each of its communicators in
+           >= 90 % of the slow steps, by >= 1 % of the step over the reference (late_every_step()).
   network  a communicator whose transfer time (min over members of busy_ns: the member that waited least
            spent only the transfer) is >= comm_slow_ratio x its H median, by at least comm_slow_min_fraction
            of the baseline step, is slow. Every device on its member paths (ring order of the sorted members;
@@ -575,6 +579,32 @@ def _share(sk: Skew, key) -> float:
     return sk.last.get(key, 0.0) / t if t else 0.0
 
 
+def late_every_step(js: JobSteps, bad: Skew, good: Skew | None, rank: int, bad_steps: list[int],
+                    min_fraction: float = 0.01) -> bool:
+    """Late into every collective it joins by its margins, where being last is diluted: in >= 90 % of the slow
+    steps its mean margin (arrival - the members' median) into each of its collective communicators is > 0
+    (Skew.late: the min over them), binomially unlikely by chance (z >= 2 against a coin), and by a mean >=
+    min_fraction of the step time more than in the reference steps. A job that all-reduces its gradients one
+    tensor after another waits for a slow rank at the first only; at the next ones the ranks arrive together
+    and "last" falls to whoever the noise picks, so its share of last arrivals stays near chance (0.47 in a
+    4-rank group while it kept the others waiting 150 ms a step: the first-run demo)."""
+    vals = [bad.late[i][rank] for i in bad_steps if rank in bad.late.get(i, {})]
+    n = len(vals)
+    k = sum(v > 0 for v in vals)
+    if n < 4 or k < 0.9 * n or (k - n / 2) / math.sqrt(n / 4) < 2.0:
+        return False
+    ref = [good.late[i][rank] for i in good.late if rank in good.late[i]] if good else []
+    step = median(js.x_ns[i] for i in bad_steps)
+    excess = sum(vals) / n - (max(0.0, sum(ref) / len(ref)) if ref else 0.0)
+    return excess >= min_fraction * step
+
+
+def _z_late(share: float, members: int, steps: int) -> float:
+    """z of a rank's share of last arrivals into a group of `members` over `steps` steps, against chance."""
+    p = 1.0 / members
+    return (share - p) * math.sqrt(steps) / math.sqrt(p * (1 - p)) if 0 < p < 1 else 0.0
+
+
 def compute_suspects(js: JobSteps, bad: Skew, good: Skew | None, bad_steps: list[int]) -> list[Suspect]:
     comms_of: dict[int, list[str]] = {}
     for cid, mem in bad.members.items():
@@ -591,10 +621,14 @@ def compute_suspects(js: JobSteps, bad: Skew, good: Skew | None, bad_steps: list
             continue
         # "late into every collective it joins", judged per step (a rank's jitter holds for a whole step, so
         # its collectives within one step are not independent): z of its share against chance, each comm
+        # A small group over few slow steps cannot reach z 2.5 even when the rank was last every time (a pair
+        # over n steps at most sqrt(n)): there the bar is 0.8 x the most its steps allow, so a rank last in
+        # (nearly) every collective of a young episode is called `compute`, not `waiting`, for want of steps.
         n = max(1, len(bad_steps))
-        zs = [(_share(bad, (rank, c)) - 1.0 / len(bad.members[c])) * math.sqrt(n) /
-              math.sqrt((1.0 / len(bad.members[c])) * (1 - 1.0 / len(bad.members[c]))) for c in cids]
-        every = min(late.values()) >= 0.25 and min(zs) >= 2.5
+        every = min(late.values()) >= 0.25 and all(
+            _z_late(_share(bad, (rank, c)), len(bad.members[c]), n) >=
+            min(2.5, 0.8 * _z_late(1.0, len(bad.members[c]), n)) for c in cids) or \
+            late_every_step(js, bad, good, rank, bad_steps)
         score = mean if every else mean / 2
         out.append(Suspect("rank", str(rank), round(score, 4), "compute" if every else "waiting",
                            {"node": js.node_of.get(rank, ""),
