@@ -228,6 +228,23 @@ def test_two_concurrent_slow_gpus_are_two_findings(tmp_path):
     assert sum("concurrent_with" in f.evidence for f in tops.values()) == 1
 
 
+
+def test_a_second_slow_gpu_in_the_same_episode_keeps_its_own_onset(tmp_path):
+    # 13 slow from step 20, 40 from step 32 while the first is still on: one episode of irregular steps, two
+    # findings; the second's onset is where its rank began to be late, not the episode's first step
+    reader = _sim_store(tmp_path, None, iterations=60, seed=5, extra=["slow_gpu:13:20:60:2",
+                                                                      "slow_gpu:40:32:60:2"])
+    out = detect(reader, Window("simjob", 0, 2**62), IrregularityConfig())
+    steps = {s["step"]: s for s in reader.steps("simjob", ranks=[0])}
+    by = {f.suspects[0].id: f for f in out if f.suspects[0].cause == "compute"}
+    assert {"13", "40"} <= set(by), [f.summary for f in out]
+
+    def step_at(ns):
+        return min(s for s, r in steps.items() if r["end_ns"] >= ns)
+    assert abs(step_at(by["13"].onset_ns) - 20) <= 2
+    assert abs(step_at(by["40"].onset_ns) - 32) <= 2
+
+
 def _pair_skew(shares: dict[str, float], steps: int):
     """A Skew of rank 1 in two-member groups (rank 0 the other member), last in `shares[c]` of c's collectives."""
     from steplens.collector.analysis.irregularity import Skew

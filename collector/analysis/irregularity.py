@@ -48,7 +48,8 @@ Suspects, best first, from the finding's flagged steps F against the window's he
   order    compute suspects, then network devices, then `waiting` ranks (an effect, not a cause), each by score.
   causes   concurrent root causes get one finding each (causes()): a second rank late into every collective it
            joins with >= half the best compute score, and the best network device when the top is a GPU; the
-           extra findings lead with their own suspect and name the first in `concurrent_with`.
+           extra findings lead with their own suspect and name the first in `concurrent_with`; a rank that
+           leads one of several findings has its own onset, where its lateness began (own_onset()).
   persistent straggler (slowdown below the gate): over the last straggler_steps steps, a rank late into
            every collective communicator it joins: per comm, its per-step mean margin over the members'
            median arrival has z >= straggler_z_every (>= straggler_z in one; steps as samples), and it
@@ -795,7 +796,19 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
         slow["map"] = map_ranking(js, ep.idx, healthy, bad, good, cfg, net_ctx[0], net_ctx[1])
     if cfg.cog and getattr(reader, "fetch_commops", None) is not None:
         slow["cog"] = cog.search(reader, window.job_key, js, ep.idx, healthy, g.ratio).evidence()
+    slow["_late"] = bad.late   # per-step lateness, for concurrent causes' own onsets (detect() pops it)
     return sus[:cfg.max_suspects], slow
+
+
+def own_onset(late: dict[int, dict[int, float]], idx: list[int], rank: int) -> int:
+    """Where, among an episode's steps idx, a concurrent cause's rank began to be late: the change point of
+    its per-step lateness (Skew.late) when its mean shifts up there (change_point, z >= 3), else the episode's
+    first step. Two slow GPUs nine steps apart are one episode; each finding keeps its own onset."""
+    steps = [i for i in idx if rank in late.get(i, {})]
+    if len(steps) < 4:
+        return idx[0]
+    k = change_point([late[i][rank] for i in steps], min_z=3.0)
+    return steps[k] if k else idx[0]
 
 
 def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew, good: Skew,
@@ -1033,18 +1046,23 @@ def detect(reader, window: Window, cfg: IrregularityConfig) -> list[Finding]:
             before = [i for i in healthy_all if i < first][-cfg.baseline_steps:]
         before = before or healthy_all[-cfg.baseline_steps:]
         sus, ev = localize(reader, window, js, g, ep, before, cfg, net_ctx)
+        late = ev.pop("_late", {})
         n = len(ep.idx)
         ratios = {str(js.numbers[i]): round(g.ratio[i], 3) for i in ep.idx[-50:]}
         base = ep.detail.get("baseline_ns") or int(median(g.base_ns[i] for i in ep.idx if g.base_ns[i]))
         evidence = {"first_step": js.numbers[ep.idx[0]], "steps": n,
                     "flagged_steps": [js.numbers[i] for i in ep.idx[-50:]], "ratios": ratios,
                     "baseline_step_ns": int(base), "delta": cfg.delta, **ep.detail, **ev}
-        for k, lead in enumerate(causes(sus)):  # concurrent root causes: one finding each (its own identity)
+        leads = causes(sus)
+        for k, lead in enumerate(leads):  # concurrent root causes: one finding each (its own identity and onset)
             order = [lead] + [x for x in sus if x is not lead]
             summary = _summary(ep.kind, ep.severity, n, order)
             if k:
                 summary = summary[:-1] + f", concurrent with {sus[0].kind} {sus[0].id} ({sus[0].cause})."
-            out.append(Finding(kind=ep.kind, onset_ns=js.start_ns[ep.idx[0]], last_ns=js.end_ns[ep.last],
+            onset = ep.idx[0]
+            if len(leads) > 1 and lead.kind == "rank" and lead.cause == "compute":
+                onset = own_onset(late, ep.idx, int(lead.id))
+            out.append(Finding(kind=ep.kind, onset_ns=js.start_ns[onset], last_ns=js.end_ns[ep.last],
                                severity=round(ep.severity, 4), summary=summary, suspects=tuple(order),
                                evidence={**evidence, "concurrent_with": f"{sus[0].kind} {sus[0].id}"} if k
                                else evidence))
