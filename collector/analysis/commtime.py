@@ -333,7 +333,7 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
     return out
 
 
-def split_outside(mine: list[dict], cfg: CommtimeConfig, gap: int = 0) -> tuple[list[dict], list[dict]]:
+def split_outside(mine: list[dict], cfg: CommtimeConfig) -> tuple[list[dict], list[dict]]:
     """A cause's spans cut to when the cause was on: its core is the median first to the median last step of
     its spans; a span slow for >= recent_steps flagged steps before or after the core (a pipeline pair that
     crosses a congested switch and a bad link on its own that began earlier or lasted longer) keeps only the
@@ -343,7 +343,7 @@ def split_outside(mine: list[dict], cfg: CommtimeConfig, gap: int = 0) -> tuple[
         return mine, []
     firsts = sorted(sp["first"] for sp in mine)
     lasts = sorted(sp["last"] for sp in mine)
-    lo, hi = firsts[len(firsts) // 2] - gap, lasts[len(lasts) // 2] + gap
+    lo, hi = firsts[len(firsts) // 2], lasts[len(lasts) // 2]  # no margin: recent_steps guards the cut
     kept, outside = [], []
     for sp in mine:
         before = [i for i in sp["flagged"] if i < lo]
