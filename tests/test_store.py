@@ -128,3 +128,45 @@ def test_store_failure_leaves_batch_unacknowledged(tmp_path):
         assert w.conn.execute("SELECT COUNT(*) FROM metrics").fetchone()[0] == 3001
     finally:
         w.stop()
+
+
+def test_writer_groups_keep_rejections_duplicates_and_cluster_time(tmp_path):
+    """41 batches queued at once (groups of many): a malformed payload among good ones is rejected alone, a resent
+    batch is a duplicate, and samples keep the drifting clock's cluster time (the writer's inlined conversion equals
+    ClockEstimate.to_cluster)."""
+    drifting = ClockEstimate(offset_ns=1_000_000_000_000, drift_ppm=37.5, ref_mono_ns=123_456_789,
+                             uncertainty_ns=50_000, best_rtt_ns=100_000, samples=9)
+    w = StoreWriter(str(tmp_path / "s.db"))
+    w.start()
+    outcomes = {}
+    try:
+        t0 = 5_000_000_000
+        jobs = []
+        for seq in range(1, 41):
+            recs = [r.Metric(t0 + seq * 1_000_003 + k, f"m{k % 7}", f"e{k % 3}", float(seq)) for k in range(50)]
+            payload = encode_records([("t", x) for x in recs])
+            if seq == 17:
+                payload = b"\xff\xff not a RecordList"
+            jobs.append(BatchJob("n1", "aa" * 8, seq, len(recs), payload, t0 + 10**12, drifting, time.time_ns(),
+                                 lambda *a, seq=seq: outcomes.setdefault(seq, a)))
+        jobs.append(BatchJob("n1", "aa" * 8, 5, 50, b"", t0 + 10**12, drifting, time.time_ns(),
+                             lambda *a: outcomes.setdefault("resent", a)))
+        for job in jobs:
+            while not w.submit(job):
+                time.sleep(0.001)
+        deadline = time.monotonic() + 20
+        while len(outcomes) < 41 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        w.stop()
+    assert outcomes[17][0] == "rejected" and "malformed records payload" in outcomes[17][2]
+    assert outcomes["resent"][0] == "duplicate"
+    assert all(outcomes[s][0] == "stored" for s in range(1, 41) if s != 17)
+    conn = sqlite3.connect(str(tmp_path / "s.db"))
+    n, = conn.execute("SELECT COUNT(*) FROM metrics").fetchone()
+    assert n == 39 * 50
+    # the last sample of series (m0, e0): seq 40, k = 42 (k % 7 == 0 and k % 3 == 0)
+    ts, value = conn.execute("SELECT m.ts_ns, m.value FROM metrics m JOIN series s ON s.id = m.series_id"
+                             " WHERE s.name='m0' AND s.entity='e0' ORDER BY m.ts_ns DESC LIMIT 1").fetchone()
+    assert value == 40.0 and ts == drifting.to_cluster(t0 + 40 * 1_000_003 + 42)
+    assert ts != t0 + 40 * 1_000_003 + 42 + drifting.offset_ns   # the drift term is really there

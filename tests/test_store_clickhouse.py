@@ -136,11 +136,11 @@ def test_a_write_that_fails_midway_leaves_nothing_and_the_resend_lands_once(url,
     real = wr.ch.insert
     armed = [True]
 
-    def flaky(table, rows, cols):
+    def flaky(table, rows, cols, **kw):
         if table == fail_on and armed[0]:
             armed[0] = False
             raise w.BackendError(f"injected: {table} refused")
-        return real(table, rows, cols)
+        return real(table, rows, cols, **kw)
     wr.ch.insert = flaky
     wr.start()
     try:
@@ -388,8 +388,8 @@ class _Wrapped:
     def __getattr__(self, name):
         return getattr(self._ch, name)
 
-    def insert(self, table, rows, cols):
-        out = self._ch.insert(table, rows, cols)
+    def insert(self, table, rows, cols, **kw):
+        out = self._ch.insert(table, rows, cols, **kw)
         if table == self._pause.table and not self._pause.release.is_set():
             self._pause.holding.set()
             assert self._pause.release.wait(30)
@@ -481,10 +481,10 @@ def test_a_group_past_the_commit_fence_is_given_up_and_its_resend_lands_once(url
     wr = chs.ClickHouseWriter(str(tmp_path / "s.db"), url, writer_id="w", commit_fence_seconds=0.2)
     real = wr.ch.insert
 
-    def slow(table, rows, cols):
+    def slow(table, rows, cols, **kw):
         if table == "batches" and wr.commit_fence_s < 1:
             time.sleep(0.4)
-        return real(table, rows, cols)
+        return real(table, rows, cols, **kw)
     wr.ch.insert = slow
     wr.start()
     try:
@@ -605,11 +605,11 @@ def test_state_of_a_group_that_failed_after_its_state_committed_is_sent_again(ur
     real = a.ch.insert
     armed = [True]
 
-    def flaky(table, rows, cols):
+    def flaky(table, rows, cols, **kw):
         if table == "commits" and armed[0]:
             armed[0] = False
             raise w.BackendError("injected: commits refused")
-        return real(table, rows, cols)
+        return real(table, rows, cols, **kw)
     a.ch.insert = flaky
     a.start()
     b.start()

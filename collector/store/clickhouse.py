@@ -36,6 +36,7 @@ the server's fsync settings decide about a power loss, as SQLite's synchronous=N
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -235,10 +236,11 @@ class CH:
             except Exception as exc:
                 raise w.BackendError(f"ClickHouse command failed: {_short(exc)}") from None
 
-    def insert(self, table: str, rows: list, cols: tuple) -> None:
+    def insert(self, table: str, rows: list, cols: tuple, column_oriented: bool = False) -> None:
+        """rows: a tuple per row, or (column_oriented) a list per column."""
         with self.lock:
             try:
-                self.client.insert(f"{self.db}.{table}", rows, column_names=list(cols))
+                self.client.insert(f"{self.db}.{table}", rows, column_names=list(cols), column_oriented=column_oriented)
             except Exception as exc:
                 raise w.BackendError(f"ClickHouse insert into {table} failed: {_short(exc)}") from None
 
@@ -414,8 +416,11 @@ class ClickHouseWriter(w.StoreWriter):
 
     # -- rows ------------------------------------------------------------------------------
     def _append(self, job, table: str, cols: tuple, rows: list) -> None:
-        spool, seq = (job.spool_id, job.seq) if job is not None else ("", 0)
-        self._buf.setdefault(table, []).extend((*r, spool, seq) for r in rows)
+        """Kept by columns (a batch's rows transposed at C speed; its spool and seq once), inserted column-oriented:
+        building and transposing a tuple per row was 30 % of the writer's time at 150k rows/s."""
+        if rows:
+            spool, seq = (job.spool_id, job.seq) if job is not None else ("", 0)
+            self._buf.setdefault(table, []).append((list(zip(*rows)), spool, seq, len(rows)))
 
     def _metric_row(self, s: list, agent: str, name: str, entity: str, ts: int, value: float) -> tuple:
         self._series_before.setdefault((agent, name, entity), (s, s[1], s[2], s[3]))
@@ -484,9 +489,14 @@ class ClickHouseWriter(w.StoreWriter):
                 self._append(None, "state_log", (), state)
                 self.state_sent += len(state)
         for table in sorted(self._buf, key=lambda t: t == "batches"):
-            rows = self._buf[table]
+            chunks = self._buf[table]
             cols = tuple(c for c, _ in TABLES[table][0]) + DELIVERY
-            self.ch.insert(table, [(*r, rid, me) for r in rows], cols)
+            n = sum(c[3] for c in chunks)
+            data = [list(itertools.chain.from_iterable(c[0][i] for c in chunks)) for i in range(len(chunks[0][0]))]
+            data.append(list(itertools.chain.from_iterable(itertools.repeat(c[1], c[3]) for c in chunks)))
+            data.append(list(itertools.chain.from_iterable(itertools.repeat(c[2], c[3]) for c in chunks)))
+            data += [[rid] * n, [me] * n]
+            self.ch.insert(table, data, cols, column_oriented=True)
             self.ch_inserts += 1
 
     def _after_commit(self) -> str:
