@@ -74,3 +74,38 @@ def test_bad_config_fails():
                 {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}):
         with pytest.raises(ConfigError):
             LatenessConfig(**bad).validate()
+
+
+def test_candidates_are_exactly_the_ranks_flags_would_flag():
+    """candidates() (all ranks at once, numpy) names exactly the ranks whose flags() has a flagged step: late
+    ranks of both widths, one late before the baseline exists, one late on a single comm only, jitter of
+    several scales, steps without a baseline step (0)."""
+    import random
+
+    from steplens.collector.analysis.lateness import LatenessConfig, candidates, flags
+    rng = random.Random(5)
+    cfg = LatenessConfig()
+    steps = 30
+    base = [0.0] * 3 + [1e8] * 12 + [0.0] + [1e8] * 14
+    cols_of, want_late = {}, set()
+    for rank in range(300):
+        width = 2 if rank % 3 else 4
+        jitter = rng.choice((2e4, 2e5, 1e6)) if rank % 37 != 5 else 2e5
+        cols = [[(rng.gauss(0.0, jitter), rng.choice((4, 8))) for _ in range(steps)] for _ in range(width)]
+        if rank % 37 == 5:   # late into every comm from step 20: flagged
+            for col in cols:
+                for p in range(20, steps):
+                    col[p] = (col[p][0] + 5e6, col[p][1])
+            want_late.add(rank)
+        elif rank % 37 == 6:   # late into one comm only: not flagged
+            for p in range(20, steps):
+                cols[0][p] = (cols[0][p][0] + 5e6, cols[0][p][1])
+        elif rank % 37 == 7:   # late from the start: its baseline is late too
+            for col in cols:
+                for p in range(steps):
+                    col[p] = (col[p][0] + 5e6, col[p][1])
+        cols_of[rank] = cols
+    truth = {r for r, cols in cols_of.items() if any(flags(cols, base, cfg)[0])}
+    assert want_late <= truth
+    assert candidates(cols_of, base, cfg) == truth
+    assert candidates(cols_of, [0.0] * steps, cfg) == set()
