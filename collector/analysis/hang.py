@@ -43,11 +43,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from operator import itemgetter
 from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window, nic_addresses, nics_of
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.irregularity import IrregularityConfig, JobSteps, load
+
+_END = itemgetter("end_ns")
 
 FRESH_PROGRESS_NS = 10 * 10**9   # a CommProgress this recent stands for now (flightrec re-reads a stalled ring every 5 s)
 STATE_EVENTS = {"process_stopped": "stopped", "process_blocked": "blocked in D state", "process_zombie": "zombie"}
@@ -79,14 +82,11 @@ def _steps(reader, window: Window) -> tuple[JobSteps, dict[int, int], dict[int, 
     consecutive steps' ends (the job's step times, ns), oldest first."""
     js = load(reader, window, IrregularityConfig())
     last: dict[int, int] = {}
-    ends: dict[int, int] = {}
     for rank, steps in js.rows.items():
-        for s, r in steps.items():
-            e = r["end_ns"]
-            if e > last.get(rank, 0):
-                last[rank] = e
-            if e > ends.get(s, 0):
-                ends[s] = e
+        e = max(map(_END, steps.values()), default=0)
+        if e > 0:
+            last[rank] = e
+    ends = {s: e for s, e in js.step_end.items() if e > 0}
     seq = [ends[s] for s in sorted(ends)]
     gaps = [b - a for a, b in zip(seq, seq[1:]) if b > a]
     return js, last, ends, gaps

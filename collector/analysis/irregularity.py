@@ -165,6 +165,7 @@ class JobSteps:
     fps: list[tuple] = field(default_factory=list)  # per step: what its rows are (count, sum of start, end)
     memo: dict = field(default_factory=dict)  # (name, step number) -> (fp, result): per-step results kept
                                               # across passes (the engine's per-job memo), see per_step()
+    step_end: dict[int, int] = field(default_factory=dict)  # every step number in rows -> its latest end
 
 
 def per_step(js: JobSteps, name: str, i: int, compute):
@@ -322,7 +323,8 @@ def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
         ends.append(max(e))
         starts.append(min(b))
         fps.append((len(have), sum(e), sum(b)))
-    return JobSteps(numbers, x, ends, starts, per_rank, node_of, fps=fps)
+    step_end = {st: max(map(_END, have)) for st, have in by_step.items()}
+    return JobSteps(numbers, x, ends, starts, per_rank, node_of, fps=fps, step_end=step_end)
 
 
 _END, _START = itemgetter("end_ns"), itemgetter("start_ns")
@@ -912,13 +914,28 @@ def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict
     members: dict[str, set[int]] = {}
     picks = collective_picks(js, PICK_STEPS, cfg)
     name = f"margins:{picks}"
+    per_comm: dict[str, list[tuple[list[int], list[float], int]]] = {}
     for i in idx:
-        for cid, (ranks, diffs, calls) in per_step(js, name, i, lambda i: _step_margins(js, i, picks)).items():
-            mem = members.get(cid)
-            if mem is None:
-                mem = members[cid] = set()
+        for cid, v in per_step(js, name, i, lambda i: _step_margins(js, i, picks)).items():
+            lst = per_comm.get(cid)
+            if lst is None:
+                per_comm[cid] = [v]
+            else:
+                lst.append(v)
+    for cid, vs in per_comm.items():
+        mem = members[cid] = set()
+        for ranks, _, _ in vs:
             if len(mem) < len(ranks):
                 mem.update(ranks)
+        first = vs[0][0]
+        if all(v[0] == first for v in vs):
+            # the same members every step (the common case): the columns by one C-level transposition, not an
+            # append per rank and step (8,192 ranks x 60 steps x their comms is ~1M of them a pass)
+            calls = [v[2] for v in vs]
+            for rank, col in zip(first, zip(*[v[1] for v in vs])):
+                out[(rank, cid)] = list(zip(col, calls))
+            continue
+        for ranks, diffs, calls in vs:
             for rank, d in zip(ranks, diffs):
                 key = (rank, cid)
                 col = out.get(key)
