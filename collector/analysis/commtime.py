@@ -60,8 +60,8 @@ from statistics import median
 
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, load, nic_map,
-                                                      per_step, refine, score_devices)
+from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, load, min_busy,
+                                                      nic_map, per_step, refine, score_devices)
 
 NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
 
@@ -130,7 +130,7 @@ def _step_transfer(js, i: int) -> dict[str, tuple[list[int], int]]:
     out = {}
     for cid, (ranks, _, cs) in groups(js, i).items():
         if not cid.endswith(NOT_TRANSFER):  # a receive's busy time is mostly waiting for its sender
-            out[cid] = (ranks, min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0))
+            out[cid] = (ranks, min_busy(cs))
     return out
 
 

@@ -495,6 +495,16 @@ def collective_picks(js: JobSteps, steps: int, cfg: IrregularityConfig) -> int:
     return max(1, min(cfg.max_collectives_per_step, cfg.max_arrivals // max(1, len(js.rows) * max(1, steps))))
 
 
+_BUSY = itemgetter("busy_ns")
+
+
+def min_busy(cs: list[dict]) -> int:
+    """The least positive busy_ns of a communicator's summaries (0: none busy); at C speed when all are busy."""
+    bs = list(map(_BUSY, cs))
+    m = min(bs, default=0)
+    return m if m > 0 else min((b for b in bs if b > 0), default=0)
+
+
 def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 1000,
          want: set[int] | None = None) -> Skew:
     """Who arrives last (and by how much) into each collective over the steps idx, per (rank, comm); each
@@ -557,7 +567,7 @@ def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> list[tuple]:
     for cid, (ranks, starts, cs) in groups(js, i).items():
         if len(ranks) < 2:
             continue
-        busy = min((c["busy_ns"] for c in cs if c["busy_ns"] > 0), default=0)
+        busy = min_busy(cs)
         if cs[0]["op"] in P2P_OPS:
             out.append((cid, ranks, busy, True, (), (), 0))
             continue
