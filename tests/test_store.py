@@ -132,8 +132,7 @@ def test_store_failure_leaves_batch_unacknowledged(tmp_path):
 
 def test_writer_groups_keep_rejections_duplicates_and_cluster_time(tmp_path):
     """41 batches queued at once (groups of many): a malformed payload among good ones is rejected alone, a resent
-    batch is a duplicate, and samples keep the drifting clock's cluster time (the writer's inlined conversion equals
-    ClockEstimate.to_cluster)."""
+    batch is a duplicate, and samples keep the drifting clock's cluster time (ClockEstimate.to_cluster)."""
     drifting = ClockEstimate(offset_ns=1_000_000_000_000, drift_ppm=37.5, ref_mono_ns=123_456_789,
                              uncertainty_ns=50_000, best_rtt_ns=100_000, samples=9)
     w = StoreWriter(str(tmp_path / "s.db"))

@@ -330,33 +330,24 @@ class StoreWriter:
                          [(job.agent_id, job.received_ns, job.spool_id, job.seq, reason, job.n_records)])
             self._record_batch(job, 0, job.n_records)
             return "rejected", job.n_records, reason
-        clock = job.clock
-        to_cluster = clock.to_cluster
+        to_cluster = job.clock.to_cluster
         rejected = dec.rejected
         append = self._append
-        # metrics: series lookup, forward-in-time check, cluster time (to_cluster inlined: ~2,000 rows a batch)
+        # metrics: series lookup, forward-in-time check, cluster time
         rows = []
         series = self._series
         agent = job.agent_id
-        metric_row = None if type(self)._metric_row is StoreWriter._metric_row else self._metric_row
-        offset, ref, ppm = clock.offset_ns, clock.ref_mono_ns, clock.drift_ppm
+        metric_row = self._metric_row
         for mono, name, entity, value in dec.metrics:
             s = series.get((agent, name, entity))
             if s is None:
                 s = self._load_series(agent, name, entity)
-            last = s[1]
-            if last is not None and mono <= last:
+            if s[1] is not None and mono <= s[1]:
                 rejected["non-monotonic time within a series"] += 1
                 continue
-            ts = mono + offset + int((mono - ref) * ppm * 1e-6) if ppm else mono + offset   # = to_cluster(mono)
-            if metric_row is None:
-                rows.append((s[0], ts, value))
-            else:
-                rows.append(metric_row(s, agent, name, entity, ts, value))   # before s moves on: a hook may keep it
-            s[1] = mono
-            s[2] = ts
-            s[3] = value
-            s[4] = True
+            ts = to_cluster(mono)
+            rows.append(metric_row(s, agent, name, entity, ts, value))   # before s moves on: a hook may keep it
+            s[1], s[2], s[3], s[4] = mono, ts, value, True
         if rows:
             append(job, "metrics", METRIC_COLS, rows)
         for mono, g in dec.gpus:
