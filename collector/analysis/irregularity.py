@@ -312,6 +312,7 @@ def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
                 lst.append(r)
     need = max(1, math.ceil(cfg.complete_fraction * len(per_rank)))
     numbers = sorted(st for st, lst in by_step.items() if len(lst) >= need)
+    step_end = {st: max(map(_END, have)) for st, have in by_step.items()}
     x, ends, starts, fps = [], [], [], []
     pivot = per_rank.get(cfg.pivot_rank, {}) if cfg.pivot_rank >= 0 else {}
     for st in numbers:
@@ -320,10 +321,9 @@ def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
         b = list(map(_START, have))
         p = pivot.get(st)
         x.append(p["end_ns"] - p["start_ns"] if p is not None else max(map(sub, e, b)))
-        ends.append(max(e))
+        ends.append(step_end[st])
         starts.append(min(b))
         fps.append((len(have), sum(e), sum(b)))
-    step_end = {st: max(map(_END, have)) for st, have in by_step.items()}
     return JobSteps(numbers, x, ends, starts, per_rank, node_of, fps=fps, step_end=step_end)
 
 
