@@ -47,6 +47,14 @@ def test_scale_eval_runs_and_reports_its_figures():
     assert text.count(" end to end ") == 2
 
 
+def test_passtime_times_each_detector_per_pass():
+    head, text = _last_json(["passtime.py", "--shape", "8,4,2", "--iterations", "30", "--profile", "lateness"], 300)
+    assert head["gpus"] == 64 and head["passes"] == text.count("\nstep ") + text.startswith("step ")
+    assert head["passes"] >= 5 and head["slowest_pass_s"] > 0
+    assert all(f"{d}_max_s" in head for d in ("commtime", "irregularity", "lateness", "hang"))
+    assert "lateness.py" in text   # the profile of the named detector
+
+
 def test_wholepath_eval_streams_diagnoses_and_scores(tmp_path):
     # one scenario through emulated agents -> a real collector -> `steplens diagnose`
     head, text = _last_json(["wholepath.py", "--scenarios", "1", "--max-gpus", "64", "--iterations", "40",
