@@ -16,10 +16,11 @@ CLOCK = ClockEstimate(offset_ns=1_000_000_000_000, drift_ppm=0.0, ref_mono_ns=0,
                       best_rtt_ns=100_000, samples=5)
 
 
-def _write(writer, agent, seq, records, spool="aa" * 8):
+def _write(writer, agent, seq, records, spool="aa" * 8, sent_mono_ns=None):
     done = []
+    sent = time.monotonic_ns() if sent_mono_ns is None else sent_mono_ns
     writer.submit(BatchJob(agent, spool, seq, len(records), encode_records([("t", x) for x in records]),
-                           time.monotonic_ns(), CLOCK, time.time_ns(), lambda *a: done.append(a)))
+                           sent, CLOCK, time.time_ns(), lambda *a: done.append(a)))
     deadline = time.monotonic() + 10
     while not done and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -90,8 +91,10 @@ def test_retention_deletes_old_rows_and_keeps_dedupe(tmp_path):
     w.start()
     try:
         t = max(time.monotonic_ns(), 200 * 10**9)  # rows reach 100 s back: never before boot on a fresh machine
-        _write(w, "n1", 1, [r.Metric(t - 10**9 * i, "m", "e", float(i)) for i in range(100, 0, -1)])
-        _write(w, "n1", 2, [r.Metric(t, "m", "e", 0.0), r.Event(t, "xid", "gpu0", "old", 1)])
+        # sent at t, as an agent whose clock reads t sends them (a fresh machine's clock reads less: the store
+        # would refuse rows ahead of the send time, and this test would pass only once the machine was up 140 s)
+        _write(w, "n1", 1, [r.Metric(t - 10**9 * i, "m", "e", float(i)) for i in range(100, 0, -1)], sent_mono_ns=t)
+        _write(w, "n1", 2, [r.Metric(t, "m", "e", 0.0), r.Event(t, "xid", "gpu0", "old", 1)], sent_mono_ns=t)
     finally:
         w.stop()
     w2 = StoreWriter(path)
@@ -104,7 +107,7 @@ def test_retention_deletes_old_rows_and_keeps_dedupe(tmp_path):
     assert conn.execute("SELECT MAX(seq) FROM batches").fetchone()[0] == 2
     w2.start()
     try:
-        assert _write(w2, "n1", 2, [r.Metric(t + 5, "m", "e", 0.0)])[0] == "duplicate"
+        assert _write(w2, "n1", 2, [r.Metric(t + 5, "m", "e", 0.0)], sent_mono_ns=t + 5)[0] == "duplicate"
     finally:
         w2.stop()
 
