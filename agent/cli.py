@@ -126,12 +126,32 @@ def _print_stack(sample, pid: int) -> None:
             print(f"    {stackfmt.NO_PYTHON_FRAME} ({stackfmt.NO_PYTHON_FRAME_WHY})")
 
 
+def _patient_sample(proc, stop: bool, seconds: float = 2.0):
+    """One consistent sample for a one-shot dump. A read is torn when a target thread was descheduled in the
+    middle of pushing or freeing a frame: retried back to back it stays torn until that thread runs again (on a
+    loaded machine, 4 immediate tries all failed: CI, python 3.13), so the tries are spread over `seconds`."""
+    import time as _time
+
+    from steplens.agent.pyframes import memory
+    deadline, pause = _time.monotonic() + seconds, 0.001
+    while True:
+        try:
+            return proc.sample(stop_threads=stop)
+        except memory.ProcessGone:
+            raise
+        except memory.PyFramesError:
+            if _time.monotonic() + pause > deadline:
+                raise
+            _time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
 def cmd_stack(args) -> int:
     from steplens.agent.pyframes import memory, reader
     try:
         proc = reader.attach(args.pid, args.proc_root or "/proc")
         try:
-            sample = proc.sample(stop_threads=args.stop)
+            sample = _patient_sample(proc, args.stop)
         finally:
             proc.close()
     except memory.PyFramesError as exc:

@@ -106,3 +106,40 @@ def test_steplens_stacks_prints_no_nameless_frames(tmp_path, collector, agents):
         assert not [ln for ln in human.splitlines() if NAMELESS.search(ln)], human
     finally:
         t.close()
+
+
+def test_one_shot_dump_spreads_its_tries_over_time():
+    """`steplens-agent stack` retries a torn read after pauses (a descheduled target stays torn while retried
+    back to back), gives up after its time, and never retries a process that exited."""
+    from steplens.agent import cli
+    from steplens.agent.pyframes.reader import TornRead
+
+    class Torn:
+        def __init__(self, fails):
+            self.fails, self.calls = fails, []
+
+        def sample(self, stop_threads=False):
+            self.calls.append(time.monotonic())
+            if len(self.calls) <= self.fails:
+                raise TornRead("torn")
+            return "sample"
+
+    p = Torn(8)
+    assert cli._patient_sample(p, False) == "sample" and len(p.calls) == 9
+    assert p.calls[-1] - p.calls[0] >= 0.1     # 1+2+4+...+50 ms of pauses between the 9 tries
+    p = Torn(10**9)
+    t0 = time.monotonic()
+    with pytest.raises(TornRead):
+        cli._patient_sample(p, False, seconds=0.3)
+    assert 0.2 <= time.monotonic() - t0 < 1.0
+
+    class Gone:
+        calls = 0
+
+        def sample(self, stop_threads=False):
+            Gone.calls += 1
+            raise memory.ProcessGone("exited")
+
+    with pytest.raises(memory.ProcessGone):
+        cli._patient_sample(Gone(), False)
+    assert Gone.calls == 1
