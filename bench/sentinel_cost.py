@@ -55,8 +55,13 @@ def in_place(status: dict, iterations_on: int, median_ms: float) -> dict:
     """The anchors' own time as they measured it (STEPLENS_ITERS_SELFTIME: each wrapper's time minus the
     wrapped call's, the optimizer hook's whole time), per iteration judged with them on."""
     per = status["self_ns"] / max(1, iterations_on)
+    cpu = status.get("self_cpu_ns", 0) / max(1, iterations_on)
+    step_ns = median_ms * 1e6
     return {"self_us_per_iteration": round(per / 1e3, 2), "self_calls": status["self_calls"],
-            "in_place_cost_pct": round(100 * per / (median_ms * 1e6), 4)}
+            "in_place_cost_pct": round(100 * per / step_ns, 4),
+            # the thread's CPU time in them: wall time less the preemptions a loaded host puts inside them
+            "self_cpu_us_per_iteration": round(cpu / 1e3, 2), "in_place_cpu_cost_pct": round(100 * cpu / step_ns, 4),
+            "self_median_us_per_call": round(status.get("self_median_ns", 0) / 1e3, 2)}
 
 
 def ratio(on: list[float], off: list[float]) -> float | None:
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
             print(f"inference: {res['inference']}", flush=True)
     print(json.dumps({"training_in_place_cost_pct": res.get("training", {}).get("in_place_cost_pct"),
                       "inference_in_place_cost_pct": res.get("inference", {}).get("in_place_cost_pct"),
+                      "training_in_place_cpu_cost_pct": res.get("training", {}).get("in_place_cpu_cost_pct"),
+                      "inference_in_place_cpu_cost_pct": res.get("inference", {}).get("in_place_cpu_cost_pct"),
                       "training_cost_pct": res.get("training", {}).get("cost_pct"),
                       "training_aa_noise_pct": res.get("training", {}).get("aa_noise_pct"),
                       "inference_cost_pct": res.get("inference", {}).get("cost_pct"),

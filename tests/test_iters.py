@@ -144,6 +144,10 @@ print(json.dumps({{"outs": outs, "status": steplens_iters.status()}}))
     # per step while on: Engine.step, Core.step and two schedule() calls; none while off
     assert st["self_calls"] == 20 * 4, st
     assert 0 < st["self_ns"] / 20 < 1_000_000, st   # far under the 2 ms each step sleeps
+    # the thread's CPU time in them: none of the sleeps either, and never more than their wall time plus the
+    # CPU clock's own granularity; the median call's wall time is one call's, under the mean per step
+    assert 0 < st["self_cpu_ns"] / 20 < 1_000_000, st
+    assert 0 < st["self_median_ns"] <= st["self_ns"] / 20, st
     its, _ = _ring_of(tmp_path, int(st["path"].rsplit("/", 1)[1].split(".")[0]))
     assert len(its) == 20
 

@@ -261,50 +261,63 @@ def _write(start_ns: int, end_ns: int, index: int, it: list) -> None:
 
 
 _on = [True]   # set_enabled(): the wrappers and the optimizer hook pass straight through while False
-_self = {"ns": 0, "calls": 0}   # STEPLENS_ITERS_SELFTIME=1: the wrappers' and the hook's own time (benches)
+# STEPLENS_ITERS_SELFTIME=1 (benches): the wrappers' and the hook's own time, wall (ns) and the thread's CPU
+# (cpu_ns: what they took from the job; wall also holds any time the thread was preempted inside them, which a
+# loaded host adds whether they run or not), and each call's wall time (`each`, the first 200,000) for its median
+_self = {"ns": 0, "cpu_ns": 0, "calls": 0, "each": []}
+SELF_EACH_MAX = 200_000
+
+
+def _self_add(wall: int, cpu: int) -> None:
+    _self["ns"] += wall
+    _self["cpu_ns"] += cpu
+    _self["calls"] += 1
+    if len(_self["each"]) < SELF_EACH_MAX:
+        _self["each"].append(wall)
 
 
 def _selftimed(make):
-    """A wrapper factory whose wrappers also add their own time (theirs minus the wrapped call's, two
-    perf_counter_ns pairs included) to _self: what bench/sentinel_cost.py reports per iteration."""
-    perf = time.perf_counter_ns
+    """A wrapper factory whose wrappers also add their own time (theirs minus the wrapped call's, the timers'
+    own clock reads included) to _self: what bench/sentinel_cost.py reports per iteration."""
+    perf, cpu = time.perf_counter_ns, time.thread_time_ns
 
     def factory(fn, **kw):
-        inner = [0]
+        inner = [0, 0]
 
         def timed_fn(*args, **kwargs):
-            t = perf()
+            t, c = perf(), cpu()
             try:
                 return fn(*args, **kwargs)
             finally:
+                inner[1] += cpu() - c
                 inner[0] += perf() - t
         wrapped = make(timed_fn, **kw)
 
         @functools.wraps(fn)
         def outer(*args, **kwargs):
-            before, t0 = inner[0], perf()
+            before, before_cpu, t0, c0 = inner[0], inner[1], perf(), cpu()
             try:
                 return wrapped(*args, **kwargs)
             finally:
                 if _on[0]:
-                    _self["ns"] += perf() - t0 - (inner[0] - before)
-                    _self["calls"] += 1
+                    c1 = cpu()
+                    _self_add(perf() - t0 - (inner[0] - before), c1 - c0 - (inner[1] - before_cpu))
         outer.__steplens_orig__ = fn
         return outer
     return factory
 
 
 def _selftimed_hook(hook):
-    perf = time.perf_counter_ns
+    perf, cpu = time.perf_counter_ns, time.thread_time_ns
 
     def timed(*args, **kwargs):
-        t0 = perf()
+        t0, c0 = perf(), cpu()
         try:
             return hook(*args, **kwargs)
         finally:
             if _on[0]:
-                _self["ns"] += perf() - t0
-                _self["calls"] += 1
+                c1 = cpu()
+                _self_add(perf() - t0, c1 - c0)
     return timed
 
 
@@ -640,7 +653,8 @@ def status() -> dict:
     return {"patched": list(_state["patched"]), "pending": sorted(_state["pending"]), "errors": list(_state["errors"]),
             "reader_errors": _state["reader_errors"], "write_errors": _state["write_errors"],
             "path": _state["path"] or "", "names": list(_state["names"]),
-            "self_ns": _self["ns"], "self_calls": _self["calls"]}
+            "self_ns": _self["ns"], "self_cpu_ns": _self["cpu_ns"], "self_calls": _self["calls"],
+            "self_median_ns": sorted(_self["each"])[len(_self["each"]) // 2] if _self["each"] else 0}
 
 
 def read(path: str, start_ticks: int = -1, after: int = -1) -> tuple[list[tuple], list[str], str]:
