@@ -282,6 +282,48 @@ print(json.dumps({"ends": ends, "pres": pres, "status": steplens_iters.status()}
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
+def test_step_features_found_once_then_read_straight_from_their_frame(tmp_path):
+    """The frame that holds every feature is remembered (depth, code): later steps read it directly; another
+    function stepping the optimizer at that depth, or a feature missing there, goes back to the walk, and the
+    counts are right throughout."""
+    code = '''
+import json, torch
+m = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+import steplens_iters
+seen = []
+def loop(n, base):
+    for i in range(n):
+        tokens, micro_batches = base + i, i + 1
+        m(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append(steplens_iters._train["where"][1].co_name if steplens_iters._train["where"] else None)
+def other(n):
+    for j in range(n):
+        tokens = 7
+        m(torch.randn(2, 16)).sum().backward()
+        opt.step()    # micro_batches is not here: the walk goes on outward (to none) and nothing is remembered
+        opt.zero_grad()
+        seen.append(steplens_iters._train["where"])
+loop(4, 100); other(2); loop(3, 200)
+print(json.dumps({"status": steplens_iters.status(), "seen": seen}))
+'''
+    out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_env(tmp_path, STEPLENS_BOOTSTRAP="1",
+                                  STEPLENS_STEP_FEATURES="tokens=tokens,micro_batches=micro_batches"))
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout)
+    assert res["seen"] == ["loop"] * 4 + [None, None] + ["loop"] * 3, res["seen"]
+    its, _ = _ring_of(tmp_path, int(res["status"]["path"].rsplit("/", 1)[1].split(".")[0]))
+    got = [(c[steplens_iters.COUNT_FIELDS.index("tokens")], c[steplens_iters.COUNT_FIELDS.index("micro_batches")])
+           for *_, c in its]
+    # 9 steps, the first not written (no start); its counts are those read at each step's optimizer call
+    assert got == [(101, 2), (102, 3), (103, 4), (7, 0), (7, 0), (200, 1), (201, 2), (202, 3)], got
+    assert res["status"]["reader_errors"] == 0
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
 def test_a_training_iteration_ends_at_the_zero_grad_that_closes_the_step_and_the_switch_pauses_it(tmp_path):
     """With steplens_anchors in the process (torch.distributed jobs), the iteration ends where the loop body's
     zero_grad after the step ends, as the job's own log does; set_enabled(False) writes nothing, and the first
