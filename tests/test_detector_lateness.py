@@ -51,6 +51,29 @@ def test_a_gpu_fluctuating_under_the_gate_is_found(tmp_path):
     assert 1.02 < f.severity < 1.3 and f.evidence["gate_flagged_share"] < 0.5
 
 
+class NewestStepLate:
+    """The store as a pass sees it while one rank has not reported the newest step yet (it ends last)."""
+
+    def __init__(self, reader, rank: int, step: int) -> None:
+        self.reader, self.rank, self.step = reader, rank, step
+
+    def steps(self, *a, **kw):
+        return [r for r in self.reader.steps(*a, **kw) if r["step"] <= self.step
+                and not (r["rank"] == self.rank and r["step"] == self.step)]
+
+    def __getattr__(self, name):
+        return getattr(self.reader, name)
+
+
+def test_a_rank_that_has_not_reported_the_newest_step_is_still_judged(tmp_path):
+    # the slow rank ends its steps last, so at a pass it is the one most often without the newest step (taken
+    # once 90 % of the ranks reported it): judged up to the newest step every rank reported, it is found
+    rd = store(tmp_path, ["fluctuation:13:30:100:1.2:8"])   # under the gate: irregularity names nobody
+    (f,) = run(NewestStepLate(rd, 13, 45))
+    assert (f.suspects[0].id, f.kind) == ("13", "fluctuation") and f.evidence["last_step"] <= 44
+    assert run(NewestStepLate(rd, 13, 45), max_lag_steps=0) == []   # as before: rank 13 not judged at all
+
+
 def test_a_gpu_masked_by_a_slower_one_is_found_and_the_slower_one_not_twice(tmp_path):
     # rank 13 is 2.5x slow from step 20 (irregularity: a degradation naming it); rank 40 fluctuates up to 2x
     # from 30 to 50 and is never the last to arrive while 13 is slower: the job's step time cannot show it
@@ -71,7 +94,7 @@ def test_ranks_in_one_collective_group_are_not_judged(tmp_path):
 
 def test_bad_config_fails():
     for bad in ({"noise_k": -1}, {"min_step_fraction": 0.0}, {"fluctuation_min": 1}, {"max_rank_steps": 10},
-                {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}):
+                {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}, {"max_lag_steps": -1}):
         with pytest.raises(ConfigError):
             LatenessConfig(**bad).validate()
 
