@@ -25,6 +25,9 @@ Finding: kind `fluctuation` (a fluctuating span) or `slowdown` (persistent), one
 1 + the median waiting it causes over its flagged steps / the baseline step: the step-time ratio this
 rank alone would cost (the summary says so); suspect: the rank, cause `compute`; evidence: its span, flagged
 steps, the waiting it causes, and `masked_by`: the rank an irregularity finding blames over the same steps.
+Steps judged: up to the newest step that every rank has reported (at most max_lag_steps back): a pass takes a
+step once complete_fraction of the ranks reported it, and a rank whose margins miss a judged step is not judged,
+while the rank without the newest step is the slow one more often than not (it ends its steps last).
 Cost: irregularity.margins over the window's last steps, capped so ranks x steps <= max_rank_steps (at 8,192
 ranks: the last 24 steps; the evidence says how many steps were judged).
 """
