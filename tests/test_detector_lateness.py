@@ -94,7 +94,8 @@ def test_ranks_in_one_collective_group_are_not_judged(tmp_path):
 
 def test_bad_config_fails():
     for bad in ({"noise_k": -1}, {"min_step_fraction": 0.0}, {"fluctuation_min": 1}, {"max_rank_steps": 10},
-                {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}, {"max_lag_steps": -1}):
+                {"complete_fraction": 0.0}, {"max_collectives_per_step": 0}, {"max_lag_steps": -1},
+                {"noise_k_every": 6.0}):
         with pytest.raises(ConfigError):
             LatenessConfig(**bad).validate()
 
@@ -132,3 +133,26 @@ def test_candidates_are_exactly_the_ranks_flags_would_flag():
     assert want_late <= truth
     assert candidates(cols_of, base, cfg) == truth
     assert candidates(cols_of, [0.0] * steps, cfg) == set()
+
+
+def test_late_by_five_sigma_in_one_group_and_three_in_every_group():
+    """A rank 5.4 sigma late into its small group and 3.4 sigma into its wide, noisier one is flagged (noise_k in
+    one, noise_k_every in all); with noise_k_every = noise_k (every group at 5 sigma) it is not; 2 sigma into one
+    group, or 4 into both, is not enough."""
+    from steplens.collector.analysis.lateness import LatenessConfig, candidates, flags
+    sd = (1e5, 2e6)   # the small group's margins swing +-1e5, the wide group's +-2e6: noise = 1.4826 x that
+
+    def cols_for(late_sigmas):
+        cols = [[((-1) ** p * s, 1) for p in range(30)] for s in sd]
+        for col, k, s in zip(cols, late_sigmas, sd):
+            for p in range(20, 30):
+                col[p] = (k * 1.4826 * s, 1)
+        return cols
+    base = [1e8] * 30
+    for late, cfg, want in (((5.4, 3.4), LatenessConfig(), True),
+                            ((5.4, 3.4), LatenessConfig(noise_k_every=5.0), False),
+                            ((5.4, 2.0), LatenessConfig(), False), ((4.0, 4.0), LatenessConfig(), False)):
+        cols = cols_for(late)
+        fl, _ = flags(cols, base, cfg)
+        assert fl == [False] * 20 + [want] * 10, (late, cfg.noise_k_every, fl)
+        assert (0 in candidates({0: cols}, base, cfg)) == want
