@@ -450,11 +450,6 @@ def find_step_counts(frame, features, skip_prefix: str = "") -> tuple[tuple, int
     return tuple(counts), one[0], one[1]
 
 
-def step_counts(frame, features, skip_prefix: str = "") -> tuple:
-    """COUNT_FIELDS values read from the locals of `frame` and up to MAX_FRAMES frames outward (find_step_counts)."""
-    return find_step_counts(frame, features, skip_prefix)[0]
-
-
 def _train_counts(features) -> tuple:
     """The step's counts for the optimizer hook (called from it: depth 2 is its caller). Once the frame that
     holds every feature is known (its depth and code object), a step goes straight to it (sys._getframe: no walk,
