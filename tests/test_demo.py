@@ -81,12 +81,16 @@ def test_the_demo_job_gets_a_finding_naming_its_straggler_and_a_trace(tmp_path):
         # the straggler named, cause compute: late into its gradients' first all-reduce of every slow step (at the
         # next ones the ranks arrive together, so its share of last arrivals is near chance; it was "waiting" in 4
         # of 8 runs before irregularity.late_every_step)
-        out = run.wait_for(lambda t: "(top suspect: rank 1, " in t, 240, what="finding naming rank 1")
-        first = [ln for ln in out.splitlines() if ln.startswith("demo: finding ") and "(top suspect: rank 1, " in ln][0]
-        assert "(top suspect: rank 1, compute)" in first, first
+        # (a spike the loaded machine makes before the fault may name any rank: not the finding looked for; the
+        # fault's first slow step is no spike, a spike being over: irregularity.classify)
+        def named(t: str) -> list[str]:
+            return [ln for ln in t.splitlines() if ln.startswith("demo: finding ") and "(top suspect: rank 1, " in ln
+                    and any(k in ln for k in ("slowdown by", "degradation by"))]
+        out = run.wait_for(lambda t: named(t), 240, what="slowdown finding naming rank 1")
+        first = named(out)[0]
+        assert "(top suspect: rank 1, compute)" in first, out
         assert " opened: " in first or " updated: " in first
         fid = first.split()[2]
-        assert any(k in first for k in ("slowdown by", "degradation by")), first
         assert "hang by" not in out, out                   # a straggler is no hang
         cli = [os.path.join(VENV, "steplens"), "--collector", run.addr, "--insecure"]
         trace = tmp_path / "demo.pftrace"

@@ -118,6 +118,20 @@ def test_a_lone_slow_step_is_a_spike(tmp_path):
     assert f.suspects[0].id == "2"
 
 
+def test_a_slow_step_still_at_the_newest_step_is_not_called_a_spike_yet(tmp_path):
+    # the first slow steps of a straggler look like a spike until a normal step follows (the first-run demo's
+    # straggler was opened as a 1-step spike, cause `waiting`); with one normal step after it, it is one
+    for d in ("a", "b", *(f"c{n}" for n in range(59, 64))):
+        (tmp_path / d).mkdir()
+    slow = lambda s, k: 2.5 if k == 2 and s == 60 else 1.0
+    assert [f.kind for f in run(store(tmp_path / "a", job_steps(61, slow=slow)))] == []
+    assert [f.kind for f in run(store(tmp_path / "b", job_steps(62, slow=slow)))] == ["spike"]
+    # a straggler from step 58 on: never a spike on its way to a slowdown
+    late = lambda s, k: 1.5 if k == 2 and s >= 58 else 1.0
+    kinds = [[f.kind for f in run(store(tmp_path / f"c{n}", job_steps(n, slow=late)))] for n in range(59, 64)]
+    assert kinds[:3] == [[], [], []] and kinds[3] == ["slowdown"], kinds
+
+
 def test_periodic_slow_steps_are_a_fluctuation(tmp_path):
     slow = lambda s, k: 1.0 + 0.3 * (1 - math.cos(2 * math.pi * s / 6)) / 2 if k == 6 and s >= 30 else 1.0
     out = run(store(tmp_path, job_steps(130, slow=slow)))

@@ -8,7 +8,11 @@ Figures (printed): the median boundary error |segmenter end - job end| as a frac
 the same after removing the constant phase (the segmenter's boundary is the issue of the last collective:
 gloo's Flight Recorder entries have no end time, so what follows that issue, the loss all-reduce itself, is a
 fixed offset), and the median error of step durations. Measured 2026-11-24 (24 ms steps): 1.3-1.4 %, 0.3-0.4 %
-after the phase (-0.3 ms), durations 0.5-0.6 %. The second test runs the testbed's DP2 x PP2 job the same way."""
+after the phase (-0.3 ms), durations 0.5-0.6 %. That offset varies with the wait inside the last collective: on a
+loaded machine (two busy loops on 2 cores, 2026-12-05, ~29 ms steps) 1.7-2.1 %, durations 1.5-7.3 %, as much as
+that collective's own step-to-step variation (1.4-7.2 %), while against the job's clock read at the issue of its
+last collective (what the boundary is) the error is 0.11 % (a +0.03 ms phase) and durations 0.02 %.
+The second test runs the testbed's DP2 x PP2 job the same way."""
 
 from __future__ import annotations
 
@@ -57,10 +61,11 @@ for step in range(int(sys.argv[2])):
             off += p.numel()
     opt.step()
     opt.zero_grad()
+    ti = time.monotonic_ns()                           # the issue of the step's last collective
     dist.all_reduce(loss.detach().reshape(1))          # the logged loss
     t1 = time.monotonic_ns()
     log.write(json.dumps({"step": step, "rank": rank, "pid": os.getpid(), "start_mono_ns": t0,
-                          "end_mono_ns": t1}) + "\n")
+                          "last_issue_mono_ns": ti, "end_mono_ns": t1}) + "\n")
 dist.destroy_process_group()
 '''
 
@@ -70,9 +75,10 @@ pytestmark = pytest.mark.skipif(
     ).returncode != 0, reason="torch is not installed in .venv")
 
 
-def boundary_errors(steps: list[Step], log: list[dict]) -> dict:
-    """Match each Step to the job iteration whose end is nearest; errors in ns and as fractions of step time."""
-    ends = sorted(x["end_mono_ns"] for x in log)
+def boundary_errors(steps: list[Step], log: list[dict], key: str = "end_mono_ns") -> dict:
+    """Match each Step to the job iteration whose end (`key`: its end, or where the job logs it, the issue of its
+    last collective) is nearest; errors in ns and as fractions of step time."""
+    ends = sorted(x[key] for x in log)
     step_ns = median(b - a for a, b in zip(ends, ends[1:]))
     signed, dur_err = [], []
     by_end = {}
@@ -145,11 +151,22 @@ def test_steps_of_a_real_gloo_job_match_its_own_boundaries(tmp_path):
         figures[rank] = f = boundary_errors(mine, log)
         f.update(segments_dropped=seg.segments_dropped, ops_dropped=seg.ops_dropped, relearned=seg.relearned,
                  first=numbers[:3], last=numbers[-3:])
+        # what the boundary is: the issue of the step's last collective, against the job's own clock read there
+        f["vs_last_issue"] = at = boundary_errors(mine, log, "last_issue_mono_ns")
+        # what separates it from the iteration's end: that collective's own time (the wait for the other rank
+        # included), which gloo's Flight Recorder does not record; its step-to-step variation is what durations
+        # measured against the iteration ends cannot be better than
+        w = [x["end_mono_ns"] - x["last_issue_mono_ns"] for x in log]
+        f["last_op_ms_median"] = median(w) / 1e6
+        f["last_op_variation"] = median(abs(b - a) for a, b in zip(w, w[1:])) / (f["step_ms"] * 1e6)
         print(f"rank {rank}: {json.dumps(f)}")
         # all but the first few iterations (the pattern is learnt from 3 cycles) and at most a trailing one
         assert f["steps"] >= N_STEPS - 6, f
+        assert at["median_abs_error"] <= 0.01 and at["median_duration_error"] <= 0.01, f
+        # against the iteration's end the error is the last collective's own time: on a loaded 2-core CI machine a
+        # median of 1.2 % of the step, durations 5.5 % (more than the 5 % this asserted then), all that collective's
         assert f["median_abs_error"] <= 0.05, f
-        assert f["median_error_after_phase"] <= 0.05 and f["median_duration_error"] <= 0.05, f
+        assert f["median_duration_error"] <= f["last_op_variation"] + 0.01, f
     # the ranks number the steps alike (from the collective sequence numbers)
     common = {s.step for s in steps if s.pid == procs[0].pid} & {s.step for s in steps if s.pid == procs[1].pid}
     assert len(common) >= N_STEPS - 6

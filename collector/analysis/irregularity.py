@@ -19,7 +19,8 @@ Kinds (ALGORITHMS.md §3.3's [VAGUE→REC] classifier, adapted to what a finding
   fluctuation  within fluctuation_steps steps, >= fluctuation_fraction of them flagged in >= 3 separate runs,
                with a periodic component (a DFT peak of the ratio series, period 2..50 steps, power >= 
                periodic_power x the mean power) or a small mean excess (< spike_ratio);
-  spike        a run of <= spike_max_run flagged steps with ratio >= spike_ratio outside the states above.
+  spike        a run of <= spike_max_run flagged steps with ratio >= spike_ratio outside the states above,
+               once a step after it was not flagged (one still going may be a slowdown's first steps).
 Severity: the step-time ratio against the job's baseline (peak of the finding's steps; for a state still on,
 the median of its last steps).
 Suspects, best first, from the finding's flagged steps F against the window's healthy steps H:
@@ -457,7 +458,9 @@ def classify(js: JobSteps, g: Gate, cfg: IrregularityConfig) -> list[Episode]:
     for run in _runs([i for i in flagged if not taken[i]], gap=2):
         peak = max(g.ratio[k] for k in run)
         if len(run) <= cfg.spike_max_run and run[-1] - run[0] < cfg.spike_max_run:
-            if peak >= cfg.spike_ratio:
+            # a spike is over: one still going at the newest step may be a slowdown's first steps (the demo's
+            # straggler was opened as a 1-step spike, its cause `waiting` for want of steps); called next pass
+            if peak >= cfg.spike_ratio and run[-1] < n - 1:
                 out.append(Episode("spike", run, run[-1], peak, {"steps": len(run)}))
         elif len(run) > cfg.spike_max_run:  # sustained, but shorter than a level shift
             out.append(Episode("slowdown", run, run[-1], median(g.ratio[k] for k in run),
