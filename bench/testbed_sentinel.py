@@ -67,15 +67,31 @@ def main(argv=None) -> int:
         off = [s for s in logs if s["end_ns"] < box["start_ns"]][-len(on) or None:]
         per_micro = {k: statistics.median(s["step_seconds"] / s["micro_batches"] for s in v) for k, v in
                      (("on", on), ("off", off)) if v}
+        # what the live collector's analysis loop found meanwhile (every detector, not only the sentinel): a
+        # finding is true when it began between the fault's start (less 2 s: a step's length of slack) and its end
+        found = []
+        for f in Reader(layout.path("collector.db")).findings(job):
+            top = f.suspects[0] if f.suspects else None
+            true = box["start_ns"] - 2 * 10**9 <= f.onset_ns <= box["end_ns"]
+            found.append({"detector": f.detector, "kind": f.kind, "true": true, "top": f"{top.kind} {top.id} "
+                          f"({top.cause})" if top else "", "onset_s": round((f.onset_ns - box["start_ns"]) / 1e9, 2),
+                          "severity": f.severity, "summary": f.summary})
+        found.sort(key=lambda x: x["onset_s"])
         head = {"settings": vars(a), "job_key": job, "faults": [box],
                 "step_log": {"rank0_steps": len(logs), "per_micro_step_ms_off": round(1e3 * per_micro["off"], 3),
                              "per_micro_step_ms_on": round(1e3 * per_micro["on"], 3),
-                             "slowdown": round(per_micro["on"] / per_micro["off"], 4)}}
+                             "slowdown": round(per_micro["on"] / per_micro["off"], 4)},
+                "live_findings": found}
+        for x in found:
+            print(f"live finding ({'during the fault' if x['true'] else 'outside it'}, onset {x['onset_s']:+} s from "
+                  f"the fault): {x['detector']} {x['kind']}, top {x['top']}: {x['summary']}")
         with gzip.open(a.out, "wt") as fh:
             fh.write(json.dumps(head) + "\n")
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
-        print(json.dumps({"out": a.out, "iterations": len(rows), **head["step_log"]}))
+        print(json.dumps({"out": a.out, "iterations": len(rows), **head["step_log"],
+                          "live_findings_true": sum(x["true"] for x in found),
+                          "live_findings_false": sum(not x["true"] for x in found)}))
     finally:
         netns.down(layout)
     return 0

@@ -165,6 +165,15 @@ def test_two_network_causes_at_once_get_one_finding_each(tmp_path):
     assert 39 <= fs[0].evidence["first_step"] <= 41 and 44 <= fs[1].evidence["first_step"] <= 46
 
 
+def test_two_slow_links_under_one_leaf_are_two_links_not_the_leaf(tmp_path):
+    # n2.nic1 at 1.5x from step 40, n3.nic0 (same leaf) at 2x from 45: the leaf explained all four slow rings
+    # together best and was named for the second link (its rings crossing the first link, taken by it, counted
+    # as healthy against the second); explained in onset order, each link is its own finding
+    fs = run(jittered(tmp_path, ["slow_link:n2.nic1:40:80:1.5", "slow_link:n3.nic0:45:90:2.0"], 4, 0.02))
+    assert [(f.suspects[0].id, f.evidence["first_step"]) for f in fs] == [("n2.nic1", 40), ("n3.nic0", 45)], \
+        [(f.suspects[:3], f.evidence["first_step"]) for f in fs]
+
+
 def synthetic(tmp_path, slow_from: int | None, n_steps: int = 60) -> Reader:
     """Six ranks on three nodes (n0: 0-1, n1: 2-3, n2: 4-5), three 2-member all-reduce communicators, one per
     pair of nodes; 100 ms steps, 10 ms transfers, one member of each waiting a little. From step slow_from

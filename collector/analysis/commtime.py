@@ -301,16 +301,24 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
     out = []
     rest = list(ep)
     rounds = 0
+    explained: set[str] = set()  # communicators an earlier cause explains: slow, so no alibi for the next one
     while rest and len(out) < max_causes and rounds < 2 * max_causes:  # a merged left-over adds no cause: bounded
         rounds += 1
-        slow: dict[str, float] = {}
-        for sp in rest:
-            slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
+        # the spans that began first (within recent_steps) are explained first: communicators that slowed
+        # later are neither evidence nor alibi yet (two links under one leaf slow from steps 44 and 49, at 1.5x
+        # and 2.1x: the leaf explained all four slow rings best and was named for the second link)
         first = min(sp["first"] for sp in rest)
-        flagged = sorted({i for sp in rest for i in sp["flagged"]})
-        sus = score_devices(slow, members, js.node_of, topo, nic_of)
+        early = [sp for sp in rest if sp["first"] < first + cfg.recent_steps]
+        slow: dict[str, float] = {}
+        for sp in early:
+            slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
+        later = {sp["comm"] for sp in rest} - set(slow)
+        flagged = sorted({i for sp in early for i in sp["flagged"]})
+        # (communicators an earlier cause explains were slow: no alibi for this one either)
+        among = {c: m for c, m in members.items() if c in slow or (c not in explained and c not in later)}
+        sus = score_devices(slow, among, js.node_of, topo, nic_of)
         ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
-        sus, pev = refine(reader, window.job_key, js, sus, slow, members, topo, nic_of, ref, flagged)
+        sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
         if not sus:
             if not out:
@@ -322,6 +330,7 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
         if not mine:  # the best device is on no slow communicator's path (a fetched pair's): all of them
             mine = rest
         taken = {id(sp) for sp in mine}
+        explained |= {sp["comm"] for sp in mine}
         rest = [sp for sp in rest if id(sp) not in taken]
         mine, outside = split_outside(mine, cfg)
         same = next((k for k, (s0, _, _) in enumerate(out) if s0 and (s0[0].kind, s0[0].id) == top), None)
