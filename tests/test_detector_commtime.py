@@ -174,6 +174,25 @@ def test_two_slow_links_under_one_leaf_are_two_links_not_the_leaf(tmp_path):
         [(f.suspects[:3], f.evidence["first_step"]) for f in fs]
 
 
+def test_a_job_slow_before_its_slow_communicators_does_not_hide_them():
+    # report set scenario 193: a slow GPU from step 29 (job 1.15x), a 3x link from 42 whose ring's excess
+    # transfer time happened to be close to the job's excess: the episode was left to irregularity, which saw
+    # the ring slow on half of its episode only and did not name the link; nobody did
+    from types import SimpleNamespace
+    from steplens.collector.analysis.commtime import _left_to_irregularity
+
+    def case(job_from: int) -> bool:
+        n = 30
+        x = [100 * MS if i < job_from else 115 * MS for i in range(n)]
+        flag = [i >= job_from for i in range(n)]
+        ratio = [1.15 if f else 1.0 for f in flag]
+        trans = {"ring": {i: 10 * MS if i < 15 else 22 * MS for i in range(n)}}
+        ep = [{"comm": "ring", "first": 15, "last": n - 1, "flagged": list(range(15, n)), "baseline_ns": 10 * MS}]
+        return _left_to_irregularity(SimpleNamespace(x_ns=x), ep, trans, list(range(15, n)), flag, ratio, 5)
+    assert case(15) and case(14)          # the job slowed with the ring (a step early by noise): irregularity's
+    assert not case(5) and not case(12)   # slow before it, on most of the 5 steps before: another cause, both
+
+
 def synthetic(tmp_path, slow_from: int | None, n_steps: int = 60) -> Reader:
     """Six ranks on three nodes (n0: 0-1, n1: 2-3, n2: 4-5), three 2-member all-reduce communicators, one per
     pair of nodes; 100 ms steps, 10 ms transfers, one member of each waiting a little. From step slow_from

@@ -193,6 +193,8 @@ def test_bad_config_fails():
         IrregularityConfig(delta=1.0).validate()
     with pytest.raises(ConfigError):
         IrregularityConfig(degradation_steps=2).validate()
+    with pytest.raises(ConfigError):
+        IrregularityConfig(recv_wait_share=-0.5).validate()
     IrregularityConfig().validate()
     assert isinstance(IrregularityConfig().policy(), Policy)
 
@@ -257,6 +259,27 @@ def test_a_second_slow_gpu_in_the_same_episode_keeps_its_own_onset(tmp_path):
         return min(s for s, r in steps.items() if r["end_ns"] >= ns)
     assert abs(step_at(by["13"].onset_ns) - 20) <= 2
     assert abs(step_at(by["40"].onset_ns) - 32) <= 2
+
+
+def test_a_rank_late_because_its_pipeline_receives_came_late_is_waiting_not_compute():
+    # report set scenario 193 (DP16 x PP4 x TP4): GPU 147 (stage 2) 1.3x slow made its TP group late, and with it
+    # rank 81 of stage 1, fed by that group: 81 was late into every collective it joins and got a finding of
+    # its own as a second slow GPU. Its receives grew by about the job's excess step time, the GPU's shrank.
+    from steplens.collector.analysis.irregularity import JobSteps, Suspect, pipeline_victims
+
+    def row(recv_ms):
+        return {"comms": [{"op": "recv", "busy_ns": int(recv_ms * MS)}, {"op": "all_reduce", "busy_ns": 5 * MS}]}
+    n = 40
+    x = [310 * MS] * 20 + [352 * MS] * 20                     # 42 ms of excess step time from step 20
+    rows = {147: {s: row(81 if s < 20 else 71) for s in range(n)},   # the slow GPU: waits less for its peers
+            81: {s: row(81 if s < 20 else 126) for s in range(n)},   # fed late: +45 ms in its receives
+            7: {s: row(0) for s in range(n)}}                         # no pipeline receives at all
+    js = JobSteps(numbers=list(range(n)), x_ns=x, end_ns=[0] * n, start_ns=[0] * n, rows=rows, node_of={})
+    sus = [Suspect("rank", str(k), sc, "compute", {}) for k, sc in ((147, 0.82), (81, 0.66), (7, 0.5))]
+    out = pipeline_victims(js, sus, list(range(20, 40)), list(range(20)), 0.5)
+    assert [(s.id, s.cause) for s in out] == [("147", "compute"), ("81", "waiting"), ("7", "compute")]
+    assert out[1].score == 0.33 and out[1].evidence["recv_growth_ns"] == 45 * MS
+    assert pipeline_victims(js, sus, list(range(20, 40)), list(range(20)), 0.0) == sus   # switched off
 
 
 def _pair_skew(shares: dict[str, float], steps: int):

@@ -41,8 +41,9 @@ without a stored topology.
 No duplicate of the irregularity detector: when the job's step time is itself >= gate_ratio x its baseline
 (the gate's delta) on most of an episode's steps and the slow communicators explain that excess (job excess
 <= 2x their largest excess transfer time), irregularity localizes the same devices with the same scoring and
-this detector leaves the episode to it; a job slowed far beyond them (a slow GPU beside a slow link) gets
-both findings (gate_ratio = 0: report always).
+this detector leaves the episode to it; a job slowed far beyond them (a slow GPU beside a slow link), or slow
+already before them (on most of the recent_steps steps before), gets both findings (gate_ratio = 0: report
+always).
 Ties: one slow ring implicates all of its links alike (a ring runs at its slowest link's pace). When the best
 suspects tie, irregularity.refine asks the agents of the ranks on them for their CommOps (progressive
 fetching, probe.py) and scores their pipeline pairs' measured transfer times beside the rings: the slow link
@@ -266,7 +267,7 @@ def detect(reader, window: Window, cfg: CommtimeConfig) -> list[Finding]:
     out = []
     for ep in episodes(spans, cfg.fluctuation_steps):
         flagged = sorted({i for sp in ep for i in sp["flagged"]})
-        if cfg.gate_ratio and _left_to_irregularity(js, ep, trans, flagged, job_flag, job_ratio):
+        if cfg.gate_ratio and _left_to_irregularity(js, ep, trans, flagged, job_flag, job_ratio, cfg.recent_steps):
             continue
         found = explain(reader, window, js, ep, members, topo, nic_of, job_flag, cfg)
         lead = found[0][0][0] if found and found[0][0] else None
@@ -277,13 +278,20 @@ def detect(reader, window: Window, cfg: CommtimeConfig) -> list[Finding]:
 
 
 def _left_to_irregularity(js, ep: list[dict], trans: dict[str, dict[int, int]], flagged: list[int],
-                          job_flag: list[bool], job_ratio: list[float]) -> bool:
+                          job_flag: list[bool], job_ratio: list[float], before: int) -> bool:
     """True when the irregularity gate fires on most of the episode's steps and the slow communicators explain
     the job's slowdown (its excess step time <= 2x their largest excess transfer time, median over those
     steps): irregularity then localizes the same devices. A job slowed far beyond what the slow communicators
-    cost (a slow GPU beside them) is not explained by them: both findings are made."""
+    cost (a slow GPU beside them) is not explained by them: both findings are made. Nor is a job that was slow
+    already on most of the `before` steps before they slowed (a slow GPU from step 29, a 3x link from 42: the
+    link's rings were slow on half of the GPU's episode only, irregularity did not see them, and the link's
+    excess matched the GPU's by chance)."""
     hit = [i for i in flagged if job_flag[i]]
     if len(hit) * 2 < len(flagged):
+        return False
+    first = min(sp["first"] for sp in ep)
+    pre = range(max(0, first - before), first)
+    if pre and sum(job_flag[i] for i in pre) * 2 > len(pre):
         return False
     job_x, comm_x = [], []
     for i in hit:

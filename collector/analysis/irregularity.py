@@ -130,6 +130,8 @@ class IrregularityConfig(DetectorConfig):
     cog: bool = True                       # walk the operator graph from the pivot (cog.py, progressive fetching)
     ramp_fraction: float = 0.25            # a step before a degradation with ratio >= 1 + this x (delta - 1) is
                                            # part of its ramp: left out of the pre-onset reference
+    recv_wait_share: float = 0.5           # a late rank whose pipeline receives grew by this x the job's excess
+                                           # step time waited for its stage peers: `waiting`, not `compute`
 
     def validate(self) -> None:
         super().validate()
@@ -150,6 +152,8 @@ class IrregularityConfig(DetectorConfig):
         for name in ("periodic_power", "comm_slow_ratio", "straggler_z", "straggler_z_every"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0")
+        if not 0.0 <= self.recv_wait_share <= 10.0:
+            raise ConfigError(f"recv_wait_share must be within [0, 10] (0: off), got {self.recv_wait_share}")
 
 
 # -- data ----------------------------------------------------------------------------------------------
@@ -814,6 +818,8 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
     bad = skew(js, ep.idx, cfg)
     good = skew(js, healthy, cfg, want=pointed_at(bad, ep.idx)) if healthy else None
     sus = compute_suspects(js, bad, good, ep.idx)
+    if healthy:
+        sus = pipeline_victims(js, sus, ep.idx, healthy, cfg.recv_wait_share)
     base = median(g.base_ns[i] for i in ep.idx if g.base_ns[i]) if any(g.base_ns[i] for i in ep.idx) else 0.0
     if ep.kind == "degradation" and ep.detail.get("baseline_ns"):
         base = ep.detail["baseline_ns"]
@@ -834,6 +840,39 @@ def localize(reader, window: Window, js: JobSteps, g: Gate, ep: Episode, healthy
         slow["cog"] = cog.search(reader, window.job_key, js, ep.idx, healthy, g.ratio).evidence()
     slow["_late"] = bad.late   # per-step lateness, for concurrent causes' own onsets (detect() pops it)
     return sus[:cfg.max_suspects], slow
+
+
+def recv_busy(js: JobSteps, rank: int, idx: list[int]) -> float | None:
+    """Median over steps idx of a rank's point-to-point receive time per step (its `recv` summaries' busy
+    time: mostly waiting for the sender); None where it reported none of those steps."""
+    rows = js.rows.get(rank, {})
+    vals = [sum(c["busy_ns"] for c in row["comms"] if c["op"] == "recv")
+            for row in (rows.get(js.numbers[i]) for i in idx) if row is not None]
+    return median(vals) if vals else None
+
+
+def pipeline_victims(js: JobSteps, sus: list[Suspect], bad_idx: list[int], ref_idx: list[int],
+                     share: float) -> list[Suspect]:
+    """Compute suspects that only waited for their pipeline: a rank late into every collective it joins because
+    its stage's input (or gradients) came late spends that time in its receives, a slow GPU does not (its peers
+    have sent by the time it asks). A rank whose receive time per step grew by >= share x the job's excess
+    step time is called `waiting` at half its score (a slow GPU in stage 2 made its TP group late, and with it
+    the stage-1 rank fed by that group: named `compute` beside the GPU, one finding each; its receives grew
+    by 46 ms a step of a 41 ms excess, the GPU's shrank by 10 ms)."""
+    if not share or not bad_idx or not ref_idx:
+        return sus
+    excess = median(js.x_ns[i] for i in bad_idx) - median(js.x_ns[i] for i in ref_idx)
+    if excess <= 0:
+        return sus
+    out = []
+    for s in sus:
+        if s.kind == "rank" and s.cause == "compute":
+            now, before = recv_busy(js, int(s.id), bad_idx), recv_busy(js, int(s.id), ref_idx)
+            if now is not None and before is not None and now - before >= share * excess:
+                s = Suspect(s.kind, s.id, round(s.score / 2, 4), "waiting",
+                            {**s.evidence, "recv_growth_ns": int(now - before), "excess_step_ns": int(excess)})
+        out.append(s)
+    return out
 
 
 def own_onset(late: dict[int, dict[int, float]], idx: list[int], rank: int) -> int:
