@@ -172,6 +172,11 @@ def test_two_slow_links_under_one_leaf_are_two_links_not_the_leaf(tmp_path):
     fs = run(jittered(tmp_path, ["slow_link:n2.nic1:40:80:1.5", "slow_link:n3.nic0:45:90:2.0"], 4, 0.02))
     assert [(f.suspects[0].id, f.evidence["first_step"]) for f in fs] == [("n2.nic1", 40), ("n3.nic0", 45)], \
         [(f.suspects[:3], f.evidence["first_step"]) for f in fs]
+    # with the first spans never explained alone (early_score above any score): the leaf, as before
+    (tmp_path / "old").mkdir()
+    old = run(jittered(tmp_path / "old", ["slow_link:n2.nic1:40:80:1.5", "slow_link:n3.nic0:45:90:2.0"], 4, 0.02),
+              early_score=1.01)
+    assert "leaf1" in {f.suspects[0].id for f in old}, [(f.suspects[:3], f.evidence["first_step"]) for f in old]
 
 
 def test_a_job_slow_before_its_slow_communicators_does_not_hide_them():
@@ -252,7 +257,7 @@ def test_a_rise_too_small_against_the_step_is_ignored(tmp_path):
 
 def test_bad_config_fails():
     for bad in ({"ratio": 1.0}, {"recent_steps": 0}, {"min_baseline_steps": 1}, {"gate_ratio": 0.5},
-                {"min_step_fraction": 1.0}):
+                {"min_step_fraction": 1.0}, {"early_score": 0.0}, {"early_score": 2.0}):
         with pytest.raises(ConfigError):
             CommtimeConfig(**bad).validate()
     CommtimeConfig().validate()

@@ -79,6 +79,7 @@ class CommtimeConfig(DetectorConfig):
     min_step_fraction: float = 0.005     # excess transfer time per step at least this share of the step time
     min_step_fraction_p2p: float = 0.001  # ... for a pipeline pair's sends (a two-link path: a sharper witness)
     gate_ratio: float = 1.1              # job step time this far above baseline: irregularity's (0: ignore)
+    early_score: float = 0.9             # the first-slowed communicators explained alone by a device this good
     complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
     max_suspects: int = 5
 
@@ -103,6 +104,8 @@ class CommtimeConfig(DetectorConfig):
             raise ConfigError(f"complete_fraction must be within (0, 1], got {self.complete_fraction}")
         if self.max_suspects < 1:
             raise ConfigError("max_suspects must be >= 1")
+        if not 0.0 < self.early_score <= 1.01:
+            raise ConfigError(f"early_score must be within (0, 1.01] (1.01: never), got {self.early_score}")
 
 
 def transfer_times(js, numbers_idx: range) -> tuple[dict[str, dict[int, int]], dict[str, set[int]]]:
@@ -312,19 +315,22 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
     explained: set[str] = set()  # communicators an earlier cause explains: slow, so no alibi for the next one
     while rest and len(out) < max_causes and rounds < 2 * max_causes:  # a merged left-over adds no cause: bounded
         rounds += 1
-        # the spans that began first (within recent_steps) are explained first: communicators that slowed
-        # later are neither evidence nor alibi yet (two links under one leaf slow from steps 44 and 49, at 1.5x
-        # and 2.1x: the leaf explained all four slow rings best and was named for the second link)
+        # communicators an earlier cause explains were slow: no alibi for this one
         first = min(sp["first"] for sp in rest)
-        early = [sp for sp in rest if sp["first"] < first + cfg.recent_steps]
-        slow: dict[str, float] = {}
-        for sp in early:
-            slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
-        later = {sp["comm"] for sp in rest} - set(slow)
-        flagged = sorted({i for sp in early for i in sp["flagged"]})
-        # (communicators an earlier cause explains were slow: no alibi for this one either)
-        among = {c: m for c, m in members.items() if c in slow or (c not in explained and c not in later)}
+        slow, among, flagged = _scope(rest, members, explained)
         sus = score_devices(slow, among, js.node_of, topo, nic_of)
+        # the spans that began first (within recent_steps), where one device alone explains them (no tie, a
+        # score >= early_score): that device first, the communicators that slowed later neither evidence nor
+        # alibi yet (two links under one leaf slow from steps 44 and 49, at 1.5x and 2.1x: the leaf explained
+        # all four slow rings best and was named for the second link). Not when the first spans tie (a congested
+        # leaf's rings slow a few steps apart: each early one ties its own links, the leaf explains them all)
+        early = [sp for sp in rest if sp["first"] < first + cfg.recent_steps]
+        if len(early) < len(rest):
+            later = {sp["comm"] for sp in rest} - {sp["comm"] for sp in early}
+            e_slow, e_among, e_flagged = _scope(early, members, explained | later)
+            e_sus = sorted(score_devices(e_slow, e_among, js.node_of, topo, nic_of), key=lambda s: -s.score)
+            if e_sus and e_sus[0].score >= cfg.early_score and (len(e_sus) == 1 or e_sus[1].score < e_sus[0].score):
+                slow, among, flagged, sus = e_slow, e_among, e_flagged, e_sus
         ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
         sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
@@ -348,6 +354,16 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
             out.append((sus[:cfg.max_suspects], mine, pev))
         rest += outside
     return out
+
+
+def _scope(spans: list[dict], members: dict[str, set[int]], leave_out: set[str]):
+    """(slow communicator -> ratio, the communicators to score over, the flagged steps) for these spans; the
+    communicators in leave_out count only when slow here."""
+    slow: dict[str, float] = {}
+    for sp in spans:
+        slow[sp["comm"]] = max(slow.get(sp["comm"], 0.0), sp["ratio"])
+    among = {c: m for c, m in members.items() if c in slow or c not in leave_out}
+    return slow, among, sorted({i for sp in spans for i in sp["flagged"]})
 
 
 def split_outside(mine: list[dict], cfg: CommtimeConfig) -> tuple[list[dict], list[dict]]:
