@@ -33,7 +33,9 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            judged by a z of its last-arrival share per communicator (against chance; for a small group over
            few steps, 0.8 x the most those steps allow), or, where being last is diluted by back-to-back
            collectives, by its margins: later than the members' median into each of its communicators in
-           >= 90 % of the slow steps, by >= 1 % of the step over the reference (late_every_step()).
+           >= 90 % of the slow steps, by >= 1 % of the step over the reference (late_every_step()). A rank
+           late into every collective because its pipeline input came late is `waiting` (half its score): its
+           receives grew by >= recv_wait_share x the job's excess step time (pipeline_victims()).
   network  a communicator whose transfer time (min over members of busy_ns: the member that waited least
            spent only the transfer) is >= comm_slow_ratio x its H median, by at least comm_slow_min_fraction
            of the baseline step, is slow. Every device on its member paths (ring order of the sorted members;
