@@ -29,7 +29,10 @@ pair is a sharp witness of its link even when the sends take 1 % of the step (a 
 pair that no ring crosses: the slow sends were left out at 0.5 % and the fault went unreported).
 Findings: overlapping spans form an episode; its root causes are explained greedily (explain()): the best
 device over the episode's slow communicators, then the best over those it does not explain (a slow link
-beside a congested switch elsewhere), up to 3, one finding each (`concurrent_with` names the first). A cause
+beside a congested switch elsewhere), up to 3, one finding each (`concurrent_with` names the first). The
+communicators that slowed first (within recent_steps) go first where one device alone explains them (score
+>= early_score, no tie): two links under one leaf slowing 5 steps apart are two links, not the leaf; and the
+communicators an earlier cause took are no alibi for the next (they were slow). A cause
 keeps its spans only over its own time (split_outside(): the median first to the median last step of its
 spans): a span slow for >= recent_steps steps before or after that (a pair crossing a congested leaf and a bad
 link of its own that was slow longer) leaves those steps to be explained again, so the link gets its finding
@@ -306,31 +309,33 @@ def _left_to_irregularity(js, ep: list[dict], trans: dict[str, dict[int, int]], 
 def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[int]], topo, nic_of, job_flag,
             cfg: CommtimeConfig, max_causes: int = 3) -> list[tuple[list, list[dict], dict | None]]:
     """The root causes of one episode's slow communicators, greedily: score every device over the slow ones
-    (score_devices; ties broken by progressive fetching, refine), take the best, set aside the slow
-    communicators whose paths it is on, and score again over the rest (a slow link beside a congested switch
-    elsewhere, two bad links at once), up to max_causes. Each cause: (its suspects, its spans, probe evidence)."""
+    (score_devices; ties broken by progressive fetching, refine), the first-slowed ones alone where one device
+    explains them (early_score), take the best, set aside the slow communicators whose paths it is on, and
+    score again over the rest (a slow link beside a congested switch elsewhere, two bad links at once), up to
+    max_causes. Each cause: (its suspects, its spans, probe evidence)."""
     out = []
     rest = list(ep)
     rounds = 0
     explained: set[str] = set()  # communicators an earlier cause explains: slow, so no alibi for the next one
     while rest and len(out) < max_causes and rounds < 2 * max_causes:  # a merged left-over adds no cause: bounded
         rounds += 1
-        # communicators an earlier cause explains were slow: no alibi for this one
         first = min(sp["first"] for sp in rest)
-        slow, among, flagged = _scope(rest, members, explained)
-        sus = score_devices(slow, among, js.node_of, topo, nic_of)
         # the spans that began first (within recent_steps), where one device alone explains them (no tie, a
         # score >= early_score): that device first, the communicators that slowed later neither evidence nor
         # alibi yet (two links under one leaf slow from steps 44 and 49, at 1.5x and 2.1x: the leaf explained
         # all four slow rings best and was named for the second link). Not when the first spans tie (a congested
         # leaf's rings slow a few steps apart: each early one ties its own links, the leaf explains them all)
+        sus = None
         early = [sp for sp in rest if sp["first"] < first + cfg.recent_steps]
         if len(early) < len(rest):
             later = {sp["comm"] for sp in rest} - {sp["comm"] for sp in early}
-            e_slow, e_among, e_flagged = _scope(early, members, explained | later)
-            e_sus = sorted(score_devices(e_slow, e_among, js.node_of, topo, nic_of), key=lambda s: -s.score)
+            slow, among, flagged = _scope(early, members, explained | later)
+            e_sus = sorted(score_devices(slow, among, js.node_of, topo, nic_of), key=lambda s: -s.score)
             if e_sus and e_sus[0].score >= cfg.early_score and (len(e_sus) == 1 or e_sus[1].score < e_sus[0].score):
-                slow, among, flagged, sus = e_slow, e_among, e_flagged, e_sus
+                sus = e_sus
+        if sus is None:   # all of the rest at once
+            slow, among, flagged = _scope(rest, members, explained)
+            sus = score_devices(slow, among, js.node_of, topo, nic_of)
         ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
         sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
