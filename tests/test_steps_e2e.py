@@ -164,8 +164,9 @@ def test_steps_of_a_real_gloo_job_match_its_own_boundaries(tmp_path):
         assert f["steps"] >= N_STEPS - 6, f
         assert at["median_abs_error"] <= 0.01 and at["median_duration_error"] <= 0.01, f
         # against the iteration's end the error is the last collective's own time: on a loaded 2-core CI machine a
-        # median of 1.2 % of the step, durations 5.5 % (more than the 5 % this asserted then), all that collective's
-        assert f["median_abs_error"] <= 0.05, f
+        # median of 1.2 % of the step, durations 5.5 % (more than the 5 % this asserted then), all of it that
+        # collective's variation
+        assert f["median_abs_error"] <= 0.05 and f["median_error_after_phase"] <= 0.05, f
         assert f["median_duration_error"] <= f["last_op_variation"] + 0.01, f
     # the ranks number the steps alike (from the collective sequence numbers)
     common = {s.step for s in steps if s.pid == procs[0].pid} & {s.step for s in steps if s.pid == procs[1].pid}
