@@ -295,6 +295,7 @@ class Runner:
                     self.queue.put_many(name, recs)
                 interval = cfg.deep_interval_seconds if (self._mode is Mode.DEEP and cfg.deep_interval_seconds) \
                     else cfg.interval_seconds
+                interval *= max(1.0, inst.pace())       # the source's own stretch (pystacks: its sample budget)
                 interval /= self.governor.scale(name)   # stretched over the CPU budget (agent/governor.py)
                 next_at += interval
                 now = time.monotonic()

@@ -241,3 +241,21 @@ def test_refresh_runs_a_step_now_and_waits_for_it():
         t0 = time.monotonic()
         runner.stop(timeout=5.0)
         assert time.monotonic() - t0 < 3.0         # the poke wakes a source waiting out its interval
+
+
+class Paced(Ticker):
+    name = "paced"
+    description = "asks for 4x its interval after each step"
+
+    def pace(self):
+        return 4.0
+
+
+def test_a_source_that_paces_itself_steps_that_much_less_often():
+    runner, spool = _runner([Ticker, Paced])
+    runner.start()
+    time.sleep(1.0)
+    runner.stop(timeout=1.0)
+    n = {name: sum(1 for src, _ in spool.records() if src == name) for name in ("ticker", "paced")}
+    # 20 ms vs 80 ms: ~50 and ~13 steps in the second (a loaded machine may skip some of either)
+    assert n["paced"] >= 5 and 2.5 <= n["ticker"] / n["paced"] <= 6, n

@@ -88,6 +88,30 @@ def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):
     store.close()
 
 
+def test_many_processes_share_the_sentinel_sample_budget(tmp_path, target):
+    """max_samples_per_second spreads the sentinel budget over the processes: the steps (each samples every
+    process) stretch by processes / (budget x interval) when that is over 1; deep mode is not capped."""
+    proc, path, lines = target
+    ctx = HostContext("t", state_dir=str(tmp_path))
+    key = (proc.pid, _start_ticks(proc.pid))
+    ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
+    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.1, max_samples_per_second=20.0))
+    src.start()
+    try:
+        assert src.pace() == 1.0                     # nothing attached yet
+        src.step()
+        assert len(src.targets) == 1 and src.pace() == 1.0   # 10 samples/s, under 20
+        src.config.max_samples_per_second = 2.5
+        assert src.pace() == 4.0                     # 1 process x 10 Hz over 2.5/s: every 0.4 s
+        src.set_mode(Mode.DEEP)
+        assert src.pace() == 1.0
+        src.set_mode(Mode.SENTINEL)
+        src.config.max_samples_per_second = 0
+        assert src.pace() == 1.0
+    finally:
+        src.stop()
+
+
 def test_exited_process_is_dropped_with_its_last_summary(tmp_path, target):
     proc, path, lines = target
     ctx = HostContext("t", state_dir=str(tmp_path))

@@ -150,6 +150,12 @@ class Source:
     def set_mode(self, mode: Mode) -> None:
         """Deep mode began or ended; sources with a deep mode change what they collect."""
 
+    def pace(self) -> float:
+        """How many times its configured interval this source's next step should wait (>= 1), by its own rule:
+        pystacks spreads a per-host sample budget over however many processes it samples. Asked after each step;
+        the governor's stretch (agent/governor.py) applies on top."""
+        return 1.0
+
     def stop(self) -> None:
         """Release handles. Idempotent."""
 

@@ -13,8 +13,11 @@ Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
 
 Cost: at 10 Hz every sample starts with cold caches; one sample of a 4-thread process with a 26-frame
 busy thread is ~400-500 µs of agent CPU (bench/pystacks.py, `record`'s in-process figure, sleeping
-included; ~90 µs back to back), so 10 Hz over 8 ranks comes to about 3-4 % of a core (derived from
-that figure, not measured as such).
+included; ~90 µs back to back), and a torch rank ~115 µs (bench/agent_footprint.py: 0.9 % of a core for
+8 ranks at 10 Hz). So sentinel mode has a per-host budget, max_samples_per_second (20): each step samples
+every process back to back, and the steps are spread so that all processes together stay within it
+(`pace`: 8 ranks are sampled at 2.5 Hz each, 25 samples per thread in a 10 s summary; up to 2 processes
+keep 10 Hz). Deep mode is not capped here (the governor holds it to the deep budget).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from steplens.agent.sources.base import Availability, ConfigError, Source, Sourc
 @dataclass
 class PystacksConfig(SourceConfig):
     interval_seconds: float = 0.1          # sentinel sampling period (10 Hz)
+    max_samples_per_second: float = 20.0   # sentinel mode, all processes together: 8 ranks get 2.5 Hz each (0: no cap)
     deep_interval_seconds: float = 0.001   # deep-mode sampling period (1 kHz)
     summary_seconds: float = 10.0          # a summary per thread this often
     deep_summary_seconds: float = 1.0      # ... and this often in deep mode
@@ -44,6 +48,8 @@ class PystacksConfig(SourceConfig):
         super().validate()
         if self.summary_seconds < self.interval_seconds or self.deep_summary_seconds <= 0:
             raise ConfigError("summary_seconds must be >= interval_seconds and deep_summary_seconds > 0")
+        if not (0 <= self.max_samples_per_second <= 100_000):
+            raise ConfigError("max_samples_per_second must be within 0..100000 (0: no cap)")
         if not (1 <= self.max_processes <= 4096):
             raise ConfigError("max_processes must be within 1..4096")
         if self.detail_max_samples < 1000:
@@ -101,6 +107,14 @@ class PystacksSource(Source):
 
     def set_mode(self, mode: Mode) -> None:
         self.deep = mode is Mode.DEEP
+
+    def pace(self) -> float:
+        """Sentinel mode: every process is sampled at each step, back to back (the agent's code stays hot from one
+        to the next), and the steps are spread so that all of them together stay within max_samples_per_second."""
+        cap = self.config.max_samples_per_second
+        if self.deep or cap <= 0 or not self.targets:
+            return 1.0
+        return max(1.0, len(self.targets) / (cap * self.config.interval_seconds))
 
     def idle(self) -> bool:
         if self.targets:
