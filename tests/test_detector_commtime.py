@@ -149,6 +149,19 @@ def test_split_outside_cuts_a_span_to_its_cause_time():
     assert split_outside([sp("c", 10, 45)], CommtimeConfig()) == ([sp("c", 10, 45)], [])
 
 
+def test_a_lone_noise_flag_before_a_slowdown_is_not_its_onset():
+    from steplens.collector.analysis.commtime import slow_spans
+    cfg = CommtimeConfig()
+    flags = [False] * 60
+    for i in [36] + list(range(38, 55)):   # noise at 36, the slowdown from 38 (scenario 131 of the report set)
+        flags[i] = True
+    assert slow_spans(flags, cfg) == [(38, 54, "persistent")]
+    flags[37] = True                       # flagged from 36 on: the onset is 36
+    assert slow_spans(flags, cfg) == [(36, 54, "persistent")]
+    alternating = [i >= 30 and i % 2 == 0 for i in range(60)]   # slow every other step: kept whole
+    assert slow_spans(alternating, cfg) == [(30, 58, "fluctuating")]
+
+
 def test_a_fluctuating_link_is_found_as_fluctuating(tmp_path):
     # 1.3x at the top of a 10-step cycle: slow, better, slow again; the window still sees it after it ended
     (f,) = run(jittered(tmp_path, ["fluctuation:n2.nic1:30:60:1.3:10"], 4, 0.02))

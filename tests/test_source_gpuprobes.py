@@ -24,7 +24,7 @@ from procutil import start_ticks as _start_ticks
 from steplens.agent.records import Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.gpuprobes import (BPF_FILE, OPS, GpuprobesConfig, GpuprobesSource, render_program,
-                                              scan_maps)
+                                              _literal_start, scan_maps)
 
 FAKE_NCCL = r"""
 #include <stddef.h>
@@ -141,8 +141,20 @@ def test_scan_maps_finds_libraries_by_inode(fake_libs, tmp_path):
             assert (st.st_dev, st.st_ino) == (dev, ino)
         assert scan_maps("/proc", os.getpid(), {"nccl": r"libnccl\.so(\.\d+)*$"}) == {}
         assert scan_maps("/proc", 2**22 + 12345, {"nccl": r"libnccl"}) == {}
+        # patterns without a plain start, or with an alternation, read every line: the same libraries
+        assert {k for k, _ in scan_maps("/proc", caller.p.pid, {"nccl": r".*nccl\.so(\.\d+)*$",
+                                                                "cudart": r"libxx|libcudart\.so"}).values()} == \
+            {"nccl", "cudart"}
     finally:
         caller.close()
+
+
+def test_the_literal_start_of_a_library_pattern():
+    assert _literal_start(r"libnccl\.so(\.\d+)*$") == b"libnccl.so"
+    assert _literal_start(r"libcuda\.so") == b"libcuda.so"
+    assert _literal_start(r"libx_y-zs?\.so") == b"libx_y-z"      # the optional "s" is not required
+    assert _literal_start(r".*nccl") == b"" and _literal_start(r"liba|libb") == b""
+    assert _literal_start(r"lib\d") == b"lib"
 
 
 # -- real uprobes ---------------------------------------------------------------------------------------

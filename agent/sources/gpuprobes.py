@@ -46,7 +46,8 @@ that maps the probed file, workload or not; the watched-tgid check only skips th
 (tens to thousands per second per process) cost little; kernel launches can reach 10^4-10^5/s in eager
 PyTorch, which at these figures would take a large share of the launching thread, so `cuda_launches` is off
 by default. The 64-page ring buffer holds ~4,000 calls between steps; more are dropped and counted.
-User space: one maps scan per workload per `rescan_seconds` (~0.1-1 ms for a large process).
+User space: one maps scan per workload per `rescan_seconds` (~0.75 ms of CPU for a torch process, cold, half of it
+the kernel formatting the file: only the lines naming a library's literal start are parsed, 1.15 ms before).
 """
 
 from __future__ import annotations
@@ -121,6 +122,28 @@ def render_program(template: str, config: GpuprobesConfig) -> str:
                   RINGBUF_PAGES=config.ringbuf_pages, FIRST_LAUNCH_OP=FIRST_LAUNCH_OP, **ops)
 
 
+def _literal_start(pattern: str) -> bytes:
+    """The plain characters a file-name pattern begins with (r"libnccl\\.so(\\.\\d+)*$" -> b"libnccl.so"); b"" when
+    it begins with anything else or has an alternation."""
+    if "|" in pattern:
+        return b""
+    out = []
+    i = 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern) and not pattern[i + 1].isalnum():
+            out.append(pattern[i + 1])
+            i += 2
+        elif c.isalnum() or c in "_-":
+            out.append(c)
+            i += 1
+        else:
+            break
+    if i < len(pattern) and pattern[i] in "*?{" and out:
+        out.pop()  # the last character is optional or repeated
+    return "".join(out).encode()
+
+
 def scan_maps(proc_root: str, pid: int, kinds: dict[str, str]) -> dict[tuple[int, int], tuple[str, str]]:
     """Libraries of the given kinds mapped by pid: {(st_dev, st_ino): (kind, path through /proc/PID/root)}."""
     patterns = {kind: re.compile(p) for kind, p in kinds.items()}
@@ -128,10 +151,19 @@ def scan_maps(proc_root: str, pid: int, kinds: dict[str, str]) -> dict[tuple[int
     seen = set()
     try:
         with open(os.path.join(proc_root, str(pid), "maps"), "rb") as fh:
-            lines = fh.read().decode("utf-8", "surrogateescape").splitlines()
+            data = fh.read()
     except OSError:
         return found
-    for line in lines:
+    # only the lines that hold a pattern's literal start can match: a torch process maps ~350 files, and parsing
+    # every line was ~40 % of a scan (the kernel's formatting of the file is the rest)
+    lits = [_literal_start(p) for p in kinds.values()]
+    if not all(lits):
+        keep = data.split(b"\n")
+    elif not any(lit in data for lit in lits):
+        return found
+    else:
+        keep = [ln for ln in data.split(b"\n") if any(lit in ln for lit in lits)]
+    for line in (ln.decode("utf-8", "surrogateescape") for ln in keep):
         parts = line.split(None, 5)
         if len(parts) < 6 or not parts[5].startswith("/"):
             continue

@@ -185,6 +185,9 @@ def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, s
     run: list[int] = []
     for i in idx + [None]:
         if run and (i is None or i - run[-1] > 2):
+            if len(run) >= 3 and run[1] - run[0] > 1 and run[2] - run[1] == 1:
+                run.pop(0)  # a lone flag, a gap, then a slowdown flagged step after step: the lone flag is noise,
+                            # not its onset (a 1.2x leaf from step 38 flagged 36, 38, 39, ...)
             if len(run) >= cfg.recent_steps:
                 dense = len(run) >= 0.8 * (run[-1] - run[0] + 1)
                 if out and run[0] - out[-1][1] <= cfg.fluctuation_steps:  # slow, better, slow again: one span
