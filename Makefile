@@ -135,8 +135,9 @@ bench: install $(TORCH_STAMP)
 # the whole stream -> collector -> `steplens diagnose` path (wholepath.py), and EVAL_HANGS hang scenarios
 # (+ EVAL_HANGS_BIG at 8,192 GPUs: hangs.py, detection latency and culprit per scenario), and the black-box
 # flow diagnosis on EVAL_FLOWS_SEEDS layouts of the 19-job 2,880-GPU cluster (flows.py: recognition, pair types,
-# timelines, faults; ~2 min a seed). ~50 min on the 2-core VM with the defaults, plus ~30 min for healthy.py
-# and a few for hangs.py.
+# timelines, faults; ~2 min a seed), and the smallest one-GPU slowdown found (limit.py: EVAL_LIMIT_PER scenarios
+# per magnitude, 1-10 %). ~50 min on the 2-core VM with the defaults, plus ~30 min for healthy.py, ~6 for
+# limit.py and a few for hangs.py.
 EVAL_RANDOM ?= 200
 EVAL_HEALTHY ?= 4
 EVAL_SCALE ?= 20
@@ -144,6 +145,7 @@ EVAL_WHOLEPATH ?= 20
 EVAL_HANGS ?= 20
 EVAL_HANGS_BIG ?= 3
 EVAL_FLOWS_SEEDS ?= 0 1 2
+EVAL_LIMIT_PER ?= 8
 eval: install
 	cd bench/eval && ../../$(PY) run.py --random $(EVAL_RANDOM) --random-seed 2000
 	cd bench/eval && ../../$(PY) healthy.py --runs $(EVAL_HEALTHY) --seed 5000
@@ -152,6 +154,7 @@ eval: install
 	cd bench/eval && ../../$(PY) hangs.py --scenarios $(EVAL_HANGS) --big $(EVAL_HANGS_BIG) --seed 6000
 	cd bench/eval && ../../$(PY) flows.py --seeds $(EVAL_FLOWS_SEEDS)
 	cd bench/eval && ../../$(PY) sentinel.py
+	cd bench/eval && ../../$(PY) limit.py --per $(EVAL_LIMIT_PER) --seed 7000
 
 proto: install
 	$(PY) -m grpc_tools.protoc -I proto --python_out=proto --pyi_out=proto --grpc_python_out=proto proto/steplens/v1/*.proto

@@ -605,9 +605,10 @@ def test_unknown_family_short_tcp_info_and_netlink_errors(loopback_pair):
 
 def test_runtime_errors_are_counted_and_reported_once(loopback_pair, monkeypatch):
     """Datagrams larger than the buffer (real dumps into a 600-byte buffer): counted, one Event, no exception,
-    and an incomplete dump forgets no connection. A closed netlink socket: the same."""
+    and an incomplete dump forgets no connection. A closed netlink socket: the same (dumps every step here; the
+    lookups' errors: test_lookups_between_full_dumps)."""
     cl, sv, port = loopback_pair
-    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig())
+    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig(full_dump_seconds=0))
     src.start()
     try:
         first = src.step()
@@ -800,7 +801,7 @@ def test_step_cost():
     for _ in range(200):
         c = socket.create_connection(srv.getsockname())
         pairs.append((c, srv.accept()[0]))
-    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig())
+    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig(full_dump_seconds=0))
     src.start()
     try:
         src.step()
@@ -809,6 +810,18 @@ def test_step_cost():
         for _ in range(50):
             src.step()
         idle = (time.process_time() - t) / 50
+    finally:
+        src.stop()
+    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig())   # between full dumps: lookups
+    src.start()
+    try:
+        src.step()
+        src.step()
+        lookups, t = src.lookups, time.process_time()
+        for _ in range(50):
+            src.step()
+        looked = (time.process_time() - t) / 50
+        lookups = src.lookups - lookups
         busy_t = 0.0
         emitted = 0
         for _ in range(20):
@@ -827,7 +840,78 @@ def test_step_cost():
             c.close()
             s.close()
         srv.close()
-    print(f"\ntcpinfo step CPU: no connection {empty * 1e3:.2f} ms; 400 sockets: idle {idle * 1e3:.2f} ms, all "
-          f"moving {busy * 1e3:.2f} ms ({emitted / 20:.0f} records/step)")
+    print(f"\ntcpinfo step CPU: no connection {empty * 1e3:.2f} ms; 400 sockets: idle {idle * 1e3:.2f} ms (a dump "
+          f"every step), {looked * 1e3:.2f} ms by lookups ({lookups} of 50 steps), all moving {busy * 1e3:.2f} ms "
+          f"({emitted / 20:.0f} records/step)")
+    assert lookups >= 25  # other tests' sockets may come and go meanwhile: those steps dump
     assert emitted / 20 >= 400 * 0.9
     assert idle < 0.05 and busy < 0.08  # generous: a loaded 2-core VM
+
+
+def test_lookups_between_full_dumps(loopback_pair):
+    """Between full dumps the tracked connections are read by exact lookups (no walk of the kernel's table):
+    their bytes are counted as a dump would count them; a socket that opens or closes moves the namespace's
+    TCP count and the next step dumps (the new connection is found, the closed one forgotten); full_dump_seconds
+    bounds the time between dumps. The lookup itself: every request answered, a closed socket or a stale
+    cookie is ENOENT, more sockets than one datagram of requests, and a dead netlink socket is counted, not
+    raised, and forgets nothing."""
+    from steplens.agent.sources.tcpinfo import SockDiag
+    cl, sv, port = loopback_pair
+    assert TcpinfoSource.sockstat() is not None
+    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig())
+    src.start()
+    try:
+        src.step()
+        dumps = src.dumps
+        # quiet: the socket count holds; retried because other tests' sockets may close meanwhile
+        for _ in range(20):
+            lookups = src.lookups
+            cl.sendall(b"x" * 3000)
+            got = 0
+            while got < 3000:
+                got += len(sv.recv(65536))
+            out = src.step()
+            if src.lookups == lookups + 1:
+                break
+        assert src.lookups == lookups + 1
+        mine = _conns(out, sport=cl.getsockname()[1], dport=port)
+        assert [c.tx_payload_bytes for c in mine] == [3000], out
+        assert src.dumps >= dumps  # the lookup step dumped nothing
+        # a new connection moves the count: the next step dumps and finds it
+        c2 = socket.create_connection(("127.0.0.1", port))
+        s2 = socket.socket(fileno=os.dup(sv.fileno()))  # any fd: the listener's queue holds the accepted one
+        s2.close()
+        dumps = src.dumps
+        out = src.step()
+        assert src.dumps > dumps and _conns(out, sport=c2.getsockname()[1]), out
+        key2 = next(k for k in src._conns if k[1] == c2.getsockname()[1])
+        c2.close()
+        src.step()
+        assert key2 not in src._conns
+        # full_dump_seconds bounds the lookups
+        src.config.full_dump_seconds = 0.001
+        dumps = src.dumps
+        time.sleep(0.01)
+        src.step()
+        assert src.dumps > dumps
+    finally:
+        src.stop()
+    # the lookup request itself
+    diag = SockDiag()
+    try:
+        part = diag.dump(socket.AF_INET)
+        ours = next(s for s in part.socks if s.sport == cl.getsockname()[1] and s.dport == port)
+        found, gone = diag.lookup([(ours.family, ours.sockid)])
+        assert found.done and gone == 0 and [s.key for s in found.socks] == [ours.key]
+        assert found.socks[0].info is not None and found.socks[0].info.bytes_received >= 0
+        stale = ours.sockid[:40] + bytes(8)   # another cookie: the kernel says ENOENT
+        found, gone = diag.lookup([(ours.family, stale), (ours.family, ours.sockid)])
+        assert found.done and gone == 1 and len(found.socks) == 1
+        pairs = [(ours.family, ours.sockid)] * (SockDiag.LOOKUP_BATCH * 2 + 5)
+        found, gone = diag.lookup(pairs)
+        assert found.done and gone == 0 and len(found.socks) == len(pairs)
+        diag.close()
+        found, gone = diag.lookup([(ours.family, ours.sockid)])
+        assert not found.done and found.errors and not found.socks
+    finally:
+        diag.close()
