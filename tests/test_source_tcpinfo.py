@@ -848,7 +848,7 @@ def test_step_cost():
     assert idle < 0.05 and busy < 0.08  # generous: a loaded 2-core VM
 
 
-def test_lookups_between_full_dumps(loopback_pair):
+def test_lookups_between_full_dumps(loopback_pair, monkeypatch):
     """Between full dumps the tracked connections are read by exact lookups (no walk of the kernel's table):
     their bytes are counted as a dump would count them; a socket that opens or closes moves the namespace's
     TCP count and the next step dumps (the new connection is found, the closed one forgotten); full_dump_seconds
@@ -894,6 +894,20 @@ def test_lookups_between_full_dumps(loopback_pair):
         time.sleep(0.01)
         src.step()
         assert src.dumps > dumps
+        # an incomplete dump (datagrams truncated in a 600-byte buffer) is followed by another, not by lookups
+        with monkeypatch.context() as m:
+            m.setattr(SockDiag, "BUFFER_BYTES", 600)
+            src._diag.close()
+            src._diag = SockDiag()
+            time.sleep(0.01)
+            src.step()
+        assert not src._last_dump_complete
+        src.config.full_dump_seconds = 10.0
+        src._diag.close()
+        src._diag = SockDiag()
+        dumps, lookups = src.dumps, src.lookups
+        src.step()
+        assert src.dumps > dumps and src.lookups == lookups and src._last_dump_complete
     finally:
         src.stop()
     # the lookup request itself
