@@ -48,12 +48,17 @@ def target(tmp_path):
 
 
 
-def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):
-    proc, path, lines = target
+def _watching(tmp_path, proc, config: PystacksConfig) -> PystacksSource:
+    """A source (not started) whose only workload is proc, its detail store under tmp_path."""
     ctx = HostContext("t", state_dir=str(tmp_path))
     key = (proc.pid, _start_ticks(proc.pid))
     ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
-    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=0.5))
+    return PystacksSource(ctx, config)
+
+
+def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):
+    proc, path, lines = target
+    src = _watching(tmp_path, proc, PystacksConfig(interval_seconds=0.01, summary_seconds=0.5))
     src.start()
     try:
         out = []
@@ -92,10 +97,7 @@ def test_many_processes_share_the_sentinel_sample_budget(tmp_path, target):
     """max_samples_per_second spreads the sentinel budget over the processes: the steps (each samples every
     process) stretch by processes / (budget x interval) when that is over 1; deep mode is not capped."""
     proc, path, lines = target
-    ctx = HostContext("t", state_dir=str(tmp_path))
-    key = (proc.pid, _start_ticks(proc.pid))
-    ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
-    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.1, max_samples_per_second=20.0))
+    src = _watching(tmp_path, proc, PystacksConfig(interval_seconds=0.1, max_samples_per_second=20.0))
     src.start()
     try:
         assert src.pace() == 1.0                     # nothing attached yet
@@ -114,10 +116,7 @@ def test_many_processes_share_the_sentinel_sample_budget(tmp_path, target):
 
 def test_exited_process_is_dropped_with_its_last_summary(tmp_path, target):
     proc, path, lines = target
-    ctx = HostContext("t", state_dir=str(tmp_path))
-    key = (proc.pid, _start_ticks(proc.pid))
-    ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
-    src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
+    src = _watching(tmp_path, proc, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
     src.start()
     try:
         for _ in range(5):
@@ -134,10 +133,8 @@ def test_exited_process_is_dropped_with_its_last_summary(tmp_path, target):
 def test_unreadable_process_is_an_event_not_an_error(tmp_path):
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
-        ctx = HostContext("t", state_dir=str(tmp_path))
+        src = _watching(tmp_path, sleeper, PystacksConfig(interval_seconds=0.01, startup_grace_seconds=0))
         key = (sleeper.pid, _start_ticks(sleeper.pid))
-        ctx.workloads.replace({key: ProcessInfo(0, sleeper.pid, key[1])})
-        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, startup_grace_seconds=0))
         src.start()
         out = src.step()
         assert len(out) == 1 and out[0].kind == "pystacks_attach_failed" and "not a CPython process" in out[0].message
@@ -155,10 +152,8 @@ def test_a_process_attached_before_its_interpreter_is_read_soon_after(tmp_path):
     second (back-off from 0.25 s), not after retry_seconds, and a young process's failure is no Event."""
     proc = subprocess.Popen(["sh", "-c", f"sleep 0.5; exec {sys.executable} -c 'import time; time.sleep(30)'"])
     try:
-        ctx = HostContext("t", state_dir=str(tmp_path))
+        src = _watching(tmp_path, proc, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
         key = (proc.pid, _start_ticks(proc.pid))
-        ctx.workloads.replace({key: ProcessInfo(0, proc.pid, key[1])})
-        src = PystacksSource(ctx, PystacksConfig(interval_seconds=0.01, summary_seconds=60))
         src.start()
         events = src.step()
         assert key in src.failed and not src.targets
