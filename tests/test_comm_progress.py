@@ -5,6 +5,7 @@ waiting before the 4th all_reduce that rank 0 has entered)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -177,3 +178,24 @@ def test_p2p_peer_and_malformed_status():
     assert problems == []
     assert (p.comm_id, p.pending_op, p.pending_seq, p.pending_p2p, p.pending_peer, p.pending_since_mono_ns,
             p.nranks) == ("pg:1", "recv", 3, True, 2, 0, 2)
+
+
+def test_a_completion_torch_left_one_behind_is_read_from_the_entries():
+    # rank 1's recorded dump as this machine produced it under CPU load: its entry 3 retired, pg_status still
+    # saying last_completed 2 (torch's gloo worker thread for seq 2 stored after the one for seq 3)
+    with open(os.path.join(FIXTURES, "fr_pending_gloo_rank1.json")) as fh:
+        doc = json.load(fh)
+    doc["pg_status"]["0"]["last_completed_collective"] = "2"
+    d = parse_dump(doc)
+    assert d.status == {"0": (3, -1, 2)}
+    (p,), problems = progress_records(d, RealtimeClock(), 10**12, 12, 8, 1, 2, "frtest")
+    assert problems == [] and (p.last_enqueued, p.last_completed, p.pending_seq) == (3, 3, -1)
+    # never past what was enqueued, and a p2p entry's collective_seq_id does not count
+    doc["pg_status"]["0"]["last_enqueued_collective"] = "2"
+    (p,), _ = progress_records(parse_dump(doc), RealtimeClock(), 10**12, 12, 8, 1, 2, "frtest")
+    assert (p.last_enqueued, p.last_completed) == (2, 2)
+    doc["pg_status"]["0"]["last_enqueued_collective"] = "3"
+    for e in doc["entries"]:
+        e["is_p2p"] = e["collective_seq_id"] == 3
+    (p,), _ = progress_records(parse_dump(doc), RealtimeClock(), 10**12, 12, 8, 1, 2, "frtest")
+    assert p.last_completed == 2

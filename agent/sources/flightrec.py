@@ -41,7 +41,8 @@ job variables) says. A normal exit (socket gone, exit dump present) is not repor
 
 Progress (CommProgress, what a hang's culprit is found from): after each successful dump of a live process, one
 record per process group in the dump's pg_status (torch 2.13 writes last_enqueued/started/completed_collective as
-strings; gloo leaves started at -1), comm_id "pg:<name>" as the CommOps', rank/job_key/start_ticks from the
+strings; gloo leaves started at -1; last_completed is raised to the group's highest done entry, as torch's gloo
+threads can leave it one behind), comm_id "pg:<name>" as the CommOps', rank/job_key/start_ticks from the
 process's ProcessInfo, mono_ns the time the dump was read. The oldest entry of the group not done (not retired
 and state != "completed": gloo leaves every entry "scheduled" and retires it when it completes) gives pending_op
 (normalized profiling name), pending_seq (collective_seq_id; p2p_seq_id for p2p), pending_peer (NCCL p2p names
@@ -549,16 +550,28 @@ def progress_records(dump: Dump, clock: RealtimeClock, mono_ns: int, pid: int, s
     keys; its pending_since is left 0) or whose sequence number is not an integer ("malformed"; no pending op
     is reported for that group)."""
     oldest: dict[str, dict] = {}
+    done_high: dict[str, int] = {}   # group -> highest collective_seq_id of a done collective entry
     for e in dump.entries:
         rid = e.get("record_id")
-        if entry_done(e) or not isinstance(rid, int):
-            continue
         pg = e.get("process_group") or [""]
         name = str(pg[0]) if isinstance(pg, (list, tuple)) and pg else ""
+        if entry_done(e):
+            seq = e.get("collective_seq_id")
+            if not e.get("is_p2p") and type(seq) is int and seq > done_high.get(name, -1):
+                done_high[name] = seq
+            continue
+        if not isinstance(rid, int):
+            continue
         if name in dump.status and (name not in oldest or rid < oldest[name]["record_id"]):
             oldest[name] = e
     out, problems = [], []
     for name, (enq, started, done) in dump.status.items():
+        # torch's gloo worker threads store last_completed_collective after the waiting caller has gone on, so
+        # a slow thread can overwrite seq N with N-1 and leave it there until the next completion (seen on this
+        # machine under CPU load: a rank blocked before seq N+1 read last_completed N-1 for 30 s while its
+        # entry N was retired). The entries are the better witness: the higher of the two, never past enqueued.
+        if done_high.get(name, -1) > done:
+            done = min(done_high[name], enq) if enq >= 0 else done_high[name]
         members = dump.members.get(name, [])
         nranks = dump.pg_sizes.get(name, 0)
         if not members and name == "0" and world_size > 0:  # the default group is the world
