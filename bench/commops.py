@@ -121,24 +121,34 @@ def _commop_rows(state_dir: str) -> int:
     path = os.path.join(state_dir, "detail.db")
     if not os.path.exists(path):
         return 0
-    db = sqlite3.connect(path, timeout=10)
+    return len(_stored_commops(state_dir)) + _detail_dropped(state_dir)
+
+
+def _detail_dropped(state_dir: str) -> int:
+    db = sqlite3.connect(os.path.join(state_dir, "detail.db"), timeout=10)
     try:
-        return db.execute("SELECT COUNT(*) FROM records WHERE kind = 'commop'").fetchone()[0] + \
-            (db.execute("SELECT value FROM counters WHERE key = 'records_dropped'").fetchone() or (0,))[0]
+        return (db.execute("SELECT value FROM counters WHERE key = 'records_dropped'").fetchone() or (0,))[0]
     finally:
         db.close()
+
+
+def _stored_commops(state_dir: str, since_mono: int = 0, pids=None) -> list[bytes]:
+    """The detail store's CommOp records (serialized Records), read as the agent's fetch reads them: a second
+    connection to the agent's file (WAL: it reads what is committed)."""
+    sys.path.insert(0, REPO)
+    from steplens.agent.detail import DetailStore
+    store = DetailStore(os.path.join(state_dir, "detail.db"))
+    try:
+        return store.records(["commop"], since_mono_ns=since_mono, pids=pids, limit=1 << 40)
+    finally:
+        store._db.close()   # not close(): nothing of this reader's to flush
 
 
 def _traced_spans(state_dir: str, since_mono: int) -> list[tuple[int, int]]:
     """Realtime spans of the Kineto windows since since_mono (runs of traced ops with no gap > 0.5 s)."""
     sys.path.insert(0, REPO)
     from steplens.agent.transport.codec import decode_records, records_payload
-    db = sqlite3.connect(os.path.join(state_dir, "detail.db"), timeout=10)
-    try:
-        blobs = [b for (b,) in db.execute("SELECT record FROM records WHERE kind = 'commop' AND mono_ns >= ?",
-                                          (since_mono,))]
-    finally:
-        db.close()
+    blobs = _stored_commops(state_dir, since_mono)
     offset = time.time_ns() - time.monotonic_ns()
     times = sorted((r.start_mono_ns + offset, r.end_mono_ns + offset)
                    for src, r in decode_records(records_payload(blobs)) if src == "kineto" and r.start_mono_ns)
@@ -213,12 +223,7 @@ def _ops_lost(state_dir: str, pids: list[int]) -> tuple[int, int]:
     """(stored flightrec CommOps of these pids, collective sequence numbers missing among them): per process and
     group, the numbers 1..highest that no stored op carries."""
     from steplens.agent.transport.codec import decode_records, records_payload
-    db = sqlite3.connect(os.path.join(state_dir, "detail.db"), timeout=10)
-    try:
-        blobs = [b for (b,) in db.execute("SELECT record FROM records WHERE kind = 'commop' AND pid IN (%s)"
-                                          % ",".join("?" * len(pids)), pids)]
-    finally:
-        db.close()
+    blobs = _stored_commops(state_dir, pids=set(pids))
     seqs: dict[tuple, set] = {}
     stored = 0
     for src, r in decode_records(records_payload(blobs)):

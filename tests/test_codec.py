@@ -82,3 +82,33 @@ def test_records_split_and_rejoin_without_decoding():
     assert mixed[0] == blobs[0] and isinstance(mixed[1], ValueError) and mixed[2] == blobs[1]
     with pytest.raises(ValueError, match="not a RecordList"):
         split_payload(b"\x12\x00")
+
+
+def test_record_problem_says_exactly_what_the_encoder_refuses():
+    """codec.record_problem (what the detail store checks instead of encoding) agrees with encode_record on
+    every field of a CommOp and a KernelRec set to values in, at and past each protobuf type's range, or of
+    another type."""
+    import dataclasses
+    import random
+
+    from steplens.agent.transport.codec import encode_record, record_problem
+    rng = random.Random(5)
+    values = [0, 1, -1, (1 << 31) - 1, 1 << 31, -(1 << 31), -(1 << 31) - 1, (1 << 32) - 1, 1 << 32, (1 << 63) - 1,
+              1 << 63, -(1 << 63), -(1 << 63) - 1, (1 << 64) - 1, 1 << 64, 1.5, "x", None, True, [1], [-1], [1 << 32]]
+    bases = [r.CommOp(5, "backend_thread", 7, "pg:0", "all_reduce", members=[0, 1]),
+             r.KernelRec(5, 7, "gemm", 1, 5, grid=[1, 2, 3])]
+    checked = refused = 0
+    for base in bases:
+        for name in base.__slots__:
+            for v in values + [rng.randrange(-(1 << 65), 1 << 65) for _ in range(5)]:
+                rec = dataclasses.replace(base, **{name: v})
+                try:
+                    encode_record("s", rec)
+                    ok = True
+                except (ValueError, TypeError, OverflowError):
+                    ok = False
+                problem = record_problem(rec)
+                assert (problem is None) == ok, (type(rec).__name__, name, v, problem)
+                assert problem is None or problem.startswith(name + ":")
+                checked, refused = checked + 1, refused + (not ok)
+    assert checked > 1000 and refused > checked // 2

@@ -161,6 +161,60 @@ def encode_each(source: str, records: list) -> list:
         return out
 
 
+_INT_RANGES = {"int32": (-(1 << 31), 1 << 31), "uint32": (0, 1 << 32), "int64": (-(1 << 63), 1 << 63),
+               "uint64": (0, 1 << 64)}
+_CHECKERS: dict[type, object] = {}
+
+
+def _int_kind(fd) -> str | None:
+    """'int32' | 'uint32' | 'int64' | 'uint64' for an integer field, 'string' for a string, None otherwise."""
+    from google.protobuf.descriptor import FieldDescriptor as FD
+    return {FD.CPPTYPE_INT32: "int32", FD.CPPTYPE_UINT32: "uint32", FD.CPPTYPE_INT64: "int64",
+            FD.CPPTYPE_UINT64: "uint64", FD.CPPTYPE_STRING: "string"}.get(fd.cpp_type)
+
+
+def record_problem(rec) -> str | None:
+    """None where encode_records would take this plain record (CommOp, KernelRec, ...: _PLAIN), else the first
+    field it would refuse ("bytes: -8 is not a uint64"), without encoding it: what the node-local detail store
+    checks when it keeps records unencoded (agent/detail.py). One function per record type, generated from the
+    protobuf descriptor at first use (a type check and a range check per field: ~1.3 µs for a CommOp on the 2-core
+    VM, against ~5 µs to encode it)."""
+    t = type(rec)
+    check = _CHECKERS.get(t)
+    if check is None:
+        if t not in _PLAIN:
+            raise TypeError(f"{t.__name__} is not a plain record")
+        check = _CHECKERS[t] = _make_checker(t)
+    return check(rec)
+
+
+def _make_checker(t: type):
+    desc = getattr(pb.Record.DESCRIPTOR.fields_by_name[_PLAIN[t]], "message_type")
+    lines = ["def check(rec):"]
+    for name in t.__slots__:
+        kind = "uint64" if name == "mono_ns" else _int_kind(desc.fields_by_name[name])
+        fd = None if name == "mono_ns" else desc.fields_by_name[name]
+        if kind == "string":
+            lines.append(f"    if type(rec.{name}) is not str: return {name!r} + ': ' + repr(rec.{name})[:40] + "
+                         "' is not a string'")
+            continue
+        if kind is None:
+            raise TypeError(f"{t.__name__}.{name}: a field type record_problem does not check")
+        lo, hi = _INT_RANGES[kind]
+        test = f"type(v) is not int or not {lo} <= v < {hi}"
+        why = f"{name!r} + ': ' + repr(v)[:40] + ' is not a{'n' if kind[0] == 'i' else ''} {kind}'"
+        if fd is not None and fd.is_repeated:
+            lines.append(f"    v = rec.{name}\n    if type(v) is not list and type(v) is not tuple: "
+                         f"return {name!r} + ': ' + repr(v)[:40] + ' is not a list'")
+            lines.append(f"    for v in rec.{name}:\n        if {test}: return {why}")
+        else:
+            lines.append(f"    v = rec.{name}\n    if {test}: return {why}")
+    lines.append("    return None")
+    ns: dict = {}
+    exec("\n".join(lines), ns)  # generated once per type, as dataclasses generates __init__
+    return ns["check"]
+
+
 def split_payload(payload: bytes) -> list[bytes]:
     """A serialized RecordList -> its serialized Record messages, without decoding them (the inverse of
     records_payload: each is field 1, wire type 2, a varint length, then the message)."""
