@@ -79,6 +79,26 @@ def test_progressive_fetching_tells_the_slow_link_from_its_ring(tmp_path):
     assert all(p.startswith("p2p:pp.") for p in probe["slow_pairs"])
 
 
+def test_fetching_goes_on_in_rounds_while_the_tie_stays(tmp_path):
+    # rounds of 2 ranks (64 by default): the first round's two ranks leave the ring's links tied, later rounds
+    # reach the slow link's pipeline pairs; one round only leaves the tie
+    from steplens.collector.analysis.engine import AnalysisReader
+    cfg = ModelConfig(dp=8, pp=4, tp=2, micro_batches=8, iterations=40, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=3)
+    faults = [parse_fault("slow_link:n2.nic1:20:40:1.5", cfg.topology())]
+    reader = scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
+    one = AnalysisReader(reader, scoring.sim_fetcher(cfg, faults))
+    (f,) = run(one, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=1)
+    assert f.evidence["probe"]["ranks_fetched"] == 2 and "rounds" not in f.evidence["probe"]
+    assert f.suspects[0].score == f.suspects[1].score   # still tied
+    more = AnalysisReader(reader, scoring.sim_fetcher(cfg, faults))
+    (f,) = run(more, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=8)
+    assert (f.suspects[0].kind, f.suspects[0].id) == ("link", "n2.nic1") and f.suspects[0].score > f.suspects[1].score
+    assert 1 < f.evidence["probe"]["rounds"] <= 8 and f.evidence["probe"]["ranks_fetched"] <= 16
+    with pytest.raises(ConfigError):
+        CommtimeConfig(probe_rounds=0).validate()
+
+
 def test_without_fetching_the_tie_stays_and_says_why(tmp_path):
     (f,) = run(sim_store(tmp_path, "slow_link:n2.nic1:20:40:1.5"), min_step_fraction_p2p=0.005)
     assert f.evidence["probe"]["ranks_fetched"] == 0 and "no progressive fetching" in f.evidence["probe"]["note"]

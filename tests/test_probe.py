@@ -57,3 +57,24 @@ def test_tied_suspects():
     a, b, c = (Suspect("link", x, s, "network", {}) for x, s in (("l1", 1.0), ("l2", 0.99), ("l3", 0.5)))
     assert [x.id for x in probe.tied([a, b, c])] == ["l1", "l2"]
     assert probe.tied([a, c]) == [] and probe.tied([Suspect("rank", "1", 1.0, "compute", {}), c]) == []
+
+
+def test_ranks_are_ordered_to_reach_the_most_tied_devices_first():
+    """A rank's sends cross its own node/NIC and its pipeline peers': ranks that reach nothing new come last.
+    Ranks 0..31 on nodes n0..n3 (8 each), pipeline pairs (r, r + 8): rank 0 reaches n0 and n1, rank 8 adds n2,
+    rank 16 n3; the rest follow in their order."""
+    node_of = {r: f"n{r // 8}" for r in range(32)}
+    members = {f"pp{r}": {r, r + 8} for r in range(24)} | {"dp": set(range(0, 32, 8))}
+    cands = [Suspect("node", f"n{i}", 1.0, "network", {}) for i in range(4)]
+    order = probe.by_coverage(list(range(32)), cands, None, {}, node_of, members)
+    assert order == [0, 8, 16] + [r for r in range(32) if r not in (0, 8, 16)]
+    assert probe.by_coverage([5, 5, 3], cands[:1], None, {}, node_of, {}) == [5, 3]   # once each
+    assert probe.by_coverage([], cands, None, {}, node_of, members) == []
+
+
+def test_results_of_rounds_merge():
+    a = probe.ProbeResult({"p1": 1.5}, {"p1": {0, 1}, "p2": {2, 3}}, [0, 2], 40, "", 1)
+    b = probe.ProbeResult({"p3": 1.2}, {"p1": {0, 1}, "p3": {4, 5}}, [4], 10, "")
+    a.merge(b)   # p1 seen again and healthy this time: the later verdict
+    assert a.slow == {"p3": 1.2} and set(a.members) == {"p1", "p2", "p3"} and a.ranks_fetched == [0, 2, 4]
+    assert a.ops == 50 and a.rounds == 2 and a.evidence()["rounds"] == 2

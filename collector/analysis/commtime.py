@@ -85,9 +85,13 @@ class CommtimeConfig(DetectorConfig):
     early_score: float = 0.9             # the first-slowed communicators explained alone by a device this good
     complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
     max_suspects: int = 5
+    probe_round_ranks: int = 64          # tied devices: ranks whose CommOps are fetched per round (refine) ...
+    probe_rounds: int = 4                # ... and rounds at most, each only while the suspects still tie
 
     def validate(self) -> None:
         super().validate()
+        if not 1 <= self.probe_round_ranks <= 4096 or not 1 <= self.probe_rounds <= 64:
+            raise ConfigError("need 1 <= probe_round_ranks <= 4096 and 1 <= probe_rounds <= 64")
         if not 1.0 < self.ratio <= 10.0:
             raise ConfigError(f"ratio must be within (1, 10], got {self.ratio}")
         if not 0.0 <= self.noise_k <= 100.0:
@@ -340,7 +344,8 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
             slow, among, flagged = _scope(rest, members, explained)
             sus = score_devices(slow, among, js.node_of, topo, nic_of)
         ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
-        sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged)
+        sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged,
+                          round_ranks=cfg.probe_round_ranks, rounds=cfg.probe_rounds)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
         if not sus:
             if not out:

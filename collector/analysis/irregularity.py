@@ -735,10 +735,14 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
 
 def refine(reader, job_key: str, js: JobSteps, sus: list[Suspect], slow: dict[str, float],
            members: dict[str, set[int]], topo, nic_of: dict[int, str], ref_idx: list[int],
-           bad_idx: list[int], probe_steps: int = 5) -> tuple[list[Suspect], dict | None]:
+           bad_idx: list[int], probe_steps: int = 5, round_ranks: int = 64,
+           rounds: int = 4) -> tuple[list[Suspect], dict | None]:
     """Network suspects that tie (a slow ring implicates all of its links alike) re-scored with the pipeline
     pairs of the ranks on them (probe.py: their CommOps fetched from their agents only): slow pairs count as
-    slow two-member communicators, healthy ones as healthy; (suspects, probe evidence or None)."""
+    slow two-member communicators, healthy ones as healthy; (suspects, probe evidence or None). Progressive:
+    `round_ranks` ranks a round, ordered to reach the most tied devices first (probe.by_coverage), and another
+    round only while the re-scored suspects still tie, `rounds` at most (a long ring ties hundreds of links;
+    one round of 64 ranks reached ~1/3 of a 512-member ring's NICs)."""
     cands = probe.tied(sus)
     if not cands or not ref_idx or not bad_idx:
         return sus, None
@@ -746,13 +750,23 @@ def refine(reader, job_key: str, js: JobSteps, sus: list[Suspect], slow: dict[st
     ranks = probe.ranks_on(cands, topo, nic_of, js.node_of, among)
     if not ranks:
         return sus, None
+    ranks = probe.by_coverage(ranks, cands, topo, nic_of, js.node_of, members)
     spans = [(js.start_ns[i], js.end_ns[i]) for i in ref_idx[-probe_steps:]], \
         [(js.start_ns[i], js.end_ns[i]) for i in bad_idx[-probe_steps:]]
-    res = probe.probe(reader, job_key, ranks, *spans)
+    res, new = probe.ProbeResult(), sus
+    for k in range(rounds):
+        batch = ranks[k * round_ranks:(k + 1) * round_ranks]
+        if not batch:
+            break
+        got = probe.probe(reader, job_key, batch, *spans, max_ranks=round_ranks)
+        res.merge(got)
+        if got.note:   # no fetching here, or it failed: no further round
+            break
+        if res.members:
+            new = score_devices({**slow, **res.slow}, {**members, **res.members}, js.node_of, topo, nic_of)
+            if not probe.tied(new):
+                break
     ev = {"tied": [f"{c.kind} {c.id}" for c in cands[:8]], **res.evidence()}
-    if not res.members:
-        return sus, ev
-    new = score_devices({**slow, **res.slow}, {**members, **res.members}, js.node_of, topo, nic_of)
     return new, ev
 
 

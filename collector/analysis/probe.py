@@ -38,11 +38,23 @@ class ProbeResult:
     ranks_fetched: list[int] = field(default_factory=list)
     ops: int = 0
     note: str = ""
+    rounds: int = 0
 
     def evidence(self) -> dict:
         worst = sorted(self.slow, key=lambda p: -self.slow[p])[:10]
         return {"ranks_fetched": len(self.ranks_fetched), "ops_fetched": self.ops, "pairs": len(self.members),
-                "slow_pairs": {p: round(self.slow[p], 3) for p in worst}, **({"note": self.note} if self.note else {})}
+                "slow_pairs": {p: round(self.slow[p], 3) for p in worst}, **({"rounds": self.rounds} if
+                                                                              self.rounds > 1 else {}),
+                **({"note": self.note} if self.note else {})}
+
+    def merge(self, other: "ProbeResult") -> None:
+        """Another round's result into this one (pairs seen again: the later round's verdict)."""
+        self.slow = {p: v for p, v in self.slow.items() if p not in other.members} | other.slow
+        self.members |= other.members
+        self.ranks_fetched += other.ranks_fetched
+        self.ops += other.ops
+        self.note = other.note or self.note
+        self.rounds += 1
 
 
 def op_start(op: dict) -> int:
@@ -149,6 +161,42 @@ def _nics_under(topo, kind: str, dev: str) -> set[str]:
             return direct
         return {n.id for t, _ in topo.neighbours(dev) for n in topo.nics.values() if n.switch == t}
     return set()
+
+
+def by_coverage(ranks: list[int], devices: list, topo, nic_of: dict[int, str], node_of: dict[int, str],
+                members: dict[str, set[int]]) -> list[int]:
+    """`ranks` reordered so that each fetch round reaches as many candidate devices as it can: a rank's sends
+    cross its own NIC and its pipeline peers' (the other member of each two-member communicator it is in), so a
+    rank whose every such NIC (or node) is already reached by an earlier rank of the order comes later. Greedy,
+    in rounds of the given order (ties keep ranks_on's interleaving)."""
+    want: set[str] = set()
+    for d in devices:
+        want |= {f"node:{d.id}"} if d.kind == "node" else _nics_under(topo, d.kind, d.id)
+    peers: dict[int, set[int]] = {}
+    for mem in members.values():
+        if len(mem) == 2:
+            a, b = sorted(mem)
+            peers.setdefault(a, set()).add(b)
+            peers.setdefault(b, set()).add(a)
+
+    def reach(r: int) -> set[str]:
+        out = set()
+        for x in (r, *peers.get(r, ())):
+            out |= {nic_of.get(x, ""), f"node:{node_of.get(x, '')}"}
+        return out & want
+    reaches = {r: reach(r) for r in ranks}
+    left, out, seen = list(dict.fromkeys(ranks)), [], set()
+    while left:
+        taken = set()
+        for r in left:   # a pass: each rank that still reaches something new, in order
+            if reaches[r] - seen:
+                taken.add(r)
+                out.append(r)
+                seen |= reaches[r]
+        if not taken:
+            return out + left
+        left = [r for r in left if r not in taken]
+    return out
 
 
 def ranks_on(devices: list, topo, nic_of: dict[int, str], node_of: dict[int, str], among: set[int]) -> list[int]:
