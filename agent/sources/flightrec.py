@@ -65,8 +65,9 @@ clock is dropped by CommLog.add (Event flightrec_records_dropped, with the reaso
 
 Schedule: a dump always holds the whole ring (torch has no "entries since" request), so reading it costs in
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
-JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~30-40 us
-per new op to convert, store and summarize it (2-core VM, python 3.11). Every new op must be read once; the rest
+JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~11 us
+per new op to convert, store and summarize it (bench/flightrec_ops.py, 2-core VM, python 3.11: convert ~3,
+CommLog ~7.6 with the detail store keeping ops unencoded; it was ~30-40 before). Every new op must be read once; the rest
 is waste, and only the entries from the poll's cursor on are parsed (parse_dump's from_record_id: the older ones
 are left out at the byte level, where the answer is laid out as torch writes it: bench/commops.py's per-op figures in
 bench/README.md). With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)

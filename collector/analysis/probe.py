@@ -19,7 +19,8 @@ rank).
 Used by irregularity.network_suspects and commtime.detect only when the best network suspects tie (within
 `tie` of the best score): that is when the ring alone cannot decide. Where fetching is unavailable (a store
 without agents) the tie stays and the evidence says why.
-Cost: two fetches of <= max_ranks ranks x the spans' ops; the analysis itself is one pass over them.
+Cost: two fetches of <= max_ranks ranks x the spans' ops a round (irregularity.refine runs up to its `rounds`,
+each only while the suspects still tie); the analysis itself is one pass over them.
 """
 
 from __future__ import annotations
