@@ -251,7 +251,9 @@ class DetailStore:
         for source, at in by_source.items():
             for i, blob in zip(at, encode_each(source, [out[i][1] for i in at])):
                 out[i] = blob
-        return [x for x in out if type(x) is bytes]   # a row an older agent kept that this one cannot encode
+        # an encoding error left out: a record rebuilt by name from an older agent's row, with a value this
+        # version refuses (records checked at add_records encode)
+        return [x for x in out if type(x) is bytes]
 
     def flush(self) -> int:
         """Write what is pending in one transaction, then enforce the bounds. Returns rows written."""

@@ -121,13 +121,15 @@ def _commop_rows(state_dir: str) -> int:
     path = os.path.join(state_dir, "detail.db")
     if not os.path.exists(path):
         return 0
-    return len(_stored_commops(state_dir)) + _detail_dropped(state_dir)
-
-
-def _detail_dropped(state_dir: str) -> int:
-    db = sqlite3.connect(os.path.join(state_dir, "detail.db"), timeout=10)
-    try:
-        return (db.execute("SELECT value FROM counters WHERE key = 'records_dropped'").fetchone() or (0,))[0]
+    db = sqlite3.connect(path, timeout=10)
+    try:   # CommOps kept (a row per process and flush holds n of them; an older agent's: one a row) + dropped
+        n = 0
+        for table, count in (("record_batches", "SUM(n)"), ("records", "COUNT(*)")):
+            try:
+                n += db.execute(f"SELECT COALESCE({count}, 0) FROM {table} WHERE kind = 'commop'").fetchone()[0]
+            except sqlite3.OperationalError:   # a store without that table
+                pass
+        return n + (db.execute("SELECT value FROM counters WHERE key = 'records_dropped'").fetchone() or (0,))[0]
     finally:
         db.close()
 
@@ -141,7 +143,7 @@ def _stored_commops(state_dir: str, since_mono: int = 0, pids=None) -> list[byte
     try:
         return store.records(["commop"], since_mono_ns=since_mono, pids=pids, limit=1 << 40)
     finally:
-        store._db.close()   # not close(): nothing of this reader's to flush
+        store.close()   # nothing of this reader's is pending: closing writes nothing
 
 
 def _traced_spans(state_dir: str, since_mono: int) -> list[tuple[int, int]]:

@@ -67,8 +67,8 @@ Schedule: a dump always holds the whole ring (torch has no "entries since" reque
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
 JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~11 us
 per new op to convert, store and summarize it (bench/flightrec_ops.py, 2-core VM, python 3.11: convert ~3,
-CommLog ~7.6 with the detail store keeping ops unencoded; it was ~30-40 before). Every new op must be read once; the rest
-is waste, and only the entries from the poll's cursor on are parsed (parse_dump's from_record_id: the older ones
+CommLog ~7.6 with the detail store keeping ops unencoded; it was ~30-40 before). Every new op must be read once;
+the rest is waste, and only the entries from the poll's cursor on are parsed (parse_dump's from_record_id: the older ones
 are left out at the byte level, where the answer is laid out as torch writes it: bench/commops.py's per-op figures in
 bench/README.md). With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)
 and reads a process's ring only when it is due (`_due`, sentinel mode). (It was opt-in for a while: a process read

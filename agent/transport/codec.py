@@ -166,7 +166,7 @@ _INT_RANGES = {"int32": (-(1 << 31), 1 << 31), "uint32": (0, 1 << 32), "int64": 
 _CHECKERS: dict[type, object] = {}
 
 
-def _int_kind(fd) -> str | None:
+def _field_kind(fd) -> str | None:
     """'int32' | 'uint32' | 'int64' | 'uint64' for an integer field, 'string' for a string, None otherwise."""
     from google.protobuf.descriptor import FieldDescriptor as FD
     return {FD.CPPTYPE_INT32: "int32", FD.CPPTYPE_UINT32: "uint32", FD.CPPTYPE_INT64: "int64",
@@ -189,11 +189,11 @@ def record_problem(rec) -> str | None:
 
 
 def _make_checker(t: type):
-    desc = getattr(pb.Record.DESCRIPTOR.fields_by_name[_PLAIN[t]], "message_type")
+    desc = pb.Record.DESCRIPTOR.fields_by_name[_PLAIN[t]].message_type
     lines = ["def check(rec):"]
     for name in t.__slots__:
-        kind = "uint64" if name == "mono_ns" else _int_kind(desc.fields_by_name[name])
-        fd = None if name == "mono_ns" else desc.fields_by_name[name]
+        fd = None if name == "mono_ns" else desc.fields_by_name[name]   # Record.mono_ns: a uint64
+        kind = "uint64" if fd is None else _field_kind(fd)
         if kind == "string":
             lines.append(f"    if type(rec.{name}) is not str: return {name!r} + ': ' + repr(rec.{name})[:40] + "
                          "' is not a string'")

@@ -52,8 +52,8 @@ suspects tie, irregularity.refine asks the agents of the ranks on them for their
 fetching, probe.py) and scores their pipeline pairs' measured transfer times beside the rings: the slow link
 comes first; the evidence says how many ranks were fetched. In rounds of probe_round_ranks (64) ranks, ordered
 to reach the most tied devices first, another round only while the suspects still tie (probe_rounds, 4: a
-512-member ring ties 512 NIC links, and one round reached about a third of them). Without fetching (no agents connected) the tie
-stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its peer's link.
+512-member ring ties 512 NIC links, and one round reached about a third of them). Without fetching (no agents
+connected) the tie stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its peer's link.
 Cost: one pass over the window's steps grouped per communicator (irregularity.groups, shared with the
 irregularity detector in the same pass) and, per communicator, a trailing median/MAD every 8 steps.
 """

@@ -169,7 +169,7 @@ def by_coverage(ranks: list[int], devices: list, topo, nic_of: dict[int, str], n
     """`ranks` reordered so that each fetch round reaches as many candidate devices as it can: a rank's sends
     cross its own NIC and its pipeline peers' (the other member of each two-member communicator it is in), so a
     rank whose every such NIC (or node) is already reached by an earlier rank of the order comes later. Greedy,
-    in rounds of the given order (ties keep ranks_on's interleaving)."""
+    in passes over the given order (ties keep ranks_on's interleaving)."""
     want: set[str] = set()
     for d in devices:
         want |= {f"node:{d.id}"} if d.kind == "node" else _nics_under(topo, d.kind, d.id)
