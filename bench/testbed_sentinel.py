@@ -5,6 +5,7 @@ bootstrap with `--vary-micro 2:6` (2-6 micro-batches per step) and STEPLENS_STEP
 each step's Iteration carries its workload. After --quiet-seconds, rank 1 is made `--fraction` slower (faults
 `slow`: it spins for that share of its step after its micro-batches; the others wait for it) for --fault-seconds,
 then --tail-seconds of quiet (--target all: every rank; --hosts 2: a DP2 job, one rank per core of this VM).
+--steps-out also writes the stored Step rows around the fault's start (the straggler test's input).
 Written to --out (gzip JSON lines): a header {settings, faults: the ground truth
 (wall clock = the store's cluster time here, within the clock mapping's ~0.1 ms), step-log figures}, then every
 stored Iteration row. What the sentinel sees is only those rows; the header is for scoring (bench/sentinel.py
@@ -41,6 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--state-dir", default="/tmp/steplens-tbsentinel")
     ap.add_argument("--hosts", type=int, default=4, help="4: DP2 x PP2; 2: DP2 (a rank per core here)")
     ap.add_argument("--target", default="1", help="the slowed rank, or `all`")
+    ap.add_argument("--steps-out", default="", help="also write the stored Step rows (both ranks, with their "
+                    "comm summaries) from --steps-around seconds before the fault to as long after its start")
+    ap.add_argument("--steps-around", type=float, default=40.0)
     a = ap.parse_args(argv)
     layout = netns.Layout(state_dir=a.state_dir, hosts=a.hosts)
     netns.down(layout)
@@ -89,12 +93,33 @@ def main(argv=None) -> int:
             fh.write(json.dumps(head) + "\n")
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
+        if a.steps_out:
+            export_steps(layout.path("collector.db"), job, a.steps_out, head, a.steps_around)
         print(json.dumps({"out": a.out, "iterations": len(rows), **head["step_log"],
                           "live_findings_true": sum(x["true"] for x in found),
                           "live_findings_false": sum(not x["true"] for x in found)}))
     finally:
         netns.down(layout)
     return 0
+
+
+STEP_KEYS = ("rank", "step", "start_ns", "end_ns", "pid", "start_ticks", "node_id", "evidence", "period_ops",
+             "ops", "comms")
+
+
+def export_steps(db: str, job: str, out: str, head: dict, around_s: float) -> int:
+    """The stored Step rows (Reader.steps, with their comm summaries: what the irregularity and lateness detectors
+    read) whose end lies within around_s seconds of the first fault's start, after a header line (head)."""
+    from steplens.collector.store.queries import Reader
+    at = head["faults"][0]["start_ns"]
+    lo, hi = at - int(around_s * 1e9), at + int(around_s * 1e9)
+    rows = [{k: r[k] for k in STEP_KEYS} for r in Reader(db).steps(job, since_ns=lo, with_comms=True)
+            if r["end_ns"] <= hi]
+    with gzip.open(out, "wt") as fh:
+        fh.write(json.dumps({**head, "steps_around_seconds": around_s}) + "\n")
+        for r in rows:
+            fh.write(json.dumps(r, separators=(",", ":")) + "\n")
+    return len(rows)
 
 
 if __name__ == "__main__":
