@@ -10,12 +10,15 @@ Format (version 1), documented for operators in README.md ("Topology file"):
      "links": [{"a": "leaf0", "b": "spine0"}],              # switch to switch; "id" defaults to "a-b"
      "nodes": [{"id": "node-0",                             # the agent's node id (`steplens nodes`)
                 "hostname": "gpu-host-0",                   # optional
-                "nics": [{"id": "n0.nic0", "switch": "leaf0", "ip": "10.0.0.10", "speed_gbps": 400}],
+                "nics": [{"id": "n0.nic0", "switch": "leaf0", "ip": "10.0.0.10", "speed_gbps": 400,
+                          "port": "mlx5_0/1"}],                     # its InfiniBand device/port on the node
                 "gpus": [{"index": 0, "nic": "n0.nic0"}]}]}  # "id" defaults to "<node>.gpu<index>"
 
 Ids share one namespace (a node, NIC, GPU, switch and link may not have the same id) so that a suspect id
 names one thing. A NIC is also the id of its link to the switch it hangs from (`n0.nic0`); a switch-to-switch
-link has its own id. Optional per object: `uuid`, `pci_bus_id` (GPU), `ip`, `speed_gbps` (NIC, link).
+link has its own id. Optional per object: `uuid`, `pci_bus_id` (GPU), `ip`, `speed_gbps` (NIC, link), `port` (NIC:
+its RDMA device and port as /sys/class/infiniband names them, `<device>/<port>`, the entity of the agent's ib_port_*
+metrics: how the NIC's port counters are found, collector/analysis/ports.py).
 Cost: linear in the size of the file; the model's path search is a BFS over switches only.
 """
 
@@ -33,9 +36,10 @@ VERSION = 1
 TIERS = ("leaf", "spine", "core")
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}$")
 MAX_PROBLEMS = 20
+PORT_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}/[0-9]{1,3}$")
 _TOP_KEYS = {"format", "version", "name", "switches", "links", "nodes"}
 _KEYS = {"switches": {"id", "tier"}, "links": {"id", "a", "b", "speed_gbps"},
-         "nodes": {"id", "hostname", "nics", "gpus"}, "nics": {"id", "switch", "ip", "speed_gbps"},
+         "nodes": {"id", "hostname", "nics", "gpus"}, "nics": {"id", "switch", "ip", "speed_gbps", "port"},
          "gpus": {"id", "index", "nic", "uuid", "pci_bus_id"}}
 
 
@@ -69,6 +73,7 @@ class Nic:
     switch: str
     ip: str = ""
     speed_gbps: float = 0.0
+    port: str = ""     # "<rdma device>/<port>" on its node (the agent's ib_port_* entity), "" unknown
 
 
 @dataclass(frozen=True)
@@ -211,6 +216,8 @@ class Topology:
                 d["ip"] = n.ip
             if n.speed_gbps:
                 d["speed_gbps"] = n.speed_gbps
+            if n.port:
+                d["port"] = n.port
             return d
 
         def gpu(g: Gpu) -> dict:
@@ -354,8 +361,13 @@ def from_dict(doc) -> Topology:
                 except ValueError:
                     bad(f"{q}.ip: not an IP address: {ip!r}")
             sp = speed(n, q)
+            port = text(n, "port", q)
+            if port and not PORT_RE.match(port):
+                bad(f"{q}.port: must be `<rdma device>/<port number>` as /sys/class/infiniband names them "
+                    f"(e.g. mlx5_0/1), got {port!r}")
+                port = ""
             if cid and nid and sw in topo.switches:
-                topo.nics[cid] = Nic(cid, nid, sw, ip, sp)
+                topo.nics[cid] = Nic(cid, nid, sw, ip, sp, port)
                 nics.append(cid)
         indexes: dict[int, str] = {}
         for q, g in items(it.get("gpus", []), f"{p}.gpus", "gpus"):

@@ -88,11 +88,11 @@ def test_fetching_goes_on_in_rounds_while_the_tie_stays(tmp_path):
     faults = [parse_fault("slow_link:n2.nic1:20:40:1.5", cfg.topology())]
     reader = scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
     one = AnalysisReader(reader, scoring.sim_fetcher(cfg, faults))
-    (f,) = run(one, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=1)
+    (f,) = run(one, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=1, port_counters=False)
     assert f.evidence["probe"]["ranks_fetched"] == 2 and "rounds" not in f.evidence["probe"]
     assert f.suspects[0].score == f.suspects[1].score   # still tied
     more = AnalysisReader(reader, scoring.sim_fetcher(cfg, faults))
-    (f,) = run(more, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=8)
+    (f,) = run(more, min_step_fraction_p2p=0.005, probe_round_ranks=2, probe_rounds=8, port_counters=False)
     assert (f.suspects[0].kind, f.suspects[0].id) == ("link", "n2.nic1") and f.suspects[0].score > f.suspects[1].score
     assert 1 < f.evidence["probe"]["rounds"] <= 8 and f.evidence["probe"]["ranks_fetched"] <= 16
     with pytest.raises(ConfigError):
@@ -294,3 +294,25 @@ def test_bad_config_fails():
         with pytest.raises(ConfigError):
             CommtimeConfig(**bad).validate()
     CommtimeConfig().validate()
+
+
+def test_a_link_only_its_pipeline_pair_crosses_is_told_from_its_peer_by_its_port(tmp_path):
+    # DP16 x PP2 x TP2 (8 nodes): n7.nic2's rank 58 has its ring neighbours on its own node, so only the pipeline
+    # pair 26 -> 58 crosses its link, and the pair's two NIC links tie however many transfers are fetched. The
+    # simulator's agents send the NICs' port counters (bench/sim/agentview.py `port`: a model of a degrading
+    # link's bit errors); the port of n7.nic2 decides. Without them (port_counters = false) the tie stays.
+    from steplens.collector.analysis.engine import AnalysisReader
+    cfg = ModelConfig(dp=16, pp=2, tp=2, micro_batches=8, iterations=60, gpus_per_node=8, nodes_per_leaf=2,
+                      spines=2, seed=11)
+    faults = [parse_fault("slow_link:n7.nic2:30:50:1.3", cfg.topology())]
+    reader = scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
+    (f,) = run(AnalysisReader(reader, scoring.sim_fetcher(cfg, faults)), port_counters=False)
+    tied = {s.id for s in f.suspects if s.score == f.suspects[0].score}
+    assert tied == {"n3.nic2", "n7.nic2"} and f.evidence["probe"]["ranks_fetched"] > 0
+    (f,) = run(AnalysisReader(reader, scoring.sim_fetcher(cfg, faults)))
+    top = f.suspects[0]
+    assert (top.kind, top.id) == ("link", "n7.nic2") and top.score > f.suspects[1].score
+    assert top.evidence["port"]["degraded"] and top.evidence["port"]["port"] == "mlx5_2/1"
+    assert "top suspect link n7.nic2 (its port mlx5_2/1: errors " in f.summary
+    peer = next(s for s in f.suspects if s.id == "n3.nic2")
+    assert not peer.evidence["port"]["degraded"]

@@ -295,3 +295,59 @@ def test_cpu_frequency_every_interval_and_every_step_in_deep_mode():
         src.stop()
     with pytest.raises(ConfigError, match="cpu_frequency_interval_seconds"):
         build_config(HostConfig, {"cpu_frequency_interval_seconds": -1.0}, "sources.host")
+
+
+def test_infiniband_ports_from_a_recorded_sysfs_tree(tmp_path):
+    # tests/fixtures/sysfs-infiniband: node_exporter's sysfs test tree (its README): an iWARP device whose counters
+    # all read "N/A (no PMA)", and a ConnectX-3 with two QDR ports, port 1 holding a saturated port_xmit_wait
+    from conftest import REPO
+    from steplens.agent.sources.host import ib_ports, read_ib_port
+    sys_root = os.path.join(REPO, "tests", "fixtures", "sysfs-infiniband")
+    ports = ib_ports(sys_root)
+    assert [e for e, _ in ports] == ["i40iw0/1", "mlx4_0/1", "mlx4_0/2"]
+    got = {e: {m.name: m.value for m in read_ib_port(p, e, 7)} for e, p in ports}
+    assert got["i40iw0/1"] == {"ib_port_up": 1.0, "ib_port_rate_gbps": 10.0}   # nothing of "N/A (no PMA)"
+    m1 = got["mlx4_0/1"]
+    assert m1["ib_port_up"] == 1.0 and m1["ib_port_rate_gbps"] == 40.0
+    assert m1["ib_port_transmit_discards_total"] == 5 and m1["ib_port_link_downed_total"] == 0
+    assert m1["ib_port_transmit_wait_ticks_total"] == 4294967295 and m1["ib_port_counters_saturated"] == 1
+    assert "ib_port_symbol_errors_total" not in m1            # mlx4's ports have no symbol_error file here
+    assert m1["ib_port_receive_bytes_total"] == 4 * 4631917   # counters_ext/port_rcv_data_64, 4-byte words
+    assert got["mlx4_0/2"]["ib_port_transmit_bytes_total"] == 4 * 3733440
+    assert got["mlx4_0/2"]["ib_port_counters_saturated"] == 0
+
+    # through the source: found at start, read every infiniband_interval_seconds, every step in deep mode
+    t = [10**9]
+    ctx = HostContext(node_id="t", sys_root=sys_root, mono_ns=lambda: t[0])
+    src = HostSource(ctx, build_config(HostConfig, {"infiniband_interval_seconds": 2.0, "processes": False},
+                                       "sources.host"))
+    src.start()
+    assert set(_by(src.step(), "ib_port_rate_gbps")) == {"i40iw0/1", "mlx4_0/1", "mlx4_0/2"}
+    t[0] += 10**9
+    assert _by(src.step(), "ib_port_rate_gbps") == {}
+    t[0] += 10**9
+    assert len(_by(src.step(), "ib_port_rate_gbps")) == 3
+    from steplens.agent.records import Mode
+    src.set_mode(Mode.DEEP)
+    t[0] += 10**8
+    assert len(_by(src.step(), "ib_port_rate_gbps")) == 3
+
+
+def test_infiniband_state_rate_and_bad_files(tmp_path):
+    from steplens.agent.sources.host import ib_ports, read_ib_port
+    port = tmp_path / "class" / "infiniband" / "mlx5_3" / "ports" / "1"
+    (port / "counters").mkdir(parents=True)
+    (port / "state").write_text("1: DOWN\n")
+    (port / "phys_state").write_text("3: Disabled\n")
+    (port / "rate").write_text("400 Gb/sec (4X NDR)\n")
+    (port / "counters" / "symbol_error").write_text("65535\n")      # a 16-bit field at its maximum
+    (port / "counters" / "link_downed").write_text("garbage\n")
+    (port / "counters" / "port_xmit_data").write_text("12\n")
+    (tmp_path / "class" / "infiniband" / "mlx5_9").mkdir()          # a device without ports/
+    assert [e for e, _ in ib_ports(str(tmp_path))] == ["mlx5_3/1"]
+    got = {m.name: m.value for m in read_ib_port(str(port), "mlx5_3/1", 1)}
+    assert got == {"ib_port_up": 0.0, "ib_port_rate_gbps": 400.0, "ib_port_symbol_errors_total": 65535.0,
+                   "ib_port_transmit_bytes_total": 48.0, "ib_port_counters_saturated": 1.0}
+    assert ib_ports(str(tmp_path / "nowhere")) == []
+    with pytest.raises(ConfigError, match="infiniband_interval_seconds"):
+        build_config(HostConfig, {"infiniband_interval_seconds": -1}, "sources.host")

@@ -22,7 +22,7 @@ GOOD = {"format": "steplens-topology", "version": 1, "name": "two leaves",
         "links": [{"a": "leaf0", "b": "spine0"}, {"a": "leaf0", "b": "spine1"},
                   {"id": "l1s0", "a": "leaf1", "b": "spine0", "speed_gbps": 800}, {"a": "leaf1", "b": "spine1"}],
         "nodes": [{"id": "node-a", "hostname": "gpu-a",
-                   "nics": [{"id": "a.nic0", "switch": "leaf0", "ip": "10.0.0.1", "speed_gbps": 400},
+                   "nics": [{"id": "a.nic0", "switch": "leaf0", "ip": "10.0.0.1", "speed_gbps": 400, "port": "mlx5_0/1"},
                             {"id": "a.nic1", "switch": "leaf0", "ip": "10.0.0.2"}],
                    "gpus": [{"index": 0, "nic": "a.nic0", "uuid": "GPU-1"}, {"index": 1, "nic": "a.nic1"}]},
                   {"id": "node-b", "nics": [{"id": "b.nic0", "switch": "leaf1"}],
@@ -56,6 +56,7 @@ def test_good_document_and_lookups():
     assert t.gpu_at("node-a", 1).id == "node-a.gpu1" and t.gpu_at("node-b", 5) is None
     assert t.nic_by_ip("10.0.0.2").id == "a.nic1"
     assert t.links["l1s0"].speed_gbps == 800 and "leaf0-spine0" in t.links
+    assert t.nics["a.nic0"].port == "mlx5_0/1" and t.nics["a.nic1"].port == ""
     # ECMP: both spines, each path NIC, leaf, link, spine, link, leaf, NIC
     assert sorted(t.paths("a.nic0", "b.nic0")) == [
         ("a.nic0", "leaf0", "leaf0-spine0", "spine0", "l1s0", "leaf1", "b.nic0"),
@@ -85,6 +86,10 @@ def test_good_document_and_lookups():
     (_with(nodes=[{"id": "leaf0", "nics": [], "gpus": []}]), "nodes[0].id: duplicate id 'leaf0'"),
     (_with(nodes=[{"id": "n", "nics": [{"id": "n.nic0", "switch": "leaf0", "ip": "10.0.0.300"}]}]), "not an IP"),
     (_with(nodes=[{"id": "bad id", "nics": []}]), "nodes[0].id: id must be"),
+    (_with(nodes=[{"id": "n", "nics": [{"id": "n.nic0", "switch": "leaf0", "port": "mlx5_0"}]}]),
+     "nodes[0].nics[0].port: must be `<rdma device>/<port number>`"),
+    (_with(nodes=[{"id": "n", "nics": [{"id": "n.nic0", "switch": "leaf0", "port": 1}]}]),
+     "nodes[0].nics[0].port: must be a string"),
     (_with(nodes=[{"id": "n", "gpus": [{"index": -1, "nic": "x"}]}]), "index: must be an integer >= 0"),
     (_with(nodes=[]), "the topology has no node"),
     (_with(nodes={"id": "n"}), "nodes: must be a list"),

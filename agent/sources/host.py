@@ -8,7 +8,8 @@ Reads (all under ctx.proc_root / ctx.sys_root, so tests can point at fixture tre
   that refuse reads with psi=0, give nothing), and, for each workload process the `procs` source published,
   /proc/PID/stat, /proc/PID/status, /proc/PID/schedstat, /proc/PID/cgroup and its cpu cgroup's cpu.stat plus
   cpu.max (v2) or cpu.cfs_quota_us/cpu.cfs_period_us (v1); the cgroup mounts come from /proc/self/mountinfo
-  (read at start; a mount point under /sys is taken under sys_root).
+  (read at start; a mount point under /sys is taken under sys_root), and /sys/class/infiniband/<dev>/ports/<n>/
+  {state,phys_state,rate,counters/*,counters_ext/*} for RDMA ports (found at start).
 
 Per-process figures are read straight from /proc/PID/stat and /proc/PID/status rather than through
 psutil.Process: two reads per process, and the start time in the same stat read proves the PID still
@@ -41,7 +42,11 @@ Emitted metrics (entity in brackets):
   process_cpu_seconds_total, process_cpu_percent (100 = one full core), process_resident_memory_bytes,
   process_threads, process_{voluntary,involuntary}_context_switches_total, process_runqueue_seconds_total,
   process_cpu_throttled_seconds_total, process_cpu_throttled_periods_total, process_cpu_periods_total,
-  process_cpu_quota_cores (1.0 = one core) [pid:<pid>:<start_ticks>].
+  process_cpu_quota_cores (1.0 = one core) [pid:<pid>:<start_ticks>],
+  ib_port_up, ib_port_rate_gbps, ib_port_{symbol_errors,link_error_recoveries,link_downed,receive_errors,
+  transmit_discards}_total, ib_port_transmit_wait_ticks_total, ib_port_{transmit,receive}_bytes_total,
+  ib_port_counters_saturated [<rdma device>/<port>] (every infiniband_interval_seconds, every step in deep mode;
+  read_ib_port: what each means, saturation; a NIC of the topology file names its port, collector/analysis/ports.py).
 
 Cost (2-core Debian 12 VM shared with other work, kernel 6.18, hybrid cgroups (cpu on v1), PSI on, 4 NICs, no
 cpufreq driver so /proc/cpuinfo is parsed; process_time over 7 x 100 steps, median): 0.26 ms of CPU per step
@@ -49,7 +54,9 @@ with 2 workload processes (0.21 ms before PSI, run-queue and cgroup reads), 0.41
 i.e. ~0.03-0.04% of a core at 1 Hz. Each workload process adds ~24 us, of which 10-21 us are the run-queue and
 cgroup reads (schedstat, cgroup, cpu.stat and the quota: 5 small files on v1, 4 on v2, the cgroup's read once per
 step for the processes it holds), read with os.read rather than open().read() (a third of the cost); PSI ~14 us.
-tests/test_source_host.py::test_step_cost prints the per-step figure.
+tests/test_source_host.py::test_step_cost prints the per-step figure. RDMA ports (none on that VM): ~58 us of CPU
+per port read on the recorded sysfs tree (tests/fixtures/sysfs-infiniband, 2026-12-06, the VM busy with other work),
+so 8 ports every 2 s are ~0.02 % of a core.
 """
 
 from __future__ import annotations
@@ -92,6 +99,8 @@ class HostConfig(SourceConfig):
     # read that often (a file per core: ~0.2 % of a core at 1 Hz on a 192-core host), at every step in deep mode
     cpu_frequency_interval_seconds: float = 10.0
     processes: bool = True  # per-process figures for the workloads the procs source found
+    infiniband: bool = True  # RDMA port state, rate and counters (/sys/class/infiniband), where the host has ports
+    infiniband_interval_seconds: float = 2.0  # read that often (8 files a port), at every step in deep mode
     nic_exclude_regex: str = r"^(veth|cali|flannel|cni|docker|br-|virbr|ifb)"  # NICs to skip
     disk_exclude_regex: str = r"^(loop|ram|zram|sr)\d*$"  # block devices to skip
 
@@ -99,6 +108,8 @@ class HostConfig(SourceConfig):
         super().validate()
         if not 0 <= self.cpu_frequency_interval_seconds <= 3600:
             raise ConfigError("cpu_frequency_interval_seconds must be within 0..3600 (0: every step)")
+        if not 0 <= self.infiniband_interval_seconds <= 3600:
+            raise ConfigError("infiniband_interval_seconds must be within 0..3600 (0: every step)")
         for key in ("nic_exclude_regex", "disk_exclude_regex"):
             try:
                 re.compile(getattr(self, key))
@@ -124,6 +135,8 @@ class HostSource(Source):
         self._cgroups: CpuCgroups | None = None
         self._psi: list[tuple[str, str]] = []  # (resource, /proc/pressure/<resource>) that read
         self._freq_due_ns = 0   # the next step reading the frequencies (0: the first)
+        self._ib_ports: list[tuple[str, str]] = []  # (entity "<device>/<port>", its sysfs directory)
+        self._ib_due_ns = 0
         self._deep = False
 
     @classmethod
@@ -149,6 +162,8 @@ class HostSource(Source):
         if self.config.processes:
             self._cgroups = CpuCgroups.from_mountinfo(self.ctx.proc_root, self.ctx.sys_root)
         self._psi = _psi_paths(self.ctx.proc_root)
+        self._ib_ports = ib_ports(self.ctx.sys_root) if self.config.infiniband else []
+        self._ib_due_ns = 0
 
     def set_mode(self, mode: Mode) -> None:
         self._deep = mode == Mode.DEEP
@@ -169,6 +184,10 @@ class HostSource(Source):
         self._network(now, out)
         self._disks(now, out)
         self._pressure(now, out)
+        if self._ib_ports and (self._deep or now >= self._ib_due_ns):
+            self._ib_due_ns = now + int(self.config.infiniband_interval_seconds * 1e9)
+            for entity, path in self._ib_ports:
+                out.extend(read_ib_port(path, entity, now))
         if self.config.processes:
             self._processes(now, out)
         return out
@@ -398,6 +417,93 @@ _PSI_NAMES = {
     ("io", b"some"): "pressure_io_some_seconds_total",
     ("io", b"full"): "pressure_io_full_seconds_total",
 }
+
+
+# -- InfiniBand / RDMA ports -----------------------------------------------------------------------------
+
+# counters/<file> -> (metric, width in bits of the PortCounters field: it stops at 2^width - 1 and stays there
+# until reset, IBA 16.1.3.5; 64: the extended counters, which do not saturate in practice)
+IB_COUNTERS = (("symbol_error", "ib_port_symbol_errors_total", 16),
+               ("link_error_recovery", "ib_port_link_error_recoveries_total", 8),
+               ("link_downed", "ib_port_link_downed_total", 8),
+               ("port_rcv_errors", "ib_port_receive_errors_total", 16),
+               ("port_xmit_discards", "ib_port_transmit_discards_total", 16),
+               ("port_xmit_wait", "ib_port_transmit_wait_ticks_total", 32))
+IB_DATA = (("port_xmit_data", "ib_port_transmit_bytes_total"), ("port_rcv_data", "ib_port_receive_bytes_total"))
+
+
+def ib_ports(sys_root: str) -> list[tuple[str, str]]:
+    """(entity "<device>/<port>", directory) of every port under <sys_root>/class/infiniband, sorted; [] where the
+    host has none (no RDMA devices, or the directory does not read)."""
+    base = host_path(sys_root, "class", "infiniband")
+    out = []
+    try:
+        devices = sorted(os.listdir(base))
+    except OSError:
+        return []
+    for dev in devices:
+        try:
+            ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=lambda x: (len(x), x))
+        except OSError:
+            continue
+        out += [(f"{dev}/{p}", os.path.join(base, dev, "ports", p)) for p in ports if p.isdigit()]
+    return out
+
+
+def _ib_read(path: str) -> bytes:
+    try:
+        return _read_small(path)
+    except OSError:   # a driver without this file, a port going away, a read the device refused
+        return b""
+
+
+def _ib_number(path: str) -> int | None:
+    """An integer counter file's value; None where it does not read or is not a number ("N/A (no PMA)": a device
+    without a performance management agent)."""
+    raw = _ib_read(path).strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def read_ib_port(path: str, entity: str, now: int) -> list[Metric]:
+    """One port's figures [entity]: ib_port_up (1: state ACTIVE and physical state LinkUp), ib_port_rate_gbps (the
+    rate it trained at: a link that came up at a lower width or speed than its peers' runs slower), the error
+    counters of IB_COUNTERS and the data counters in bytes (the 64-bit counters_ext/*_64 where the driver has them:
+    the 32-bit ones count 4-byte words and saturate within seconds at 400 Gb/s), and ib_port_counters_saturated:
+    how many of the counters read stand at their field's maximum (they stopped counting: `perfquery -R` resets
+    them; a rate over such a counter would read 0). A counter that does not read is left out."""
+    out: list[Metric] = []
+    state = _ib_read(os.path.join(path, "state")).split(b":")[0].strip()
+    phys = _ib_read(os.path.join(path, "phys_state")).split(b":")[0].strip()
+    if state.isdigit() and phys.isdigit():
+        out.append(Metric(now, "ib_port_up", entity, 1.0 if state == b"4" and phys == b"5" else 0.0))
+    rate = _ib_read(os.path.join(path, "rate")).split()
+    if rate and len(rate) > 1 and rate[1] == b"Gb/sec":
+        try:
+            out.append(Metric(now, "ib_port_rate_gbps", entity, float(rate[0])))
+        except ValueError:
+            pass
+    saturated = 0
+    read_any = False
+    counters = os.path.join(path, "counters")
+    for name, metric, bits in IB_COUNTERS:
+        v = _ib_number(os.path.join(counters, name))
+        if v is None:
+            continue
+        read_any = True
+        saturated += v >= (1 << bits) - 1
+        out.append(Metric(now, metric, entity, float(v)))
+    for name, metric in IB_DATA:
+        v = _ib_number(os.path.join(path, "counters_ext", name + "_64"))
+        words = v if v is not None else _ib_number(os.path.join(counters, name))
+        if words is None:
+            continue
+        read_any = True
+        if v is None:
+            saturated += words >= (1 << 32) - 1
+        out.append(Metric(now, metric, entity, 4.0 * words))   # PortXmitData/PortRcvData count 4-byte words
+    if read_any:
+        out.append(Metric(now, "ib_port_counters_saturated", entity, float(saturated)))
+    return out
 
 
 def _psi_paths(proc_root: str) -> list[tuple[str, str]]:

@@ -3,8 +3,9 @@
 Per scenario: the simulator's agent view (bench/sim/agentview.py `agent_records`: what real agents would send)
 is encoded as agents encode (agent/transport/codec.py) and handed to the collector's StoreWriter as ingest
 hands it batches (decode, clock conversion, insert); the simulator's topology file is imported as
-`steplens import topology` stores it. Only the ProcessInfo and Step records are written (the only kinds the
-detectors read; Metrics, Flows and CommSummaries are skipped to keep the evaluation fast). The detectors then
+`steplens import topology` stores it. Only the ProcessInfo, Step, CommProgress and Event records and the NICs'
+port Metrics are written (what the detectors read; the GPU telemetry, Flows and CommSummaries are skipped to keep
+the evaluation fast). The detectors then
 run on the store only: ground truth (`output.truth(res)`) is read by the scorer, never by a detector.
 
 Detection latency: each detector runs on windows ending at onset + 5, 10, 20, 40 iterations and at the end
@@ -29,7 +30,7 @@ import random
 import tempfile
 import time
 
-from steplens.agent.records import CommProgress, Event, ProcessInfo, Step
+from steplens.agent.records import CommProgress, Event, Metric, ProcessInfo, Step
 from steplens.agent.transport.codec import encode_records
 from steplens.collector.analysis import all_specs
 from steplens.collector.analysis.base import Window, no_gc
@@ -48,7 +49,8 @@ MONO_BASE = 10**12
 EXCLUDED_KINDS = ("hang",)   # another detector's (issue 13: hang detection); its findings still count as true
 VISIBLE_IMPACT = 1.1         # a fault whose job step time never reaches delta x before it is invisible to the gate
 JOB = "simjob"
-SOURCES = {Step: "flightrec", ProcessInfo: "procs", CommProgress: "flightrec", Event: "procs"}
+SOURCES = {Step: "flightrec", ProcessInfo: "procs", CommProgress: "flightrec", Event: "procs", Metric: "host"}
+PORT_METRICS = "ib_port_"   # the only Metrics kept: the NICs' port figures (the sim's GPU telemetry is skipped)
 
 
 class StoreFeed:
@@ -82,7 +84,7 @@ class StoreFeed:
     def add(self, aid: str, rec) -> None:
         """One record of agent aid (only the kinds in SOURCES are kept)."""
         src = self.sources.get(type(rec))
-        if src is None:
+        if src is None or (type(rec) is Metric and not rec.name.startswith(PORT_METRICS)):
             return
         lst = self.bufs.setdefault(aid, [])
         lst.append((src, rec))

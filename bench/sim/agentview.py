@@ -12,7 +12,15 @@ real agent produces, under the names and with the fields the real sources give t
   Metric       gpu_utilization_percent / gpu_sm_clock_mhz / gpu_power_watts (agent/sources/gpu.py names, the
                DCGM_NAMES keys), entity gpu<i> (node<n>.gpu<i> when an emulated agent hosts several nodes),
                once per GPU per simulated second (source `gpu`);
-  Flow         each inter-node transfer the node sends (source `netflows`; records.Flow has no switches).
+  Flow         each inter-node transfer the node sends (source `netflows`; records.Flow has no switches);
+  Metric       ib_port_up / ib_port_rate_gbps / ib_port_symbol_errors_total / ib_port_link_error_recoveries_total
+               (agent/sources/host.py read_ib_port names), entity `mlx5_<k>/1` (Topology.port_of), every
+               PORT_INTERVAL_NS of cluster time per NIC (source `host`, kind `port`). A model, not a measurement:
+               a NIC link under a slow_link, fluctuation or degradation fault at factor f retries bit errors at
+               PORT_ERRORS_PER_S x (f - 1) symbol errors a second (and one link error recovery per 100), as a
+               marginal cable or optic does; one NIC in ten has a steady trickle of its own (0.01-0.5/s, drawn
+               from the job's seed); a congested switch makes no port errors (congestion is not a link fault). The
+               rate stays at 400 Gb/s: the bandwidth loss of the model is not a rate downshift.
 Nothing else: no simulator-only value (step compute / wait split, fault ground truth) leaves this module; that
 stays in truth.json and the files (output.py) for scoring.
 
@@ -76,7 +84,10 @@ START_TICKS = 1_000_000
 MASTER_PORT = 29500
 MAX_COLLECTIVES = 64             # StepConfig.max_collectives: issue offsets kept per step
 STEP_MODES = ("constructed", "segmenter")
-KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow", "progress"})
+KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow", "progress", "port"})
+PORT_INTERVAL_NS = 2 * 10**9     # the host source's infiniband_interval_seconds default
+PORT_ERRORS_PER_S = 50.0         # symbol errors a second per unit of (factor - 1) on a faulty NIC link
+PORT_RATE_GBPS = 400.0
 PROGRESS_POLL_NS = 5 * 10**9     # flightrec's sentinel poll: CommProgress every poll while an op is pending
 STOPPED_AFTER_NS = 2 * 10**9     # procs: a process in state T this long is reported stopped
 HANG_MODES = ("stopped", "stuck")
@@ -382,6 +393,48 @@ def agent_records(cfg: ModelConfig, faults: list[Fault], job_key: str = "simjob"
                         hang_mode=hang_mode)
 
 
+class _Ports:
+    """Each NIC's port figures (the `port` kind of the module docstring): cumulative counters advanced per
+    iteration at the error rate in force, sampled at every PORT_INTERVAL_NS boundary of cluster time."""
+
+    def __init__(self, cfg: ModelConfig, faults: list[Fault], mono_base: int) -> None:
+        import random
+        topo = cfg.topology()
+        self.nics = [(r // topo.gpus_per_node, topo.link_of(r), topo.port_of(r)) for r in range(cfg.gpus)]
+        rng = random.Random(cfg.seed ^ 0x5EED_1B)
+        self.trickle = [rng.uniform(0.01, 0.5) if rng.random() < 0.1 else 0.0 for _ in self.nics]
+        self.faults = [f for f in faults if f.resource == "link"]
+        self.errors = [0.0] * len(self.nics)
+        self.base = mono_base
+        self.t = 0.0           # simulated ns the counters stand at
+        self.next = PORT_INTERVAL_NS
+
+    def samples(self, it: Iteration) -> Iterator[tuple[int, Metric]]:
+        end = max(it.end)
+        rate = list(self.trickle)
+        for f in self.faults:
+            x = f.factor(it.it)
+            if x > 1.0:
+                for i, (_, link, _) in enumerate(self.nics):
+                    if link == f.link:
+                        rate[i] += PORT_ERRORS_PER_S * (x - 1.0)
+        while self.t < end:
+            step = min(end, self.next) - self.t
+            for i, r in enumerate(rate):
+                if r:
+                    self.errors[i] += r * step / 1e9
+            self.t += step
+            if self.t >= self.next:
+                ts = self.base + int(self.next)
+                for i, (node, _, port) in enumerate(self.nics):
+                    e = int(self.errors[i])
+                    yield node, Metric(ts, "ib_port_up", port, 1.0)
+                    yield node, Metric(ts, "ib_port_rate_gbps", port, PORT_RATE_GBPS)
+                    yield node, Metric(ts, "ib_port_symbol_errors_total", port, float(e))
+                    yield node, Metric(ts, "ib_port_link_error_recoveries_total", port, float(e // 100))
+                self.next += PORT_INTERVAL_NS
+
+
 def hang_records(cfg: ModelConfig, it: Iteration, prev: dict[int, Step], procs: list, job_key: str,
                  mode: str = "stopped") -> Iterator[tuple[int, str, object]]:
     """(rank, source, record) a real agent sends while ranks hang in iteration `it` (it.stall: rank -> ns it
@@ -486,6 +539,7 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
     if want_prog and hang_mode not in HANG_MODES:
         raise ValueError(f"hang_mode must be one of {', '.join(HANG_MODES)}")
     prev: dict[int, Step] = {}   # each rank's Step of the iteration before (where a hang's ranks stand)
+    ports = _Ports(cfg, faults, mono_base) if "port" in kinds else None
     for it in _iterations(cfg, faults):
         if want_prog and it.stall:
             for r, source, rec in hang_records(cfg, it, prev, procs, job_key, hang_mode):
@@ -535,6 +589,9 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
             yield out(n, "gpu", Metric(ts, "gpu_utilization_percent", ent, util))
             yield out(n, "gpu", Metric(ts, "gpu_sm_clock_mhz", ent, clock))
             yield out(n, "gpu", Metric(ts, "gpu_power_watts", ent, power))
+        for n, rec in ports.samples(it) if ports is not None else ():
+            if mine(n):
+                yield out(n, "host", rec)
         for st, src, dst, nb, dur, _path in rows.flows(it) if "flow" in kinds else ():
             n = src // gpn
             if not mine(n):

@@ -66,19 +66,24 @@ class Topology:
         return [f"leaf{i}" for i in range(self.leaves)] + ([f"spine{i}" for i in range(self.spines)]
                                                            if self.leaves > 1 else [])
 
+    def port_of(self, rank: int) -> str:
+        """The RDMA device/port of rank's NIC on its node, as /sys/class/infiniband names it (`mlx5_<k>/1`, one
+        single-port HCA per GPU): the entity of the agent's ib_port_* metrics and the topology file's NIC `port`."""
+        return f"mlx5_{self.device_of(rank)}/1"
+
     def topology_file(self, node_id=None) -> dict:
         """This cluster in the collector's topology file format (collector/topology.py, README "Topology file"):
         node ids are the emulated agents' (`sim-node-<n>`, one agent per node: `stream`'s default), one NIC per
-        GPU (`n<n>.nic<k>`, its link id as in faults and flows) under the node's leaf, every leaf linked to
-        every spine."""
+        GPU (`n<n>.nic<k>`, its link id as in faults and flows, port `mlx5_<k>/1`) under the node's leaf, every
+        leaf linked to every spine."""
         node_id = node_id or (lambda n: f"sim-node-{n}")
         spines = [f"spine{i}" for i in range(self.spines)] if self.leaves > 1 else []
         nodes = []
         for n in range(self.nodes):
             ranks = range(n * self.gpus_per_node, min(self.gpus, (n + 1) * self.gpus_per_node))
             nodes.append({"id": node_id(n), "hostname": f"n{n}",
-                          "nics": [{"id": self.link_of(r), "switch": self.leaf_of_node(n), "ip": self.ip(r)}
-                                   for r in ranks],
+                          "nics": [{"id": self.link_of(r), "switch": self.leaf_of_node(n), "ip": self.ip(r),
+                                    "port": self.port_of(r)} for r in ranks],
                           "gpus": [{"index": self.device_of(r), "nic": self.link_of(r)} for r in ranks]})
         return {"format": "steplens-topology", "version": 1,
                 "name": f"steplens-sim {self.gpus} GPUs",

@@ -53,7 +53,10 @@ fetching, probe.py) and scores their pipeline pairs' measured transfer times bes
 comes first; the evidence says how many ranks were fetched. In rounds of probe_round_ranks (64) ranks, ordered
 to reach the most tied devices first, another round only while the suspects still tie (probe_rounds, 4: a
 512-member ring ties 512 NIC links, and one round reached about a third of them). Without fetching (no agents
-connected) the tie stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its peer's link.
+connected) the tie stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its
+peer's link by timing; then its own port decides where the topology names the NICs' ports (ports.py: the tied
+NIC links' port counters over the episode, a degraded port leads; evidence `port` on each; port_counters = false:
+off).
 Cost: one pass over the window's steps grouped per communicator (irregularity.groups, shared with the
 irregularity detector in the same pass) and, per communicator, a trailing median/MAD every 8 steps.
 """
@@ -64,6 +67,7 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import median
 
+from steplens.collector.analysis import ports
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
 from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, load, min_busy,
@@ -89,6 +93,9 @@ class CommtimeConfig(DetectorConfig):
     max_suspects: int = 5
     probe_round_ranks: int = 64          # tied devices: ranks whose CommOps are fetched per round (refine) ...
     probe_rounds: int = 4                # ... and rounds at most, each only while the suspects still tie
+    port_counters: bool = True           # NIC links still tied: their ports' counters decide (ports.py) ...
+    port_errors_per_s: float = 0.1       # ... a port degraded with link errors at >= this rate in the episode
+    port_error_rise: float = 2.0         # ... and >= this x its own rate before
 
     def validate(self) -> None:
         super().validate()
@@ -113,6 +120,8 @@ class CommtimeConfig(DetectorConfig):
             raise ConfigError(f"complete_fraction must be within (0, 1], got {self.complete_fraction}")
         if self.max_suspects < 1:
             raise ConfigError("max_suspects must be >= 1")
+        if not 0.0 <= self.port_errors_per_s <= 1e9 or not 1.0 <= self.port_error_rise <= 1e6:
+            raise ConfigError("need 0 <= port_errors_per_s and 1 <= port_error_rise")
         if not 0.0 < self.early_score <= 1.01:
             raise ConfigError(f"early_score must be within (0, 1.01] (1.01: never), got {self.early_score}")
 
@@ -348,6 +357,9 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
         ref = [i for i in range(first) if not job_flag[i]][-cfg.baseline_steps:]
         sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged,
                           round_ranks=cfg.probe_round_ranks, rounds=cfg.probe_rounds)
+        if cfg.port_counters and flagged:   # NIC links still tied: what their own ports say (ports.py)
+            sus = ports.break_tie(reader, topo, sus, js.start_ns[flagged[0]], js.end_ns[flagged[-1]],
+                                  cfg.port_errors_per_s, cfg.port_error_rise)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
         if not sus:
             if not out:
@@ -422,6 +434,9 @@ def _finding(js, part: list[dict], sus: list, pev: dict | None, members: dict[st
     pattern = "persistent" if any(sp["pattern"] == "persistent" for sp in part) else "fluctuating"
     ongoing = last >= n - 1 - 2
     top = f"; top suspect {sus[0].kind} {sus[0].id}" if sus else ""
+    port = sus[0].evidence.get("port", {}) if sus else {}
+    if port.get("degraded"):   # what its own port says (ports.py), where that decided or confirms
+        top += f" (its port {port['port']}: {port['why']})"
     also = f", concurrent with {concurrent_with}" if concurrent_with else ""
     worst = sorted(slow, key=lambda c: -slow[c])
     summary = (f"{len(slow)} communicator(s) transfer {'slowly' if pattern == 'persistent' else 'erratically'}: "

@@ -47,7 +47,8 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            their score: one bad switch explains them all (a congested leaf slows both its uplinks equally).
            Tied best devices (a ring's links) are re-scored with measured pipeline-pair transfers fetched
            from the ranks on them only (refine(), probe.py: progressive fetching; evidence `probe` says how
-           many ranks were fetched).
+           many ranks were fetched); NIC links still tied then, by their own ports' counters (ports.py:
+           a degraded port leads; evidence `port`).
   order    compute suspects, then network devices, then `waiting` ranks (an effect, not a cause), each by score.
   causes   concurrent root causes get one finding each (causes()): a second rank late into every collective it
            joins with >= half the best compute score, and the best network device when the top is a GPU; the
@@ -92,7 +93,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter, sub
 from statistics import median
 
-from steplens.collector.analysis import cog, devrank, probe
+from steplens.collector.analysis import cog, devrank, ports, probe
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
 from steplens.collector.analysis.steptime import EVIDENCE_RANK
@@ -133,6 +134,7 @@ class IrregularityConfig(DetectorConfig):
                                            # part of its ramp: left out of the pre-onset reference
     recv_wait_share: float = 0.5           # a late rank whose pipeline receives grew by this x the job's excess
                                            # step time waited for its stage peers: `waiting`, not `compute`
+    port_counters: bool = True             # NIC links still tied: their ports' counters decide (ports.py defaults)
 
     def validate(self) -> None:
         super().validate()
@@ -729,6 +731,8 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
                           probe_ctx[2], probe_ctx[3])
         if pev:
             ev["probe"] = pev
+        if cfg.port_counters and probe_ctx[3]:   # NIC links still tied: what their own ports say (ports.py)
+            out = ports.break_tie(probe_ctx[0], topo, out, js.start_ns[probe_ctx[3][0]], js.end_ns[probe_ctx[3][-1]])
     return out, ev
 
 
