@@ -338,27 +338,27 @@ def test_a_rank_five_percent_slower_on_a_shared_host_is_found_by_its_median_late
     # Recorded (tests/fixtures/training/README.md): the testbed's DP2 gloo job on this VM's two cores, rank 1 made
     # 5 % slower at the header's fault start; the collector's Step rows, windows from 40 s before it on. The
     # margins have 3-4x spikes from both ends' preemptions (sd ~3.2 ms against a robust spread of 1.1-2.2 ms at a
-    # 34 ms step): rank 1, ~1.1 ms late per step, stays under the mean's z and is found by the median's.
+    # 34 ms step): rank 1, ~1.1 ms late per step, stays under the mean's z and is found by the median's. Stored
+    # as bench/straggler_replay.py stores them (the agents' Step records through the real writer).
     import gzip
     import json
     import os
+    import sys
     from conftest import REPO
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    import straggler_replay
     path = os.path.join(REPO, "tests", "fixtures", "training", "testbed-steps-slow5-rank1.jsonl.gz")
     with gzip.open(path, "rt") as fh:
         head = json.loads(fh.readline())
         rows = [json.loads(x) for x in fh]
-    off = 5 * 10**12   # store()'s clock offset: cluster time = monotonic + off
-    steps = [(int(x["node_id"][1:]), r.Step(x["end_ns"] - off, x["pid"], x["start_ticks"], JOB, x["rank"], x["step"],
-                                            x["start_ns"] - off, x["end_ns"] - off, x["evidence"], x["period_ops"],
-                                            x["ops"], [r.StepComm(**c) for c in x["comms"]])) for x in rows]
-    reader = store(tmp_path, steps)
+    reader = straggler_replay.feed(rows, str(tmp_path / "replay.db"))
     at = head["faults"][0]["start_ns"]
     first = at - 40 * 10**9   # the windows start 40 s before the fault (the recording's quiet before that: README)
     named = {}   # window end (s from the fault's start) -> ranks named by a straggler finding
     t = first + 10 * 10**9
     while t <= at + 30 * 10**9:
-        out = detect(reader, Window(JOB, first, t), IrregularityConfig())
-        named[(t - at) / 1e9] = [(f.suspects[0].id, f.evidence["comms"]["pg:1"].get("test")) for f in out
+        out = detect(reader, Window(straggler_replay.JOB, first, t), IrregularityConfig())
+        named[(t - at) / 1e9] = [(f.suspects[0].id, f.evidence["comms"]["pg:1"]["test"]) for f in out
                                  if "straggler_steps" in f.evidence]
         t += 2 * 10**9
     before = [x for k, v in named.items() if k < 0 for x in v]

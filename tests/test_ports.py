@@ -77,7 +77,8 @@ def test_a_reset_counter_a_port_gone_down_a_downshift_and_saturation(tmp_path):
                   saturated=1.0)
     reader = store(tmp_path, {"h0": reset, "h1": down})
     ev = port_evidence(reader, TOPO.nics["h0.nic0"], OFF + 58 * S, OFF + 62 * S)
-    assert ev["errors"]["symbol_errors"] == 2 and not ev["degraded"]   # reset at 60 s (to 0: what came before is lost), 0 -> 2
+    # reset at 60 s (to 0: what came after the 58 s sample is lost), then 0 -> 2
+    assert ev["errors"]["symbol_errors"] == 2 and not ev["degraded"]
     ev = port_evidence(reader, TOPO.nics["h1.nic0"], OFF + 81 * S, OFF + 89 * S)
     assert ev["degraded"] and ev["down"] and ev["saturated"] == 1
     assert ev["rate_gbps"] == {"before": 400.0, "during": 200.0} and "trained at 200 Gb/s, 400 before" in ev["why"]

@@ -403,6 +403,7 @@ class _Ports:
         self.nics = [(r // topo.gpus_per_node, topo.link_of(r), topo.port_of(r)) for r in range(cfg.gpus)]
         rng = random.Random(cfg.seed ^ 0x5EED_1B)
         self.trickle = [rng.uniform(0.01, 0.5) if rng.random() < 0.1 else 0.0 for _ in self.nics]
+        self.index = {link: i for i, (_, link, _) in enumerate(self.nics)}
         self.faults = [f for f in faults if f.resource == "link"]
         self.errors = [0.0] * len(self.nics)
         self.base = mono_base
@@ -414,10 +415,9 @@ class _Ports:
         rate = list(self.trickle)
         for f in self.faults:
             x = f.factor(it.it)
-            if x > 1.0:
-                for i, (_, link, _) in enumerate(self.nics):
-                    if link == f.link:
-                        rate[i] += PORT_ERRORS_PER_S * (x - 1.0)
+            i = self.index.get(f.link)
+            if x > 1.0 and i is not None:
+                rate[i] += PORT_ERRORS_PER_S * (x - 1.0)
         while self.t < end:
             step = min(end, self.next) - self.t
             for i, r in enumerate(rate):

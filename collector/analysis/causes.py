@@ -113,8 +113,16 @@ class CausesConfig:
 # -- counters and series -----------------------------------------------------------------------------------------
 
 def counter_rate(points: list[tuple[int, float]], a: int, b: int) -> float | None:
-    """Increase per second of a counter over the samples that cover [a, b] (the last sample at or before a to the
-    first at or after b; a decrease is a reset: the new value counts from 0). None: fewer than two samples."""
+    """Increase per second of a counter over the samples that cover [a, b] (counter_rise). None: fewer than two
+    samples."""
+    got = counter_rise(points, a, b)
+    return got[0] / got[1] if got else None
+
+
+def counter_rise(points: list[tuple[int, float]], a: int, b: int) -> tuple[float, float] | None:
+    """(increase, seconds) of a counter over the samples that cover [a, b]: the last sample at or before a (else
+    the first) to the first at or after b (else the last); a decrease is a reset: the new value counts from 0.
+    None: fewer than two samples, or no time between them."""
     if not points:
         return None
     lo = 0
@@ -134,7 +142,7 @@ def counter_rate(points: list[tuple[int, float]], a: int, b: int) -> float | Non
     for (_, v1), (_, v2) in zip(points[lo:hi], points[lo + 1:hi + 1]):
         inc += v2 - v1 if v2 >= v1 else v2
     dt = (points[hi][0] - points[lo][0]) / 1e9
-    return inc / dt if dt > 0 else None
+    return (inc, dt) if dt > 0 else None
 
 
 def gauge_median(points: list[tuple[int, float]], a: int, b: int) -> float | None:

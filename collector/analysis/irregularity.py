@@ -1047,10 +1047,11 @@ def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
     (arrival - members' median) has z >= straggler_z_every (lateness_z: mean / (sd / sqrt(steps)), or the
     median's under heavy-tailed jitter), >= straggler_z in one of them at least (a wide group's arrivals are
     noisier), and the time it keeps its groups waiting per step (that margin x collectives per step, summed
-    over them) >= straggler_min_fraction of the step time. Steps are the samples (a rank's compute jitter holds for a whole
-    step), so a 5 % slower GPU under 2 % per-step jitter stands out at z ~ 2.5 x sqrt(steps), in a group of 2
-    as in one of 64, where "last in most collectives" holds only in small groups. A rank not late on average
-    into each group over the last min_baseline_steps steps is skipped (cheap); for the others the test runs on
+    over them) >= straggler_min_fraction of the step time. Steps are the samples (a rank's compute jitter
+    holds for a whole step), so a 5 % slower GPU under 2 % per-step jitter stands out at z ~ 2.5 x sqrt(steps),
+    in a group of 2 as in one of 64, where "last in most collectives" holds only in small groups. A rank not
+    late on average (mean or median) into each group over the last min_baseline_steps steps is skipped
+    (cheap); for the others the test runs on
     the steps from the change point of its lateness on (change_point(): a slowdown that began inside the
     window is not diluted by the healthy steps before it), at least 2 x min_baseline_steps of them (the point
     is picked where the lateness after it is highest, so a short tail after it biases the test)."""
@@ -1102,7 +1103,8 @@ def lateness_z(vals: list[float]) -> tuple[float, float, str]:
     error from a spread that a few outliers do not set: on a shared host a rank's margins have 3-4x spikes
     (preemptions of either end) that made the sd twice the robust spread (testbed, DP2 on 2 cores: 3.2 ms
     against 1.1-2.2 ms at a 34 ms step), so a rank 5 % slower, 1.1 ms late per step, stayed at z ~2.5 over 50
-    steps by the mean test and reached 6 within 2 s by the median's (bench/README.md, "testbed_sentinel.py")."""
+    steps by the mean test and was never named; by the median's it is, 7.8 s after it slowed
+    (bench/straggler_replay.py on the recording; bench/README.md, "testbed_sentinel.py")."""
     n = len(vals)
     if n < 2:
         return 0.0, 0.0, "mean"

@@ -12,8 +12,9 @@ its own port: bit errors that the link layer retries (symbol errors, link error 
 link that went down and up (link_downed), or a port that trained at a lower rate (width or speed) than it had.
 
 Degraded port (port_evidence): over [onset, last] (the samples at or before the onset and at or after the last
-step, so a short episode between two 2 s samples is covered), its error counters rose by >= errors_per_s per
-second in all and >= error_rise x their rate over the baseline before the onset (baseline_seconds); or it went
+step, so a short episode between two 2 s samples is covered: causes.counter_rise), its error counters rose by
+>= errors_per_s per second in all and >= error_rise x their rate over the baseline before the onset
+(baseline_seconds); or it went
 down (ib_port_up 0 at a sample in the episode); or its rate fell below its own rate before, or below the topology's
 speed_gbps for the NIC. A counter that fell is taken as reset (its new value is the rise). A counter that stands at
 its field's maximum (ib_port_counters_saturated) cannot rise: the evidence says so, and it is not degraded by it.
@@ -26,44 +27,12 @@ recorded sysfs tree; this module on the simulator's model of a degrading link (b
 
 from __future__ import annotations
 
+from steplens.collector.analysis.causes import counter_rise
+
 ERRORS = ("ib_port_symbol_errors_total", "ib_port_link_error_recoveries_total", "ib_port_link_downed_total",
           "ib_port_receive_errors_total")
 GAUGES = ("ib_port_up", "ib_port_rate_gbps", "ib_port_counters_saturated")
 BASELINE_SECONDS = 60.0
-
-
-def _at_or_before(points: list[tuple[int, float]], t: int) -> tuple[int, float] | None:
-    best = None
-    for p in points:
-        if p[0] > t:
-            break
-        best = p
-    return best
-
-
-def _at_or_after(points: list[tuple[int, float]], t: int) -> tuple[int, float] | None:
-    for p in points:
-        if p[0] >= t:
-            return p
-    return None
-
-
-def _rise(points: list[tuple[int, float]], a: int, b: int) -> tuple[float, int] | None:
-    """(how much the counter rose, over how many ns) from its last sample at or before a (else its first after
-    a) to its first sample at or after b (else its last); a fall is a reset: the value after it is the rise."""
-    lo = _at_or_before(points, a) or _at_or_after(points, a)
-    hi = _at_or_after(points, b) or (points[-1] if points else None)
-    if lo is None or hi is None or hi[0] <= lo[0]:
-        return None
-    total, prev = 0.0, lo[1]
-    for t, v in points:
-        if t <= lo[0]:
-            continue
-        if t > hi[0]:
-            break
-        total += v - prev if v >= prev else v
-        prev = v
-    return total, hi[0] - lo[0]
 
 
 def port_evidence(reader, nic, onset_ns: int, last_ns: int, errors_per_s: float = 0.1,
@@ -80,22 +49,22 @@ def port_evidence(reader, nic, onset_ns: int, last_ns: int, errors_per_s: float 
     if not series:
         return None
     ev: dict = {"port": nic.port}
-    errs, during_ns, base, base_ns = {}, 0, 0.0, 0
+    errs, during_s, base, base_s = {}, 0.0, 0.0, 0.0
     for name in ERRORS:
         pts = series.get((name, nic.port))
         if not pts:
             continue
-        got = _rise(pts, onset_ns, last_ns)
+        got = counter_rise(pts, onset_ns, last_ns)
         if got:
             errs[name.removeprefix("ib_port_").removesuffix("_total")] = int(got[0])
-            during_ns = max(during_ns, got[1])
-        before = _rise([p for p in pts if p[0] <= onset_ns], b0, onset_ns)
+            during_s = max(during_s, got[1])
+        before = counter_rise([p for p in pts if p[0] <= onset_ns], b0, onset_ns)   # none from the episode
         if before:
             base += before[0]
-            base_ns = max(base_ns, before[1])
+            base_s = max(base_s, before[1])
     total = sum(errs.values())
-    rate = total / (during_ns / 1e9) if during_ns else 0.0
-    base_rate = base / (base_ns / 1e9) if base_ns else 0.0
+    rate = total / during_s if during_s else 0.0
+    base_rate = base / base_s if base_s else 0.0
     why = []
     if errs:
         ev.update(errors=errs, errors_per_s=round(rate, 3), baseline_errors_per_s=round(base_rate, 3))
