@@ -49,6 +49,22 @@ def _wait_file(path: str, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def _wait_exec(pid: int, marker: str, timeout: float = 10.0) -> None:
+    """Until the child has exec'd: its cmdline is its parent's interpreter's until then (a fresh, busy machine
+    took long enough for a scan right after Popen to miss it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    return
+        except FileNotFoundError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} never exec'd with {marker}")
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def children():
     procs: list[subprocess.Popen] = []
@@ -142,6 +158,7 @@ def test_unreaped_child_counts_as_exited(tmp_path, children):
     marker = f"steplens-zombie-{uuid.uuid4().hex[:8]}"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
     children.append(child)
+    _wait_exec(child.pid, marker)
     src = ProcsSource(HostContext(node_id="t"), ProcsConfig(patterns=[marker]))
     src.start()
     assert child.pid in _infos(src.step())
