@@ -354,7 +354,9 @@ print(json.dumps({"ends": ends, "steps": on, "path": steplens_iters.status()["pa
     assert len(its) == 5, its
     for (n, start, end, *_), k in zip(its, (1, 2, 3, 7, 8)):
         assert res["steps"][k] < end <= ends[k], (k, ends[k] - end)      # the zero_grad's end, not the step's
-        assert ends[k - 1] - 1_000_000 < start <= ends[k - 1]
+        # and starts where the one before ended: that step's zero_grad (bracketed by the job's own clock reads,
+        # not by a time margin: a loaded CI machine once took the job off the CPU for 8 ms between the two)
+        assert res["steps"][k - 1] < start <= ends[k - 1], (k, ends[k - 1] - start)
 
 
 def test_bad_variables_and_off_switch_leave_the_program_running(tmp_path):

@@ -49,7 +49,8 @@ first step has no start: not written, it holds start-up and compilation anyway).
 (torch.distributed jobs) and finds the zero_grad that closes the loop body after the step (its call-site rule),
 the iteration ends at that zero_grad's end instead (`iteration_end_moved`; the iteration is held and written at
 the next step or at exit), as the job's own step logs do: on the gloo testbed the step's end alone was 1.5 % of a step
-early (the zero_grad's memset of 8 MB of gradients). Its counts come from the
+early (the zero_grad's memset of 8 MB of gradients). A step that ends no iteration (the first, the first after a
+pause) has its zero_grad too: the next iteration starts there (torch 2.13's first zero_grad took 8 ms). Its counts come from the
 locals of the frames that called step() (torch's own frames skipped, MAX_FRAMES outward, the first frame that
 has the name wins), named by STEPLENS_STEP_FEATURES="tokens=input_ids,batch_size=batch.input_ids,..." (fields of
 Iteration; `name.key` is a mapping key or an attribute of a local): a tensor gives numel() (for batch_size, its
@@ -511,10 +512,14 @@ def iteration_end_moved(end_ns: int) -> None:
     zero_grad: 1-2 ms of a gloo testbed step, 1.5 % when the step ended at the optimizer). Never raises."""
     try:
         pend = _train["pending"]
-        if pend is not None and end_ns > pend[1] and _on[0]:
+        if not _on[0]:
+            return
+        if pend is not None and end_ns > pend[1]:
             _train["pending"] = (pend[0], end_ns, pend[2])   # written at the next step: its slot write (~10 us
             _train["last_end"] = end_ns                      # cold) then lies inside the next iteration, not
                                                              # between this end and the job's own clock read
+        elif pend is None and 0 < _train["last_end"] < end_ns:   # a step that ended no iteration: the next
+            _train["last_end"] = end_ns                           # one starts at its zero_grad all the same
     except Exception:
         _state["write_errors"] += 1
 
