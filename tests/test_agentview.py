@@ -185,3 +185,49 @@ def test_kinds_select_what_is_built():
     assert got == {"ProcessInfo": cfg.gpus, "Step": cfg.gpus * 2}
     with pytest.raises(ValueError):
         list(agent_records(cfg, [], kinds=frozenset({"sim_steps"})))
+
+
+def _port_series(cfg, faults):
+    """{(agent, port): {metric name: [(ts, value)]}} of the `port` kind."""
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for aid, rec in agent_records(cfg, faults, job_key="j", mono_base=MONO, kinds=frozenset({"port"})):
+        assert isinstance(rec, Metric)
+        out[(aid, rec.entity)][rec.name].append((rec.mono_ns, rec.value))
+    return out
+
+
+def _wait_per_byte(s, a: int, b: int) -> float:
+    """Wait ticks per byte sent between the a-th and b-th samples of one port."""
+    w, n = s["ib_port_transmit_wait_ticks_total"], s["ib_port_transmit_bytes_total"]
+    return (w[b][1] - w[a][1]) / (n[b][1] - n[a][1])
+
+
+def test_port_figures_are_the_host_sources_and_waits_follow_the_bottleneck_after_the_sender():
+    from steplens.agent.sources.host import IB_COUNTERS, IB_DATA
+    real = {m for _, m, _ in IB_COUNTERS} | {m for _, m in IB_DATA} | {"ib_port_up", "ib_port_rate_gbps",
+                                                                       "ib_port_counters_saturated"}
+    # 8 nodes on 2 leaves (DP8 x PP2 x TP4, 4 GPUs a node); leaf1 1.5x congested over the second half
+    cfg = _cfg(dp=8, pp=2, tp=4, iterations=160, nodes_per_leaf=4, spines=2)
+    topo = cfg.topology()
+    half = cfg.iterations // 2
+    ser = _port_series(cfg, [parse_fault(f"congested_switch:leaf1:{half}:{cfg.iterations}:1.5", topo)])
+    assert {n for s in ser.values() for n in s} <= real and len(ser) == cfg.gpus
+    n = min(len(s["ib_port_transmit_bytes_total"]) for s in ser.values())
+    assert n >= 6, n
+    rise: dict[str, list[float]] = defaultdict(list)
+    for (aid, _), s in ser.items():
+        assert all(v == 0 for _, v in s["ib_port_counters_saturated"])
+        if s["ib_port_transmit_bytes_total"][n - 1][1] == 0:
+            continue   # a NIC that sends nothing across nodes
+        before, during = _wait_per_byte(s, 0, n // 2 - 1), _wait_per_byte(s, n // 2 + 1, n - 1)
+        rise[topo.leaf_of_node(int(aid.rsplit("-", 1)[1]))].append(during / before)
+    # every sending NIC under leaf1 waits longer per byte; leaf0's only for what they send across leaf1
+    assert len(rise["leaf1"]) >= 4 and min(rise["leaf1"]) > 2.0, rise
+    assert sorted(rise["leaf1"])[len(rise["leaf1"]) // 2] > 1.5 * sorted(rise["leaf0"])[len(rise["leaf0"]) // 2]
+    # a slow NIC link: its own errors rise and its own sends do not wait for it (the NICs sending to it do)
+    link = topo.link_of(9)
+    ser = _port_series(cfg, [parse_fault(f"slow_link:{link}:{half}:{cfg.iterations}:2.0", topo)])
+    own = ser[(f"sim-node-{9 // cfg.gpus_per_node}", topo.port_of(9))]
+    errs = own["ib_port_symbol_errors_total"]
+    assert errs[-1][1] - errs[n // 2][1] > 50 * (errs[n // 2 - 1][1] - errs[0][1] + 1)
+    assert _wait_per_byte(own, n // 2 + 1, n - 1) < 2.0 * _wait_per_byte(own, 0, n // 2 - 1)

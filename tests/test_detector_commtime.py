@@ -316,3 +316,25 @@ def test_a_link_only_its_pipeline_pair_crosses_is_told_from_its_peer_by_its_port
     assert "top suspect link n7.nic2 (its port mlx5_2/1: errors " in f.summary
     peer = next(s for s in f.suspects if s.id == "n3.nic2")
     assert not peer.evidence["port"]["degraded"]
+
+
+def test_a_leaf_congested_by_a_few_percent_is_told_from_the_nic_links_under_it_by_their_transmit_wait(tmp_path):
+    # DP16 x PP2 x TP2 on 2 leaves, leaf0 1.06x congested under 1.3 % transfer jitter (report set seed 2000,
+    # scenario 136): the rings that flag first implicate NIC links under leaf0, by timing alone one of them leads.
+    # The simulator's agents send each NIC's transmit wait and bytes (agentview `port`): every NIC under leaf0
+    # waits longer per byte, those elsewhere only for their sends into it; the leaf leads with that evidence.
+    from steplens.collector.analysis.engine import AnalysisReader
+    cfg = ModelConfig(dp=16, pp=2, tp=2, micro_batches=8, iterations=100, gpus_per_node=8, nodes_per_leaf=4,
+                      spines=4, seed=271706234, net_jitter_cv=0.0128)
+    faults = [parse_fault("congested_switch:leaf0:28:66:1.06", cfg.topology())]
+    reader = scoring.feed(cfg, faults, str(tmp_path / "sim.db"))
+    (f,) = run(AnalysisReader(reader, scoring.sim_fetcher(cfg, faults)), port_counters=False)
+    assert f.suspects[0].kind == "link" and cfg.topology().leaf_of_node(int(f.suspects[0].id[1])) == "leaf0"
+    (f,) = run(AnalysisReader(reader, scoring.sim_fetcher(cfg, faults)))
+    top = f.suspects[0]
+    assert (top.kind, top.id) == ("switch", "leaf0") and top.score > f.suspects[1].score
+    ev = top.evidence["xmit_wait"]
+    assert ev["congested"] and ev["share"] >= 0.6 and ev["wait_per_byte_rise"] >= 2 * ev["outside_wait_per_byte_rise"]
+    assert ev["nics"] == ev["outside_nics"] == 32
+    said = f"top suspect switch leaf0 ({ev['waited_more']} of 32 NICs under it wait >= 1.5x longer per byte"
+    assert said in f.summary

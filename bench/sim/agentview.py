@@ -20,7 +20,18 @@ real agent produces, under the names and with the fields the real sources give t
                PORT_ERRORS_PER_S x (f - 1) symbol errors a second (and one link error recovery per 100), as a
                marginal cable or optic does; one NIC in ten has a steady trickle of its own (0.01-0.5/s, drawn
                from the job's seed); a congested switch makes no port errors (congestion is not a link fault). The
-               rate stays at 400 Gb/s: the bandwidth loss of the model is not a rate downshift.
+               rate stays at 400 Gb/s: the bandwidth loss of the model is not a rate downshift. Beside them
+               ib_port_transmit_bytes_total (the bytes of the NIC's flows) and ib_port_transmit_wait_ticks_total
+               (PortXmitWait: ticks, XMIT_WAIT_TICK_NS each, in which the port had data to send and no credit from
+               the switch): each flow a -> b waits the share 1 - down/own of its time, own = the bandwidth of a's
+               NIC link, down = the narrowest after it on the model's path (the leaf and spine shares, b's link),
+               so a sender waits behind a congested switch or a slow receiver and not behind its own slow link;
+               over that, a background share of the NIC's send time at full rate (the incast of a healthy fabric:
+               WAIT_BASE, log-uniform per NIC), noisy per 2 s interval (log-sd WAIT_NOISE, a WAIT_BURST burst now
+               and then).
+               The counter is 32 bits wide and stops at its maximum (ib_port_counters_saturated 1), as the
+               PortCounters field does; it starts at a random value. No congestion spreading: a flow that shares a
+               switch with a waiting one does not wait for it (real lossless fabrics spread some).
 Nothing else: no simulator-only value (step compute / wait split, fault ground truth) leaves this module; that
 stays in truth.json and the files (output.py) for scoring.
 
@@ -88,6 +99,11 @@ KINDS = frozenset({"process", "step", "comm_summary", "metric", "flow", "progres
 PORT_INTERVAL_NS = 2 * 10**9     # the host source's infiniband_interval_seconds default
 PORT_ERRORS_PER_S = 50.0         # symbol errors a second per unit of (factor - 1) on a faulty NIC link
 PORT_RATE_GBPS = 400.0
+XMIT_WAIT_TICK_NS = 4.0          # PortXmitWait's tick (the spec leaves it to the implementation)
+WAIT_BASE = (0.01, 0.10)         # background share of a NIC's send time spent waiting for credits (log-uniform)
+WAIT_NOISE = 0.5                 # log-sd of the background wait per port interval
+WAIT_BURST = (0.03, 4.0)         # share of intervals with an incast burst on a NIC, and its multiplier
+WAIT_MAX = (1 << 32) - 1         # PortXmitWait is a 32-bit PortCounters field: it stops there
 PROGRESS_POLL_NS = 5 * 10**9     # flightrec's sentinel poll: CommProgress every poll while an op is pending
 STOPPED_AFTER_NS = 2 * 10**9     # procs: a process in state T this long is reported stopped
 HANG_MODES = ("stopped", "stuck")
@@ -395,9 +411,11 @@ def agent_records(cfg: ModelConfig, faults: list[Fault], job_key: str = "simjob"
 
 class _Ports:
     """Each NIC's port figures (the `port` kind of the module docstring): cumulative counters advanced per
-    iteration at the error rate in force, sampled at every PORT_INTERVAL_NS boundary of cluster time."""
+    iteration at the error rate in force, and by the iteration's flows for bytes and transmit wait, sampled at
+    every PORT_INTERVAL_NS boundary of cluster time."""
 
-    def __init__(self, cfg: ModelConfig, faults: list[Fault], mono_base: int) -> None:
+    def __init__(self, cfg: ModelConfig, faults: list[Fault], mono_base: int, rows: Rows) -> None:
+        import math
         import random
         topo = cfg.topology()
         self.nics = [(r // topo.gpus_per_node, topo.link_of(r), topo.port_of(r)) for r in range(cfg.gpus)]
@@ -409,6 +427,47 @@ class _Ports:
         self.base = mono_base
         self.t = 0.0           # simulated ns the counters stand at
         self.next = PORT_INTERVAL_NS
+        # transmit side: its own draws (the error model's sequence above is unchanged by them)
+        wr = random.Random(cfg.seed ^ 0x3A17_E5)
+        lo, hi = math.log(WAIT_BASE[0]), math.log(WAIT_BASE[1])
+        self.wait_base = [math.exp(wr.uniform(lo, hi)) for _ in self.nics]
+        self.wait = [float(wr.randrange(1 << 30)) for _ in self.nics]
+        self.sent = [0] * len(self.nics)
+        self.rng = wr
+        self.nic_bps, self.sw_bps = rows.net.nic_bps, rows.net.sw_bps
+        self.pending: dict[int, tuple[list[float], list[float], list[int]]] = {}  # interval -> (bg, fault, bytes)
+
+    def add_flows(self, it: Iteration, flows) -> None:
+        """The iteration's flows (Rows.flows rows) onto their senders' ports, in the interval each ends in."""
+        net, nics, n = it.net, self.nics, len(self.nics)
+        nic_bps, sw_bps, base, wb = self.nic_bps, self.sw_bps, self.base, self.wait_base
+        for st, a, b, nb, dur, path in flows:
+            ns = dur * 1e9
+            k = int((st - base + ns) // PORT_INTERVAL_NS)
+            acc = self.pending.get(k)
+            if acc is None:
+                acc = self.pending[k] = ([0.0] * n, [0.0] * n, [0] * n)
+            acc[0][a] += nb * 8e9 / nic_bps * wb[a]   # the background: a share of the time at full rate
+            acc[2][a] += nb
+            if net:
+                own = nic_bps / net.get(nics[a][1], 1.0)
+                down = nic_bps / net.get(nics[b][1], 1.0)
+                for sw in path:
+                    down = min(down, sw_bps / net.get(sw, 1.0))
+                if down < own:
+                    acc[1][a] += ns * (1.0 - down / own)
+
+    def _close(self, k: int) -> None:
+        """Interval k's flows into the counters (noise on the background wait), and any left before it."""
+        lognorm, rnd = self.rng.lognormvariate, self.rng.random
+        for j in sorted(x for x in self.pending if x <= k):
+            bg, fw, nb = self.pending.pop(j)
+            for i in range(len(self.nics)):
+                if bg[i]:
+                    burst = WAIT_BURST[1] if rnd() < WAIT_BURST[0] else 1.0
+                    w = bg[i] * lognorm(0.0, WAIT_NOISE) * burst + fw[i]
+                    self.wait[i] = min(float(WAIT_MAX), self.wait[i] + w / XMIT_WAIT_TICK_NS)
+                    self.sent[i] += nb[i]
 
     def samples(self, it: Iteration) -> Iterator[tuple[int, Metric]]:
         end = max(it.end)
@@ -426,12 +485,16 @@ class _Ports:
             self.t += step
             if self.t >= self.next:
                 ts = self.base + int(self.next)
+                self._close(int(self.next // PORT_INTERVAL_NS) - 1)
                 for i, (node, _, port) in enumerate(self.nics):
                     e = int(self.errors[i])
                     yield node, Metric(ts, "ib_port_up", port, 1.0)
                     yield node, Metric(ts, "ib_port_rate_gbps", port, PORT_RATE_GBPS)
                     yield node, Metric(ts, "ib_port_symbol_errors_total", port, float(e))
                     yield node, Metric(ts, "ib_port_link_error_recoveries_total", port, float(e // 100))
+                    yield node, Metric(ts, "ib_port_transmit_wait_ticks_total", port, float(int(self.wait[i])))
+                    yield node, Metric(ts, "ib_port_transmit_bytes_total", port, float(self.sent[i]))
+                    yield node, Metric(ts, "ib_port_counters_saturated", port, float(self.wait[i] >= WAIT_MAX))
                 self.next += PORT_INTERVAL_NS
 
 
@@ -539,7 +602,7 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
     if want_prog and hang_mode not in HANG_MODES:
         raise ValueError(f"hang_mode must be one of {', '.join(HANG_MODES)}")
     prev: dict[int, Step] = {}   # each rank's Step of the iteration before (where a hang's ranks stand)
-    ports = _Ports(cfg, faults, mono_base) if "port" in kinds else None
+    ports = _Ports(cfg, faults, mono_base, rows) if "port" in kinds else None
     for it in _iterations(cfg, faults):
         if want_prog and it.stall:
             for r, source, rec in hang_records(cfg, it, prev, procs, job_key, hang_mode):
@@ -589,10 +652,13 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
             yield out(n, "gpu", Metric(ts, "gpu_utilization_percent", ent, util))
             yield out(n, "gpu", Metric(ts, "gpu_sm_clock_mhz", ent, clock))
             yield out(n, "gpu", Metric(ts, "gpu_power_watts", ent, power))
-        for n, rec in ports.samples(it) if ports is not None else ():
-            if mine(n):
-                yield out(n, "host", rec)
-        for st, src, dst, nb, dur, _path in rows.flows(it) if "flow" in kinds else ():
+        flows = list(rows.flows(it)) if ports is not None or "flow" in kinds else ()
+        if ports is not None:
+            ports.add_flows(it, flows)
+            for n, rec in ports.samples(it):
+                if mine(n):
+                    yield out(n, "host", rec)
+        for st, src, dst, nb, dur, _path in flows if "flow" in kinds else ():
             n = src // gpn
             if not mine(n):
                 continue

@@ -55,8 +55,9 @@ to reach the most tied devices first, another round only while the suspects stil
 512-member ring ties 512 NIC links, and one round reached about a third of them). Without fetching (no agents
 connected) the tie stays and the evidence says why. A link crossed by one pipeline pair only stays tied with its
 peer's link by timing; then its own port decides where the topology names the NICs' ports (ports.py: the tied
-NIC links' port counters over the episode, a degraded port leads; evidence `port` on each; port_counters = false:
-off).
+NIC links' port counters over the episode, a degraded port leads; evidence `port` on each). A NIC link on top
+whose leaf its NICs' transmit wait shows congested gives way to the leaf (ports.promote_leaf: a leaf 1.06x
+congested flags a few rings first, and they implicate their own links). port_counters = false: neither.
 Cost: one pass over the window's steps grouped per communicator (irregularity.groups, shared with the
 irregularity detector in the same pass) and, per communicator, a trailing median/MAD every 8 steps.
 """
@@ -96,6 +97,9 @@ class CommtimeConfig(DetectorConfig):
     port_counters: bool = True           # NIC links still tied: their ports' counters decide (ports.py) ...
     port_errors_per_s: float = 0.1       # ... a port degraded with link errors at >= this rate in the episode
     port_error_rise: float = 2.0         # ... and >= this x its own rate before
+    port_wait_rise: float = 1.5          # top suspect a NIC link: its leaf congested when NICs under it wait this
+    port_wait_share: float = 0.6         # ... x longer per byte sent, this share of them, and their rise is
+    port_wait_contrast: float = 2.0      # ... this x the rise elsewhere (ports.promote_leaf)
 
     def validate(self) -> None:
         super().validate()
@@ -122,6 +126,9 @@ class CommtimeConfig(DetectorConfig):
             raise ConfigError("max_suspects must be >= 1")
         if not 0.0 <= self.port_errors_per_s <= 1e9 or not 1.0 <= self.port_error_rise <= 1e6:
             raise ConfigError("need 0 <= port_errors_per_s and 1 <= port_error_rise")
+        if not 1.0 <= self.port_wait_rise <= 1e6 or not 0.0 < self.port_wait_share <= 1.0 \
+                or not 1.0 <= self.port_wait_contrast <= 1e6:
+            raise ConfigError("need 1 <= port_wait_rise, 0 < port_wait_share <= 1 and 1 <= port_wait_contrast")
         if not 0.0 < self.early_score <= 1.01:
             raise ConfigError(f"early_score must be within (0, 1.01] (1.01: never), got {self.early_score}")
 
@@ -358,8 +365,12 @@ def explain(reader, window: Window, js, ep: list[dict], members: dict[str, set[i
         sus, pev = refine(reader, window.job_key, js, sus, slow, among, topo, nic_of, ref, flagged,
                           round_ranks=cfg.probe_round_ranks, rounds=cfg.probe_rounds)
         if cfg.port_counters and flagged:   # NIC links still tied: what their own ports say (ports.py)
-            sus = ports.break_tie(reader, topo, sus, js.start_ns[flagged[0]], js.end_ns[flagged[-1]],
-                                  cfg.port_errors_per_s, cfg.port_error_rise)
+            on, off = js.start_ns[flagged[0]], js.end_ns[flagged[-1]]
+            sus = ports.break_tie(reader, topo, sus, on, off, cfg.port_errors_per_s, cfg.port_error_rise)
+            # a NIC link on top, its leaf congested by the ports' transmit wait: the leaf
+            early = js.end_ns[flagged[min(len(flagged), cfg.recent_steps) - 1]]
+            sus = ports.promote_leaf(reader, topo, sus, nic_of.values(), on, off, cfg.port_wait_rise,
+                                     cfg.port_wait_share, cfg.port_wait_contrast, early_ns=early)
         sus.sort(key=lambda s: (-s.score, s.kind, s.id))
         if not sus:
             if not out:
@@ -437,6 +448,9 @@ def _finding(js, part: list[dict], sus: list, pev: dict | None, members: dict[st
     port = sus[0].evidence.get("port", {}) if sus else {}
     if port.get("degraded"):   # what its own port says (ports.py), where that decided or confirms
         top += f" (its port {port['port']}: {port['why']})"
+    wait = sus[0].evidence.get("xmit_wait", {}) if sus else {}
+    if wait.get("congested"):   # a leaf whose NICs' transmit wait says congested (ports.promote_leaf)
+        top += f" ({wait['why']})"
     also = f", concurrent with {concurrent_with}" if concurrent_with else ""
     worst = sorted(slow, key=lambda c: -slow[c])
     summary = (f"{len(slow)} communicator(s) transfer {'slowly' if pattern == 'persistent' else 'erratically'}: "

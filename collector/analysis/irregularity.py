@@ -48,7 +48,8 @@ Suspects, best first, from the finding's flagged steps F against the window's he
            Tied best devices (a ring's links) are re-scored with measured pipeline-pair transfers fetched
            from the ranks on them only (refine(), probe.py: progressive fetching; evidence `probe` says how
            many ranks were fetched); NIC links still tied then, by their own ports' counters (ports.py:
-           a degraded port leads; evidence `port`).
+           a degraded port leads; evidence `port`); a NIC link on top whose leaf its NICs' transmit wait
+           shows congested gives way to the leaf (ports.promote_leaf).
   order    compute suspects, then network devices, then `waiting` ranks (an effect, not a cause), each by score.
   causes   concurrent root causes get one finding each (causes()): a second rank late into every collective it
            joins with >= half the best compute score, and the best network device when the top is a GPU; the
@@ -732,7 +733,9 @@ def network_suspects(js: JobSteps, bad: Skew, good: Skew, base_ns: float, cfg: I
         if pev:
             ev["probe"] = pev
         if cfg.port_counters and probe_ctx[3]:   # NIC links still tied: what their own ports say (ports.py)
-            out = ports.break_tie(probe_ctx[0], topo, out, js.start_ns[probe_ctx[3][0]], js.end_ns[probe_ctx[3][-1]])
+            on, off = js.start_ns[probe_ctx[3][0]], js.end_ns[probe_ctx[3][-1]]
+            out = ports.break_tie(probe_ctx[0], topo, out, on, off)
+            out = ports.promote_leaf(probe_ctx[0], topo, out, nic_of.values(), on, off)
     return out, ev
 
 
