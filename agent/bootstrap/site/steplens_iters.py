@@ -53,7 +53,8 @@ early (the zero_grad's memset of 8 MB of gradients). A step that ends no iterati
 pause) has its zero_grad too: the next iteration starts there (torch 2.13's first zero_grad took 8 ms). Its
 counts come from the locals of the frames that called step() (torch's own frames skipped, MAX_FRAMES outward,
 the first frame that has the name wins), named by
-STEPLENS_STEP_FEATURES="tokens=input_ids,batch_size=batch.input_ids,..." (fields of Iteration; `name.key` is a mapping key or an attribute of a local): a tensor gives numel() (for batch_size, its
+STEPLENS_STEP_FEATURES="tokens=input_ids,batch_size=batch.input_ids,..." (fields of Iteration; `name.key` is a
+mapping key or an attribute of a local): a tensor gives numel() (for batch_size, its
 first dimension), an int its value, a list or tuple its length. Inside an active iteration anchor (DeepSpeed's
 step calls the optimizer's) the hook only gives that iteration phase "train" and these counts. Cost: f_locals
 of up to MAX_FRAMES frames at the first step, only when STEPLENS_STEP_FEATURES is set; once one frame held them
