@@ -226,9 +226,13 @@ def test_raw_samples_are_fetched_on_demand(tmp_path, collector, agents, target):
     assert (top["function"], top["file"], top["line"]) == ("burn", path, lines["@burn"])
     waiter = [r for r in rows if r["tid"] != proc.pid]
     assert waiter and waiter[-1]["frames"][0]["function"] == "inner_wait" and waiter[-1]["state"] == "sleeping"
-    # a narrow window in the past holds fewer samples: the range is honoured on the agent
-    narrow = collector.cli("detail", "stacks", "--node", "det", "--since", "1s", "--pid", str(proc.pid))
-    assert 0 < len(narrow) < len(rows)
+    # a narrow window holds fewer samples: the range is honoured on the agent. Its start is the median sample's
+    # age, not a fixed 1 s (the ring is flushed once a second: on a loaded CI run the newest flush was older)
+    mid = sorted(r["ts_ns"] for r in rows)[len(rows) // 2]
+    age_ms = (time.time_ns() - mid) // 10**6
+    narrow = collector.cli("detail", "stacks", "--node", "det", "--since", f"{age_ms}ms", "--pid", str(proc.pid))
+    wide = collector.cli("detail", "stacks", "--node", "det", "--since", "30s", "--pid", str(proc.pid))
+    assert 0 < len(narrow) < len(wide)
     # clear refusals: a node that is not connected, a kind the agent does not keep
     out = subprocess.run([os.path.join(os.path.dirname(sys.executable), "steplens"), "--collector",
                           collector.address, "--insecure", "detail", "stacks", "--node", "ghost"],
