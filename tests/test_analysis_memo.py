@@ -34,8 +34,8 @@ def _found(out) -> list:
 
 
 def _counting(monkeypatch) -> dict:
-    calls = {"margins": 0, "transfer": 0}
-    real_m, real_t = irregularity._step_margins, commtime._step_transfer
+    calls = {"margins": 0, "transfer": 0, "skew": 0}
+    real_m, real_t, real_s = irregularity._step_margins, commtime._step_transfer, irregularity._step_skew
 
     def margins(js, i, picks):
         calls["margins"] += 1
@@ -44,7 +44,11 @@ def _counting(monkeypatch) -> dict:
     def transfer(js, i):
         calls["transfer"] += 1
         return real_t(js, i)
+    def skew(js, i, picks, tie_ns):
+        calls["skew"] += 1
+        return real_s(js, i, picks, tie_ns)
     monkeypatch.setattr(irregularity, "_step_margins", margins)
+    monkeypatch.setattr(irregularity, "_step_skew", skew)
     monkeypatch.setattr(commtime, "_step_transfer", transfer)
     return calls
 
@@ -65,11 +69,13 @@ def test_passes_with_the_memo_find_what_cold_passes_find(tmp_path, monkeypatch):
         any_found = any_found or bool(warm)
     assert any_found  # the slow link is found: the comparison is not between two empty lists
     # every step is in the window of every pass (since 0): after the first pass each pass computes its 10 new
-    # steps only (the last one's, seen incomplete before, counted), not the whole window again
-    assert per_pass[0]["transfer"] >= 19 and per_pass[0]["margins"] >= 19, per_pass
+    # steps only (the last one's, seen incomplete before, counted), not the whole window again; the skew of
+    # each step as it arrives too (warm_skew), so the pass that localizes the link reads its steps from the memo
+    assert per_pass[0]["transfer"] >= 19 and per_pass[0]["margins"] >= 19 and per_pass[0]["skew"] >= 19, per_pass
     for k, got in enumerate(per_pass[1:], start=1):
-        assert 1 <= got["transfer"] <= 11 and 1 <= got["margins"] <= 11, (k, per_pass)
+        assert all(1 <= got[x] <= 11 for x in ("transfer", "margins", "skew")), (k, per_pass)
     assert {k[0] for k in memo} >= {"transfer"} and any(k[0].startswith("margins:") for k in memo)
+    assert any(k[0].startswith("skew:") for k in memo)
 
 
 def test_a_step_whose_rows_change_is_recomputed_and_old_steps_are_forgotten(tmp_path, monkeypatch):

@@ -182,6 +182,18 @@ def test_a_lone_noise_flag_before_a_slowdown_is_not_its_onset():
     assert slow_spans(alternating, cfg) == [(30, 58, "fluctuating")]
 
 
+def test_bursts_after_a_run_are_counted_on_their_own():
+    # a 1.2x GPU with a period of 12 (lateness, seed 13): a burst too short for a run, a run, a burst again;
+    # windows over the last burst reach into the run, which must not hide it
+    from steplens.collector.analysis.commtime import slow_spans
+    flags = [i in (35, 36, 37, 38, 45, 46, 47, 48, 49, 59, 60, 61, 62) for i in range(70)]
+    assert slow_spans(flags, CommtimeConfig(fluctuation_steps=16)) == [(35, 62, "fluctuating")]
+    assert slow_spans(flags, CommtimeConfig()) == [(35, 62, "fluctuating")]
+    # flags outside the runs that are too few stay out, wherever a window over them reaches
+    assert slow_spans([i in (45, 46, 47, 48, 49, 59, 61) for i in range(70)], CommtimeConfig()) == \
+        [(45, 49, "persistent")]
+
+
 def test_a_fluctuating_link_is_found_as_fluctuating(tmp_path):
     # 1.3x at the top of a 10-step cycle: slow, better, slow again; the window still sees it after it ended
     (f,) = run(jittered(tmp_path, ["fluctuation:n2.nic1:30:60:1.3:10"], 4, 0.02))

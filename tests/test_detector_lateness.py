@@ -51,6 +51,18 @@ def test_a_gpu_fluctuating_under_the_gate_is_found(tmp_path):
     assert 1.02 < f.severity < 1.3 and f.evidence["gate_flagged_share"] < 0.5
 
 
+def test_a_slow_fluctuation_is_one_span_over_its_peaks(tmp_path):
+    # 1.15x with a period of 12: its first peak a run of 5 flagged steps, the next ones 2-3 each, 11-12 steps
+    # apart; within fluctuation_steps (16) of each other they are one fluctuating span, not a slowdown of the
+    # first peak (fluctuation_steps 12 left the later peaks out: 3 flags in any 12 steps)
+    rd = store(tmp_path, ["fluctuation:13:30:70:1.15:12"])
+    (f,) = run(rd)
+    assert (f.kind, f.suspects[0].id, f.evidence["pattern"]) == ("fluctuation", "13", "fluctuating")
+    assert 30 <= f.evidence["first_step"] <= 36 and 56 <= f.evidence["last_step"] <= 70
+    (f,) = run(rd, fluctuation_steps=12)
+    assert (f.kind, f.evidence["last_step"]) == ("slowdown", 38)
+
+
 class NewestStepLate:
     """The store as a pass sees it while one rank has not reported the newest step yet (it ends last)."""
 

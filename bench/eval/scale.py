@@ -204,7 +204,8 @@ def evaluate(cfg: ModelConfig, specs: list[str], every: int = 5) -> dict:
     found = list(uniq.values())
     true_f = sum(1 for _, f in found if any(a <= step_of(f.onset_ns) <= b for a, b in spans))
     return {"gpus": cfg.gpus, "shape": f"DP{cfg.dp}xPP{cfg.pp}xTP{cfg.tp}", "specs": specs, "faults": out,
-            "findings": [{"detector": d, "kind": f.kind, "top": [s.id for s in f.suspects[:3]]} for d, f in found],
+            "findings": [{"detector": d, "kind": f.kind, "top": [s.id for s in f.suspects[:3]],
+                          "onset_step": step_of(f.onset_ns), "severity": f.severity} for d, f in found],
             "true_findings": true_f, "false_findings": len(found) - true_f, "records_s": round(t_records, 2),
             "detect_s": round(t_detect, 2), "analysis_s": round(t_analysis, 2), "fetch_s": round(t_fetch, 2),
             "cold_analysis_s": round(t_cold, 2), "passes": len(passes),

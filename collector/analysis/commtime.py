@@ -219,17 +219,21 @@ def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, s
             run = []
         if i is not None:
             run.append(i)
+    # the flagged values outside the runs (within 2 steps of a run they are its own), counted on their own, so
+    # the bursts after a run count even where a window over them reaches into the run (a 1.2x GPU with a period
+    # of 12 flagged 35-38, 45-49, 59-62: one span)
+    runs = list(out)
+    rest = [i for i in idx if not any(x[0] - 2 <= i <= x[1] + 2 for x in runs)]
     lo = 0
-    for hi, i in enumerate(idx):
-        while i - idx[lo] >= cfg.fluctuation_steps:
+    for hi, i in enumerate(rest):
+        while i - rest[lo] >= cfg.fluctuation_steps:
             lo += 1
         if hi - lo + 1 >= cfg.fluctuation_min:
-            a, b = idx[lo], i
-            if not any(x[0] - 2 <= b and a <= x[1] + 2 for x in out if x[3]):
-                if out and not out[-1][3] and a <= out[-1][1] + cfg.fluctuation_steps:
-                    out[-1][1] = max(out[-1][1], b)
-                else:
-                    out.append([a, b, "fluctuating", False])
+            a, b = rest[lo], i
+            if out and not out[-1][3] and a <= out[-1][1] + cfg.fluctuation_steps:
+                out[-1][1] = max(out[-1][1], b)
+            else:
+                out.append([a, b, "fluctuating", False])
     merged: list[list] = []
     for a, b, p, _ in sorted(out):  # spans within fluctuation_steps of each other: one, slow on and off
         if merged and a - merged[-1][1] <= cfg.fluctuation_steps:

@@ -30,8 +30,12 @@ steps, the waiting it causes, and `masked_by`: the rank an irregularity finding 
 Steps judged: up to the newest step that every rank has reported (at most max_lag_steps back): a pass takes a
 step once complete_fraction of the ranks reported it, and a rank whose margins miss a judged step is not judged,
 while the rank without the newest step is the slow one more often than not (it ends its steps last).
-Cost: irregularity.margins over the window's last steps, capped so ranks x steps <= max_rank_steps (at 8,192
-ranks: the last 24 steps; the evidence says how many steps were judged).
+Cost: the margins of the window's last steps (irregularity.step_margins, memoized per step, so a pass computes
+its new steps only) as one array per communicator, every rank's first flag found for all ranks at once in numpy
+(first_flags), flags() only for those; capped so ranks x steps <= max_rank_steps (at 8,192 ranks: the last 61
+steps; the evidence says how many steps were judged). A short window is a weak baseline: at 8,192 GPUs the last
+24 steps left 10 for the baseline, a noise flag 7 steps before a 2.16x GPU's first burst became its onset, and
+a 1.13x GPU fluctuating with a period of 12 showed one of its two bursts.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ import numpy as np
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.commtime import MAD_SIGMA, slow_spans
 from steplens.collector.analysis.findings import Finding, Suspect
-from steplens.collector.analysis.irregularity import IrregularityConfig, gate, load, margins, named_ranks
+from steplens.collector.analysis.irregularity import IrregularityConfig, gate, load, named_ranks, step_margins
 
 
 @dataclass
@@ -54,11 +58,11 @@ class LatenessConfig(DetectorConfig):
     noise_k_every: float = 3.0           # ... in one communicator at least, and by noise_k_every x in all
     min_step_fraction: float = 0.02      # ... and by at least this share of the job's baseline step
     recent_steps: int = 5                # a run of >= this many flagged steps is a persistent span
-    fluctuation_steps: int = 12          # >= fluctuation_min flagged steps within this many: fluctuating
+    fluctuation_steps: int = 16          # >= fluctuation_min flagged steps within this many: fluctuating
     fluctuation_min: int = 4
     baseline_steps: int = 100            # trailing unflagged steps in a rank's lateness baseline
     min_baseline_steps: int = 10         # no verdict before this many
-    max_rank_steps: int = 200_000        # ranks x steps judged per window at most (the last steps)
+    max_rank_steps: int = 500_000        # ranks x steps judged per window at most (the last steps)
     complete_fraction: float = 0.9       # a step counts once this share of the ranks has reported it
     max_collectives_per_step: int = 16   # issue offsets used per communicator and step
     max_lag_steps: int = 3               # newest steps some rank has not reported yet: judged at a later pass
@@ -118,35 +122,67 @@ def flags(cols: list[list[tuple[float, int]]], step_ns: list[float], cfg: Latene
 
 def candidates(cols_of: dict[int, list[list[tuple[float, int]]]], step_ns: list[float],
                cfg: LatenessConfig) -> set[int]:
-    """The ranks flags() may flag, for all ranks at once (numpy): a rank's histories are its every earlier value
-    until its first flagged step, so one pass over all ranks, each step's medians over the same trailing values,
-    finds every rank's first flag exactly (the same float operations as flags(): median of an even count is
-    (a + b) / 2, the waiting summed comm by comm); only those ranks go through flags() (8,192 ranks: ~1 %)."""
+    """The ranks flags() may flag (first_flags() over ranks given as flags() takes them)."""
     out: set[int] = set()
     by_width: dict[int, list[int]] = {}
     for rank, cols in cols_of.items():
         by_width.setdefault(len(cols), []).append(rank)
-    for width, ranks in by_width.items():
+    for ranks in by_width.values():
         vals = np.array([[[v for v, _ in col] for col in cols_of[r]] for r in ranks], dtype=np.float64)
         calls = np.array([[[k for _, k in col] for col in cols_of[r]] for r in ranks], dtype=np.float64)
-        hit = np.zeros(len(ranks), dtype=bool)
-        stale, b, sd = 0, None, None
-        for p, base in enumerate(step_ns):
-            if p < cfg.min_baseline_steps or not base:
-                continue
-            if stale <= 0:
-                h = vals[:, :, max(0, p - cfg.baseline_steps):p]
-                b = np.median(h, axis=2)
-                sd = MAD_SIGMA * np.median(np.abs(h - b[:, :, None]), axis=2)
-                stale = 4
-            stale -= 1
-            ex = vals[:, :, p] - b
-            w = np.zeros(len(ranks))
-            for c in range(width):
-                w = w + ex[:, c] * calls[:, c, p]
-            hit |= np.all((ex > 0) & (ex >= cfg.noise_k_every * sd), axis=1) & np.any(ex >= cfg.noise_k * sd, axis=1) \
-                & (w >= cfg.min_step_fraction * base)
-        out.update(r for r, h in zip(ranks, hit.tolist()) if h)
+        out.update(r for r, h in zip(ranks, first_flags(vals, calls, step_ns, cfg).tolist()) if h)
+    return out
+
+
+def first_flags(vals: np.ndarray, calls: np.ndarray, step_ns: list[float], cfg: LatenessConfig) -> np.ndarray:
+    """Per rank (vals, calls: ranks x comms x steps, as flags() takes each rank's columns), whether flags() flags
+    any step of it, for all ranks at once: a rank's histories are its every earlier value until its first flagged
+    step, so one pass over all ranks, each step's medians over the same trailing values, finds every rank's first
+    flag exactly (the same float operations as flags(): median of an even count is (a + b) / 2, the waiting
+    summed comm by comm); only those ranks go through flags() (8,192 ranks: ~1 %)."""
+    hit = np.zeros(len(vals), dtype=bool)
+    stale, b, sd = 0, None, None
+    for p, base in enumerate(step_ns):
+        if p < cfg.min_baseline_steps or not base:
+            continue
+        if stale <= 0:
+            h = vals[:, :, max(0, p - cfg.baseline_steps):p]
+            b = np.median(h, axis=2)
+            sd = MAD_SIGMA * np.median(np.abs(h - b[:, :, None]), axis=2)
+            stale = 4
+        stale -= 1
+        ex = vals[:, :, p] - b
+        w = np.zeros(len(vals))
+        for c in range(vals.shape[1]):
+            w = w + ex[:, c] * calls[:, c, p]
+        hit |= np.all((ex > 0) & (ex >= cfg.noise_k_every * sd), axis=1) & np.any(ex >= cfg.noise_k * sd, axis=1) \
+            & (w >= cfg.min_step_fraction * base)
+    return hit
+
+
+def margin_arrays(js, idx: list[int], icfg: IrregularityConfig) -> dict[str, tuple[list[int], np.ndarray,
+                                                                                   np.ndarray]]:
+    """irregularity.margins as arrays, from the same per-step memo: per collective comm, its members, their
+    margins (steps x members; NaN where a member has no value that step) and the collectives per step. One
+    C-level conversion per comm instead of a tuple per rank, comm and step (~1M of them at 8,192 GPUs x 60)."""
+    per_comm: dict[str, list[tuple[int, tuple]]] = {}
+    for p, step in enumerate(step_margins(js, idx, icfg)):
+        for cid, v in step.items():
+            per_comm.setdefault(cid, []).append((p, v))
+    out = {}
+    for cid, vs in per_comm.items():
+        first = vs[0][1][0]
+        if len(vs) == len(idx) and all(v[0] == first for _, v in vs):   # the same members every step
+            out[cid] = (list(first), np.array([v[1] for _, v in vs], dtype=np.float64),
+                        np.array([v[2] for _, v in vs], dtype=np.float64))
+            continue
+        mem = sorted({r for _, v in vs for r in v[0]})
+        col = {r: k for k, r in enumerate(mem)}
+        vals, calls = np.full((len(idx), len(mem)), np.nan), np.zeros(len(idx))
+        for p, (ranks, diffs, k) in vs:
+            vals[p, [col[r] for r in ranks]] = diffs
+            calls[p] = k
+        out[cid] = (mem, vals, calls)
     return out
 
 
@@ -173,28 +209,39 @@ def detect(reader, window: Window, cfg: LatenessConfig) -> list[Finding]:
         end = n
     steps = min(end, max(cfg.min_baseline_steps + cfg.fluctuation_min, cfg.max_rank_steps // len(js.rows)))
     idx = list(range(end - steps, end))
-    marg, members = margins(js, idx, icfg)
-    comms_of: dict[int, list[str]] = {}
-    for cid, mem in members.items():
-        for r in mem:
-            comms_of.setdefault(r, []).append(cid)
-    # the latest arrival per communicator and step: who kept each group waiting
-    top: dict[str, list[float]] = {}
-    for (rank, cid), xs in marg.items():
-        if len(xs) == steps:
-            cur = top.get(cid)
-            vals = [v for v, _ in xs]
-            top[cid] = vals if cur is None else [max(a, b) for a, b in zip(cur, vals)]
+    arrs = margin_arrays(js, idx, icfg)
+    if not arrs:
+        return []
+    # every comm's columns side by side (steps x members of all comms), and per rank its (comm, column) slots
+    big = np.concatenate([v for _, v, _ in arrs.values()], axis=1)
+    calls_of = np.stack([k for _, _, k in arrs.values()], axis=1)   # steps x comms
+    full = ~np.isnan(big).any(axis=0)                                 # a value every judged step
+    slots: dict[int, list[tuple[int, int, str]]] = {}
+    top: dict[str, np.ndarray] = {}   # the latest arrival per communicator and step: who kept each group waiting
+    at = 0
+    for c, (cid, (mem, vals, _)) in enumerate(arrs.items()):
+        for j, r in enumerate(mem):
+            slots.setdefault(r, []).append((at + j, c, cid))
+        ok = full[at:at + len(mem)]
+        if ok.any():
+            top[cid] = vals[:, ok].max(axis=1)
+        at += len(mem)
     base_step = [g.base_ns[i] for i in idx]
+    judged: dict[int, list[int]] = {}   # width -> ranks; a rank in >= 2 comms with a value every step
+    for rank, sl in slots.items():
+        if len(sl) >= 2 and all(full[k] for k, _, _ in sl):
+            judged.setdefault(len(sl), []).append(rank)
+    maybe: list[int] = []
+    for ranks in judged.values():
+        cols = np.array([[k for k, _, _ in slots[r]] for r in ranks])
+        cix = np.array([[c for _, c, _ in slots[r]] for r in ranks])
+        hit = first_flags(big[:, cols].transpose(1, 2, 0), calls_of[:, cix].transpose(1, 2, 0), base_step, cfg)
+        maybe += [r for r, h in zip(ranks, hit.tolist()) if h]
     named = None
     out = []
-    judged = {rank: [marg.get((rank, c), []) for c in cids] for rank, cids in comms_of.items()}
-    judged = {rank: cols for rank, cols in judged.items() if len(cols) >= 2 and all(len(xs) == steps for xs in cols)}
-    maybe = candidates(judged, base_step, cfg)
-    for rank, cids in sorted(comms_of.items()):
-        if rank not in maybe:
-            continue   # never flagged (candidates() is exact)
-        cols = judged[rank]
+    for rank in sorted(maybe):   # never flagged otherwise (first_flags() is exact)
+        cids = [cid for _, _, cid in slots[rank]]
+        cols = [list(zip(big[:, k].tolist(), calls_of[:, c].tolist())) for k, c, _ in slots[rank]]
         fl, cost = flags(cols, base_step, cfg)
         if not any(fl):
             continue
