@@ -44,6 +44,7 @@ def _counting(monkeypatch) -> dict:
     def transfer(js, i):
         calls["transfer"] += 1
         return real_t(js, i)
+
     def skew(js, i, picks, tie_ns):
         calls["skew"] += 1
         return real_s(js, i, picks, tie_ns)

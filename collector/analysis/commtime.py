@@ -222,8 +222,7 @@ def slow_spans(flags: list[bool], cfg: CommtimeConfig) -> list[tuple[int, int, s
     # the flagged values outside the runs (within 2 steps of a run they are its own), counted on their own, so
     # the bursts after a run count even where a window over them reaches into the run (a 1.2x GPU with a period
     # of 12 flagged 35-38, 45-49, 59-62: one span)
-    runs = list(out)
-    rest = [i for i in idx if not any(x[0] - 2 <= i <= x[1] + 2 for x in runs)]
+    rest = [i for i in idx if not any(x[0] - 2 <= i <= x[1] + 2 for x in out)]
     lo = 0
     for hi, i in enumerate(rest):
         while i - rest[lo] >= cfg.fluctuation_steps:
