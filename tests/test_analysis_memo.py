@@ -114,7 +114,7 @@ def test_a_step_whose_rows_change_is_recomputed_and_old_steps_are_forgotten(tmp_
     # a window starting later: the memo forgets the steps before it
     irregularity.detect(AnalysisReader(Edited(later), None, memo), Window(scoring.JOB, ends[40], ends[55] + 1),
                         icfg)
-    assert memo and min(k[1] for k in memo) >= 39
+    assert memo and min(k[1] for k in memo if type(k[1]) is int) >= 39   # (other keys: layouts, rows)
 
 
 def test_the_reader_keeps_the_parsed_topology_until_a_new_version(tmp_path):

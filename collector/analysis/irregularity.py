@@ -94,6 +94,8 @@ from dataclasses import dataclass, field
 from operator import itemgetter, sub
 from statistics import median
 
+import numpy as np
+
 from steplens.collector.analysis import cog, devrank, ports, probe
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding, Suspect
@@ -521,53 +523,113 @@ def skew(js: JobSteps, idx: list[int], cfg: IrregularityConfig, tie_ns: int = 10
     """Who arrives last (and by how much) into each collective over the steps idx, per (rank, comm); each
     step's part computed once while its rows stay the same (per_step, picks as margins() takes them).
     want: the per-rank sums (last, total, margin, late) of these ranks only (the communicators' transfer
-    times and members for all): a reference skew needs only the ranks the episode's skew points at."""
+    times and members for all): a reference skew needs only the ranks the episode's skew points at.
+    Summed in numpy, one array per step in the step's _Layout (the same from step to step of a job): at 8,192
+    GPUs a step has ~18k communicators and ~16k (rank, collective comm) pairs, and dicts took 3 s for 26 steps."""
     picks = collective_picks(js, PICK_STEPS, cfg)
     name = f"skew:{picks}:{tie_ns}"
-    last: dict = {}
-    total: dict = {}
-    margin: dict = {}
     members: dict[str, set[int]] = {}
     allm: dict[str, set[int]] = {}
-    transfer: dict[str, dict[int, int]] = {}
     late_by_step: dict[int, dict[int, float]] = {}
-    where: dict[str, tuple] = {}  # want: cid -> (its member list, [(position, rank) wanted])
+    slot: dict[tuple[int, str], int] = {}    # (rank, comm) -> position in the sums
+    cslot: dict[str, int] = {}               # comm -> position in the transfer times
+    where: dict[int, tuple] = {}             # layout id -> (its entries' positions, its comms' positions)
+    steps = []
     for i in idx:
-        step_late = late_by_step[i] = {}
-        for cid, ranks, busy, p2p, lasts, acc, nk in per_step(js, name, i,
-                                                               lambda i: _step_skew(js, i, picks, tie_ns)):
-            am = allm.get(cid)
-            if am is None:
-                am = allm[cid] = set()
-            if len(am) < len(ranks):
-                am.update(ranks)
-            if busy:
-                transfer.setdefault(cid, {})[i] = busy
-            if p2p:
-                continue
-            members.setdefault(cid, set()).update(ranks)
-            if not nk:
-                continue
-            for rank, share in lasts:
-                if want is None or rank in want:
-                    key = (rank, cid)
-                    last[key] = last.get(key, 0.0) + share
-            if want is not None:
-                pos = where.get(cid)
-                if pos is None or pos[0] is not ranks and pos[0] != ranks:
-                    pos = where[cid] = (ranks, [(k, r) for k, r in enumerate(ranks) if r in want])
-                pairs = [(r, acc[k]) for k, r in pos[1]]
-            else:
-                pairs = zip(ranks, acc)
-            for rank, v in pairs:  # per member once per step, not once per collective
-                key = (rank, cid)
-                total[key] = total.get(key, 0) + nk
-                margin[key] = margin.get(key, 0.0) + v
-                v /= nk
-                cur = step_late.get(rank)
-                if cur is None or v < cur:
-                    step_late[rank] = v
-    return Skew(last, total, margin, members, transfer, allm, late_by_step)
+        lay, busy, acc, share = per_step(js, name, i, lambda i: _step_skew(js, i, picks, tie_ns))
+        steps.append((i, lay, busy, acc, share))
+        if id(lay) not in where:   # a layout's members once per call, in the order steps bring them
+            for cid, ranks, p2p, _ in lay.comms:
+                allm.setdefault(cid, set()).update(ranks)
+                if not p2p:
+                    members.setdefault(cid, set()).update(ranks)
+            where[id(lay)] = (np.array([slot.setdefault(k, len(slot)) for k in lay.keys], dtype=np.int64),
+                              np.array([cslot.setdefault(c[0], len(cslot)) for c in lay.comms], dtype=np.int64))
+    total = np.zeros(len(slot), dtype=np.int64)
+    margin = np.zeros(len(slot))
+    last = np.zeros(len(slot))
+    busy_at = np.zeros((len(steps), len(cslot)), dtype=np.int64)   # step x comm: min busy_ns (0: none)
+    for n, (i, lay, busy, acc, share) in enumerate(steps):
+        g, c = where[id(lay)]
+        total[g] += lay.nk
+        margin[g] += acc
+        last[g] += share
+        busy_at[n, c] = busy
+        if not len(acc):
+            late_by_step[i] = {}
+            continue
+        mins = np.minimum.reduceat((acc / lay.nk)[lay.order], lay.bounds)[lay.appear].tolist()
+        if want is None:
+            late_by_step[i] = dict(zip(lay.uranks, mins))
+        else:
+            late_by_step[i] = {r: v for r, v in zip(lay.uranks, mins) if r in want}
+    keys = list(slot)
+    if want is not None:
+        sel = [k for k, key in enumerate(keys) if key[0] in want]
+        keys = [keys[k] for k in sel]
+        total, margin, last = total[sel], margin[sel], last[sel]
+    tot = dict(zip(keys, total.tolist()))   # every key is some step's entry
+    mar = dict(zip(keys, margin.tolist()))
+    lst = {k: v for k, v in zip(keys, last.tolist()) if v > 0}
+    return Skew(lst, tot, mar, members, transfer_of(busy_at, [s[0] for s in steps], list(cslot)), allm,
+                late_by_step)
+
+
+def transfer_of(busy_at: np.ndarray, idx: list[int], cids: list[str]) -> dict[str, dict[int, int]]:
+    """comm -> step index -> min busy_ns of a steps x comms array, its busy (> 0) steps only; comms in the order
+    of their first busy step (then their column)."""
+    if not busy_at.size:
+        return {}
+    nz = busy_at > 0
+    first = np.where(nz.any(axis=0), nz.argmax(axis=0), len(idx))
+    out: dict[str, dict[int, int]] = {}
+    cols = busy_at.T.tolist()
+    full = nz.all(axis=0).tolist()
+    for k in np.lexsort((np.arange(len(cids)), first)).tolist():
+        if first[k] == len(idx):
+            break
+        col = cols[k]
+        out[cids[k]] = dict(zip(idx, col)) if full[k] else {i: b for i, b in zip(idx, col) if b}
+    return out
+
+
+@dataclass(eq=False)
+class _Layout:
+    """What one step's skew covers, the same object for every step with the same communicators and members
+    (interned on js.memo): comms [(cid, members, point-to-point, collectives picked)]; keys: the (rank, comm) of
+    each entry of a step's margin array (collective comms with picks, members in order); nk, ranks per entry;
+    order/bounds/appear/uranks: the entries sorted by rank, where each rank's run starts, the runs in the order
+    the entries bring their ranks, those ranks (a step's lateness per rank, the min over its comms, comes from
+    np.minimum.reduceat)."""
+    comms: tuple
+    keys: list
+    nk: np.ndarray
+    ranks: np.ndarray
+    order: np.ndarray
+    bounds: np.ndarray
+    appear: np.ndarray
+    uranks: list
+
+
+LAYOUTS_KEY = ("irregularity", "skew layouts")
+
+
+def _layout(js: JobSteps, comms: tuple) -> _Layout:
+    memo = js.memo.get(LAYOUTS_KEY)
+    if memo is None or len(memo) > 64:   # a job's steps share one or a few; bounded if members churn
+        memo = js.memo[LAYOUTS_KEY] = {}
+    lay = memo.get(comms)
+    if lay is not None:
+        return lay
+    keys = [(r, cid) for cid, ranks, p2p, nk in comms if not p2p and nk for r in ranks]
+    nk = np.array([nk for _, ranks, p2p, nk in comms if not p2p and nk for _ in ranks], dtype=np.int64)
+    ranks = np.array([k[0] for k in keys], dtype=np.int64)
+    order = np.argsort(ranks, kind="stable")
+    srt = ranks[order]
+    bounds = np.flatnonzero(np.r_[True, srt[1:] != srt[:-1]]) if len(srt) else np.zeros(0, dtype=np.int64)
+    appear = np.argsort(order[bounds], kind="stable")   # the ranks in the order the entries bring them
+    lay = memo[comms] = _Layout(comms, keys, nk, ranks, order, bounds, appear, srt[bounds][appear].tolist())
+    return lay
 
 
 def warm_skew(js: JobSteps, cfg: IrregularityConfig, tie_ns: int = 1000) -> None:
@@ -581,36 +643,38 @@ def warm_skew(js: JobSteps, cfg: IrregularityConfig, tie_ns: int = 1000) -> None
         per_step(js, name, i, lambda i: _step_skew(js, i, picks, tie_ns))
 
 
-def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> list[tuple]:
-    """One step of skew(): per comm with >= 2 members (cid, members, min busy_ns (0: none), point-to-point,
-    [(rank, its share of being last)] summed over the picked collectives, [sum over them of its arrival
-    minus the members' median] (collectives), collectives picked)."""
-    out = []
+def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
+    """One step of skew(), over the comms with >= 2 members: (its _Layout; per comm of the layout its min busy_ns
+    (0: none); per entry of the layout its sum over the picked collectives of its arrival minus the members'
+    median, and its share of being last into them, summed)."""
+    comms, busy, acc, share = [], [], [], []
     for cid, (ranks, starts, cs) in groups(js, i).items():
         if len(ranks) < 2:
             continue
-        busy = min_busy(cs)
+        busy.append(min_busy(cs))
         if cs[0]["op"] in P2P_OPS:
-            out.append((cid, ranks, busy, True, (), (), 0))
+            comms.append((cid, tuple(ranks), True, 0))
             continue
         k_n = min(len(c["issue_offsets_ns"]) for c in cs)
         ks = _pick(list(range(k_n)), picks)
+        comms.append((cid, tuple(ranks), False, len(ks)))
         if not ks:
-            out.append((cid, ranks, busy, False, (), (), 0))
             continue
-        acc = [0.0] * len(ranks)
-        lasts: dict[int, float] = {}
+        a = [0.0] * len(ranks)
+        who_last: dict[int, float] = {}
         for k in ks:
             arr = [start + c["issue_offsets_ns"][k] for start, c in zip(starts, cs)]
             top = max(arr)
-            who = [rank for a, rank in zip(arr, ranks) if top - a <= tie_ns]
+            who = [rank for x, rank in zip(arr, ranks) if top - x <= tie_ns]
             srt = sorted(arr)
             mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-            acc = [x + a - mid for x, a in zip(acc, arr)]
+            a = [x + y - mid for x, y in zip(a, arr)]
             for rank in who:
-                lasts[rank] = lasts.get(rank, 0.0) + 1.0 / len(who)
-        out.append((cid, ranks, busy, False, tuple(lasts.items()), acc, len(ks)))
-    return out
+                who_last[rank] = who_last.get(rank, 0.0) + 1.0 / len(who)
+        acc += a
+        share += [who_last.get(r, 0.0) for r in ranks]
+    return (_layout(js, tuple(comms)), np.array(busy, dtype=np.int64), np.array(acc, dtype=np.float64),
+            np.array(share, dtype=np.float64))
 
 
 def pointed_at(bad: Skew, bad_idx: list[int], share: float = 0.05) -> set[int]:
@@ -936,18 +1000,24 @@ def map_ranking(js: JobSteps, bad_idx: list[int], ref_idx: list[int], bad: Skew,
             vals = [by_step[i].get(rank) for i in idx]
             if None not in vals:
                 late[rank] = vals
-    r_rank = {r: devrank.pearson(v, x) for r, v in late.items()}
+    r_rank: dict[int, float] = {}   # of the ranks some step blames (8,192 GPUs: a few of 8,192)
+    ref_med = {}                    # a collective comm's reference median transfer time (>= 3 steps)
+    for cid in bad.transfer:
+        h = good.transfer.get(cid, {})
+        if cid in bad.members and len(h) >= 3:
+            ref_med[cid] = median(h.values())
     causes = []
     for i in bad_idx:
         k = pos[i]
         best = max(late.items(), key=lambda kv: kv[1][k], default=None)
         if best is not None and best[1][k] > 0:
-            causes.append((r_rank[best[0]], {("rank", str(best[0])): 1.0}))
+            r = r_rank.get(best[0])
+            if r is None:
+                r = r_rank[best[0]] = devrank.pearson(best[1], x)
+            causes.append((r, {("rank", str(best[0])): 1.0}))
         for cid, per in bad.transfer.items():
-            if cid not in bad.members or i not in per:
-                continue
-            h = [v for j, v in good.transfer.get(cid, {}).items()]
-            if len(h) < 3 or per[i] < cfg.comm_slow_ratio * median(h):
+            m = ref_med.get(cid)
+            if m is None or i not in per or per[i] < cfg.comm_slow_ratio * m:
                 continue
             series = [good.transfer.get(cid, {}).get(j, bad.transfer[cid].get(j, 0)) for j in idx]
             causes.append((devrank.pearson(series, x),
@@ -989,44 +1059,33 @@ def ramp_onset(g: Gate, first: int, flagged: set[int], cfg: IrregularityConfig) 
     return first
 
 
-def margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> tuple[dict, dict[str, set[int]]]:
-    """Per (rank, collective comm): one sample per step, the rank's mean arrival over the step's collectives
-    (the picked ones: collective_picks, evenly spread) minus the members' median of that mean, and the
-    collectives per step; and the comms' members. Per step memoized (per_step): the picks are those of a
-    PICK_STEPS window whatever len(idx), so a step's result is the same in every pass (and for the lateness
-    detector, whose windows are shorter) and the loop computes it once."""
-    out: dict[tuple[int, str], list[tuple[float, int]]] = {}
-    members: dict[str, set[int]] = {}
-    per_comm: dict[str, list[tuple[list[int], list[float], int]]] = {}
-    for step in step_margins(js, idx, cfg):
+def margin_arrays(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> dict[str, tuple[list[int], np.ndarray,
+                                                                                        np.ndarray]]:
+    """The steps idx's arrival margins per collective comm: its members, their margins (steps x members; NaN
+    where a member has no value that step: the rank's mean arrival over the step's picked collectives minus
+    the members' median of that mean) and the collectives per step; comms in the order steps bring them. From
+    the per-step memo (step_margins: the picks of a PICK_STEPS window whatever len(idx), so a step's result is
+    the same in every pass and for the lateness detector, whose windows are shorter, and the loop computes
+    it once). One C-level conversion per comm, not a tuple per rank, comm and step (~1M at 8,192 GPUs x 60)."""
+    per_comm: dict[str, list[tuple[int, tuple]]] = {}
+    for p, step in enumerate(step_margins(js, idx, cfg)):
         for cid, v in step.items():
-            lst = per_comm.get(cid)
-            if lst is None:
-                per_comm[cid] = [v]
-            else:
-                lst.append(v)
+            per_comm.setdefault(cid, []).append((p, v))
+    out = {}
     for cid, vs in per_comm.items():
-        mem = members[cid] = set()
-        for ranks, _, _ in vs:
-            if len(mem) < len(ranks):
-                mem.update(ranks)
-        first = vs[0][0]
-        if all(v[0] == first for v in vs):
-            # the same members every step (the common case): the columns by one C-level transposition, not an
-            # append per rank and step (8,192 ranks x 60 steps x their comms is ~1M of them a pass)
-            calls = [v[2] for v in vs]
-            for rank, col in zip(first, zip(*[v[1] for v in vs])):
-                out[(rank, cid)] = list(zip(col, calls))
+        first = vs[0][1][0]
+        if len(vs) == len(idx) and all(v[0] == first for _, v in vs):   # the same members every step
+            out[cid] = (list(first), np.array([v[1] for _, v in vs], dtype=np.float64),
+                        np.array([v[2] for _, v in vs], dtype=np.float64))
             continue
-        for ranks, diffs, calls in vs:
-            for rank, d in zip(ranks, diffs):
-                key = (rank, cid)
-                col = out.get(key)
-                if col is None:
-                    out[key] = [(d, calls)]
-                else:
-                    col.append((d, calls))
-    return out, members
+        mem = sorted({r for _, v in vs for r in v[0]})
+        col = {r: k for k, r in enumerate(mem)}
+        vals, calls = np.full((len(idx), len(mem)), np.nan), np.zeros(len(idx))
+        for p, (ranks, diffs, k) in vs:
+            vals[p, [col[r] for r in ranks]] = diffs
+            calls[p] = k
+        out[cid] = (mem, vals, calls)
+    return out
 
 
 def step_margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> list[dict]:
@@ -1079,19 +1138,30 @@ def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
     idx = list(range(max(0, n - cfg.straggler_steps), n))
     if len(idx) < cfg.min_baseline_steps:
         return []
-    marg, members = margins(js, idx, cfg)
+    arrs = margin_arrays(js, idx, cfg)
+    tail = cfg.min_baseline_steps
     comms_of: dict[int, list[str]] = {}
-    for cid, mem in members.items():
+    quiet: set[int] = set()   # not late, on average (mean or median), into one of its groups lately: no straggler
+    for cid, (mem, vals, _) in arrs.items():
         for r in mem:
             comms_of.setdefault(r, []).append(cid)
+        full = ~np.isnan(vals).any(axis=0)
+        last = vals[-tail:]   # a full column's last `tail` values; the others' below, on their own
+        no = (last.sum(axis=0) <= 0) & (np.median(last, axis=0) <= 0)
+        for k in np.flatnonzero(~full | no).tolist():
+            xs = vals[:, k][~np.isnan(vals[:, k])].tolist()[-tail:] if not full[k] else []
+            if full[k] or len(xs) < tail or (sum(xs) <= 0 and median(xs) <= 0):
+                quiet.add(mem[k])
     step = median(js.x_ns[i] for i in idx)
     out = []
-    tail = cfg.min_baseline_steps
     for rank, cids in comms_of.items():
-        cols = [marg.get((rank, c), []) for c in cids]
-        if any(len(xs) < tail or (sum(v for v, _ in xs[-tail:]) <= 0 and median([v for v, _ in xs[-tail:]]) <= 0)
-               for xs in cols):
-            continue  # not late, on average (mean or median), into each of its groups lately: no straggler
+        if rank in quiet:
+            continue
+        cols = []
+        for c in cids:
+            mem, vals, calls = arrs[c]
+            col = vals[:, mem.index(rank)]
+            cols.append([(v, k) for v, k in zip(col.tolist(), calls.tolist()) if v == v])   # NaN: no value
         # where its lateness began (a slowdown that started inside the window): test the steps from there
         full = [xs for xs in cols if len(xs) == len(idx)]
         series = [sum(v * c for v, c in col) for col in zip(*full)] if full else []

@@ -8,7 +8,7 @@ Why: the job's step time is its slowest rank's. A second GPU slowing while anoth
 fluctuating GPU under a degrading one), or a GPU fluctuating a little, moves nothing the irregularity gate
 sees; the rank still arrives later than its peers at every collective it joins.
 Margins of rank r in step s: per collective communicator it joins, its mean arrival (start_ns + issue offset,
-over the step's picked collectives) minus the members' median arrival (irregularity.margins).
+over the step's picked collectives) minus the members' median arrival (irregularity.margin_arrays).
 Flags per rank and step: per communicator a trailing median and noise (1.4826 x MAD) of its unflagged
 margins; flagged when the rank is late by >= noise_k_every x that noise in every communicator it joins (so a
 rank that only waited for someone upstream, late into its data-parallel group but on time with its
@@ -49,7 +49,7 @@ import numpy as np
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.commtime import MAD_SIGMA, slow_spans
 from steplens.collector.analysis.findings import Finding, Suspect
-from steplens.collector.analysis.irregularity import IrregularityConfig, gate, load, named_ranks, step_margins
+from steplens.collector.analysis.irregularity import IrregularityConfig, gate, load, margin_arrays, named_ranks
 
 
 @dataclass
@@ -158,32 +158,6 @@ def first_flags(vals: np.ndarray, calls: np.ndarray, step_ns: list[float], cfg: 
         hit |= np.all((ex > 0) & (ex >= cfg.noise_k_every * sd), axis=1) & np.any(ex >= cfg.noise_k * sd, axis=1) \
             & (w >= cfg.min_step_fraction * base)
     return hit
-
-
-def margin_arrays(js, idx: list[int], icfg: IrregularityConfig) -> dict[str, tuple[list[int], np.ndarray,
-                                                                                   np.ndarray]]:
-    """irregularity.margins as arrays, from the same per-step memo: per collective comm, its members, their
-    margins (steps x members; NaN where a member has no value that step) and the collectives per step. One
-    C-level conversion per comm instead of a tuple per rank, comm and step (~1M of them at 8,192 GPUs x 60)."""
-    per_comm: dict[str, list[tuple[int, tuple]]] = {}
-    for p, step in enumerate(step_margins(js, idx, icfg)):
-        for cid, v in step.items():
-            per_comm.setdefault(cid, []).append((p, v))
-    out = {}
-    for cid, vs in per_comm.items():
-        first = vs[0][1][0]
-        if len(vs) == len(idx) and all(v[0] == first for _, v in vs):   # the same members every step
-            out[cid] = (list(first), np.array([v[1] for _, v in vs], dtype=np.float64),
-                        np.array([v[2] for _, v in vs], dtype=np.float64))
-            continue
-        mem = sorted({r for _, v in vs for r in v[0]})
-        col = {r: k for k, r in enumerate(mem)}
-        vals, calls = np.full((len(idx), len(mem)), np.nan), np.zeros(len(idx))
-        for p, (ranks, diffs, k) in vs:
-            vals[p, [col[r] for r in ranks]] = diffs
-            calls[p] = k
-        out[cid] = (mem, vals, calls)
-    return out
 
 
 def detect(reader, window: Window, cfg: LatenessConfig) -> list[Finding]:
