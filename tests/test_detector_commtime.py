@@ -350,3 +350,61 @@ def test_a_leaf_congested_by_a_few_percent_is_told_from_the_nic_links_under_it_b
     assert ev["nics"] == ev["outside_nics"] == 32
     said = f"top suspect switch leaf0 ({ev['waited_more']} of 32 NICs under it wait >= 1.5x longer per byte"
     assert said in f.summary
+
+
+def _baseline_one_by_one(series, cfg, k, min_excess):
+    """The trailing baseline written plainly, one value at a time (a deque and statistics.median): the oracle
+    for the detector's array version."""
+    from collections import deque
+    from statistics import median
+    hist, flags, ratios = deque(maxlen=cfg.baseline_steps), [], []
+    b, sig, stale = 0.0, 0.0, 0
+    for v in series:
+        if len(hist) >= cfg.min_baseline_steps:
+            if stale <= 0:
+                b = median(hist)
+                sig = 1.4826 * median(abs(x - b) for x in hist)
+                stale = 8
+            stale -= 1
+            f = v - b >= max((cfg.ratio - 1.0) * b, k * sig, min_excess)
+            ratios.append(v / b if b else 0.0)
+        else:
+            f = False
+            ratios.append(0.0)
+        flags.append(f)
+        if not f:
+            hist.append(v)
+            if stale > 0 and len(hist) < cfg.min_baseline_steps + 8:
+                stale = 0
+    return (median(hist) if len(hist) >= cfg.min_baseline_steps else 0.0), flags, ratios
+
+
+def test_the_array_baselines_are_the_one_by_one_baseline_of_each_series():
+    # many series of different lengths at once (rows padded), a ring shorter than the series (old values leave
+    # it), slow values that stay out of it, zero and constant series: each row's flags, ratios and last baseline
+    # are exactly what the one-value-at-a-time rule gives
+    import numpy as np
+    from steplens.collector.analysis.commtime import baseline, baselines
+    rng = random.Random(11)
+    flagged = 0
+    for _ in range(40):
+        cfg = CommtimeConfig(ratio=rng.choice([1.05, 1.2]), noise_k=rng.choice([0.0, 4.0]),
+                             baseline_steps=rng.choice([5, 12, 100]), min_baseline_steps=rng.choice([1, 3, 10]))
+        k, min_excess = cfg.noise_k, rng.choice([0.0, 50.0])
+        rows = []
+        for _ in range(rng.randrange(1, 8)):
+            base = rng.choice([0, 7, 1000, 10**7])
+            rows.append([int(base * rng.uniform(0.95, 1.05) * rng.choice([1, 1, 1, 1.5, 3])) for _ in
+                         range(rng.randrange(0, 70))])
+        width = max(len(x) for x in rows)
+        vals = np.zeros((len(rows), width))
+        for r, x in enumerate(rows):
+            vals[r, :len(x)] = x
+        last, flags, ratios = baselines(vals, np.array([len(x) for x in rows]), cfg, k, min_excess)
+        for r, x in enumerate(rows):
+            want = _baseline_one_by_one(x, cfg, k, min_excess)
+            assert (last[r], flags[r, :len(x)].tolist(), ratios[r, :len(x)].tolist()) == want
+            assert baseline(list(enumerate(x)), cfg, k, min_excess) == want
+            assert not flags[r, len(x):].any()
+        flagged += int(flags.sum())
+    assert flagged > 20   # the slow values were flagged (the comparison covers flags, not only quiet series)
