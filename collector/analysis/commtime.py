@@ -75,8 +75,8 @@ import numpy as np
 from steplens.collector.analysis import ports
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
-from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, load, min_busy,
-                                                      nic_map, per_step, refine, score_devices)
+from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, interned, load,
+                                                      min_busy, nic_map, per_step, refine, score_devices)
 
 NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
 
@@ -185,11 +185,7 @@ def _step_transfer(js, i: int) -> tuple[tuple, np.ndarray]:
         if not cid.endswith(NOT_TRANSFER):  # a receive's busy time is mostly waiting for its sender
             lay.append((cid, tuple(ranks)))
             busy.append(min_busy(cs))
-    lay = tuple(lay)
-    memo = js.memo.get(LAYOUTS_KEY)
-    if memo is None or len(memo) > 64:   # a job's steps share one or a few; bounded if members churn
-        memo = js.memo[LAYOUTS_KEY] = {}
-    return memo.setdefault(lay, lay), np.array(busy, dtype=np.int64)
+    return interned(js, LAYOUTS_KEY, tuple(lay)), np.array(busy, dtype=np.int64)
 
 
 MAD_SIGMA = 1.4826   # a normal distribution's sigma per median absolute deviation

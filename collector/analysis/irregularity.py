@@ -615,13 +615,20 @@ class _Layout:
 LAYOUTS_KEY = ("irregularity", "skew layouts")
 
 
-def _layout(js: JobSteps, comms: tuple) -> _Layout:
-    memo = js.memo.get(LAYOUTS_KEY)
-    if memo is None or len(memo) > 64:   # a job's steps share one or a few; bounded if members churn
-        memo = js.memo[LAYOUTS_KEY] = {}
-    lay = memo.get(comms)
-    if lay is not None:
-        return lay
+def interned(js: JobSteps, key: tuple, comms: tuple, build=None):
+    """The one object kept in js.memo[key] for a step's layout `comms` (a tuple of its communicators and
+    members): build(comms), or the tuple itself, made once. A job's steps share one layout or a few, so
+    per-step results in it are arrays in one order; at most 64 kept (members that churn start it afresh)."""
+    memo = js.memo.get(key)
+    if memo is None or len(memo) > 64:
+        memo = js.memo[key] = {}
+    v = memo.get(comms)
+    if v is None:
+        v = memo[comms] = build(comms) if build is not None else comms
+    return v
+
+
+def _layout(comms: tuple) -> _Layout:
     keys = [(r, cid) for cid, ranks, p2p, nk in comms if not p2p and nk for r in ranks]
     nk = np.array([nk for _, ranks, p2p, nk in comms if not p2p and nk for _ in ranks], dtype=np.int64)
     ranks = np.array([k[0] for k in keys], dtype=np.int64)
@@ -629,8 +636,7 @@ def _layout(js: JobSteps, comms: tuple) -> _Layout:
     srt = ranks[order]
     bounds = np.flatnonzero(np.r_[True, srt[1:] != srt[:-1]]) if len(srt) else np.zeros(0, dtype=np.int64)
     appear = np.argsort(order[bounds], kind="stable")   # the ranks in the order the entries bring them
-    lay = memo[comms] = _Layout(comms, keys, nk, ranks, order, bounds, appear, srt[bounds][appear].tolist())
-    return lay
+    return _Layout(comms, keys, nk, ranks, order, bounds, appear, srt[bounds][appear].tolist())
 
 
 def warm_skew(js: JobSteps, cfg: IrregularityConfig, tie_ns: int = 1000) -> None:
@@ -674,8 +680,8 @@ def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
                 who_last[rank] = who_last.get(rank, 0.0) + 1.0 / len(who)
         acc += a
         share += [who_last.get(r, 0.0) for r in ranks]
-    return (_layout(js, tuple(comms)), np.array(busy, dtype=np.int64), np.array(acc, dtype=np.float64),
-            np.array(share, dtype=np.float64))
+    return (interned(js, LAYOUTS_KEY, tuple(comms), _layout), np.array(busy, dtype=np.int64),
+            np.array(acc, dtype=np.float64), np.array(share, dtype=np.float64))
 
 
 def pointed_at(bad: Skew, bad_idx: list[int], share: float = 0.05) -> set[int]:
