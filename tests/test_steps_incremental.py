@@ -200,3 +200,68 @@ def test_a_short_and_a_long_window_in_one_pass_share_the_kept_rows(tmp_path):
         if k:
             assert inc.total - before == len(steps)      # only the new rows: no re-read for the longer window
     assert inc.total == arrived
+
+
+class _Stored:
+    """Rows in storage order, read as the store reads them: incrementally (steps_after) or in one read of the
+    window's newest row per (rank, evidence, source, step) (steps), in end order."""
+
+    def __init__(self, memo: bool) -> None:
+        self.rows: list[dict] = []
+        if memo:
+            self.step_memo = {}
+            self.steps_after = self._after
+
+    def _after(self, job, after, since_ns=0, limit=10**9, before_ns=0, upto_rowid=0):
+        top = upto_rowid or len(self.rows)
+        return [r for r in self.rows[after:top] if r["end_ns"] >= since_ns
+                and (not before_ns or r["end_ns"] < before_ns)], max(top, after)
+
+    def steps(self, job, since_ns=0, with_comms=True):
+        last = {(r["rank"], r["evidence"], r["source"], r["step"]): r for r in self.rows}
+        return sorted((r for r in last.values() if r["end_ns"] >= since_ns), key=lambda r: r["end_ns"])
+
+
+def _whole(js) -> tuple:
+    return (js.numbers, js.x_ns, js.end_ns, js.start_ns, js.fps, js.step_end, js.node_of,
+            [(rank, [(s, id(r)) for s, r in steps.items()]) for rank, steps in js.rows.items()])
+
+
+def test_a_kept_parse_is_what_one_parse_of_the_window_gives():
+    # passes of random arrivals: late rows of old steps, rows sent again, ranks with two evidence series (the
+    # better one, then the longer one chosen), ranks that stop and start, a rank number that is not one, a
+    # window that moves back; two windows a pass. Each pass's parse brought up to date from the last (irregularity
+    # ._View) is, field by field and in order (ranks in rank order, a rank's steps in end order), the parse of one
+    # full read of its window
+    import random
+    for seed in range(60):
+        rng = random.Random(seed)
+        ranks, step = rng.randint(2, 10), 0
+        cfg = irregularity.IrregularityConfig(complete_fraction=rng.choice([0.5, 1.0]), pivot_rank=rng.choice([-1, 1]))
+        inc, full = _Stored(True), _Stored(False)
+        two = {r for r in range(ranks) if rng.random() < 0.3}
+        for p in range(20):
+            for _ in range(rng.randint(1, 3)):
+                for r in range(ranks):
+                    if rng.random() < 0.1:
+                        continue
+                    for ev in (["anchor", "comm_pattern"] if r in two and rng.random() < 0.6 else ["anchor"]):
+                        st = step if rng.random() > 0.1 else max(0, step - rng.randint(1, 4))
+                        b = T0 + st * S + rng.randint(0, S // 3)
+                        row = {"node_id": f"n{r // 2}", "source": "flightrec", "rank": r if rng.random() > 0.01
+                               else -1, "step": st, "start_ns": b, "end_ns": b + rng.randint(S // 2, S),
+                               "evidence": ev, "job_key": JOB, "comms": []}
+                        inc.rows.append(row)
+                        full.rows.append(row)
+                step += 1
+            until = T0 + step * S + rng.randint(-2 * S, S)
+            for win in sorted(rng.sample([3, 8, 1000], 2)):
+                w = Window(JOB, max(0, until - win * S), until)
+                if rng.random() < 0.05:
+                    w = Window(JOB, max(0, until - 30 * S), until - 3 * S)
+                kept, one = irregularity._load(inc, w, cfg), irregularity._load(full, w, cfg)
+                assert _whole(kept) == _whole(one), (seed, p, win)
+                assert list(kept.rows) == sorted(kept.rows)
+                assert all(list(map(lambda r: r["end_ns"], s.values())) == sorted(r["end_ns"] for r in s.values())
+                           for s in kept.rows.values())
+        assert len(inc.step_memo[irregularity.VIEWS_KEY]) <= irregularity.MAX_VIEWS

@@ -69,6 +69,7 @@ def main(argv=None) -> int:
     per: dict[str, list[float]] = {name: [] for name in specs_by_name}
     totals: list[tuple[float, int]] = []
     for c in passes:
+        reader.now = ends[c] + 1   # what the store holds by this pass
         ar = AnalysisReader(reader, fetch, memo)
         times = {}
         for name, spec in specs_by_name.items():

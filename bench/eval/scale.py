@@ -30,6 +30,7 @@ ranks_fetched_fraction_max.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import random
@@ -91,6 +92,8 @@ class MemReader:
             elif type(rec) is ProcessInfo:
                 self.ranks.append({"rank": rec.rank, "node_id": aid, "pid": rec.pid, "local_rank": rec.local_rank})
         self.rows.sort(key=lambda r: r["end_ns"])
+        self._ends = [r["end_ns"] for r in self.rows]
+        self.now: int | None = None   # the rows stored: those that ended by then (None: all)
         self._topo = from_dict(cfg.topology().topology_file())
         comms: dict[str, set] = {}  # members per communicator, as the store's jobs() answers them (indexed)
         for r in self.rows:
@@ -100,8 +103,22 @@ class MemReader:
 
     def steps(self, job_key: str, ranks=None, since_ns: int = 0, limit: int = 200_000_000, with_comms: bool = False):
         want = set(ranks) if ranks else None
-        return [r for r in self.rows if r["job_key"] == job_key and r["end_ns"] >= since_ns
+        return [r for r in self.rows[:self._stored()] if r["job_key"] == job_key and r["end_ns"] >= since_ns
                 and (want is None or r["rank"] in want)][-limit:]
+
+    def steps_after(self, job_key: str, after_rowid: int, since_ns: int = 0, limit: int = 2_000_000,
+                    before_ns: int = 0, upto_rowid: int = 0) -> tuple[list[dict], int]:
+        """Reader.steps_after (the analysis loop's incremental read): the rows stored after `after_rowid`, a row's
+        rowid its place in end order (rows arrive as their steps end) counted from 1."""
+        top = upto_rowid or self._stored()
+        out = [r for r in self.rows[after_rowid:top] if r["job_key"] == job_key and r["end_ns"] >= since_ns
+               and (not before_ns or r["end_ns"] < before_ns)][:limit]
+        return out, max(top, after_rowid)
+
+    def _stored(self) -> int:
+        """How many rows are stored by `now` (a pass's cluster time, set by the loop that replays the job; None:
+        all of them)."""
+        return len(self.rows) if self.now is None else bisect.bisect_right(self._ends, self.now)
 
     def jobs(self, job_key: str = "") -> list[dict]:
         if job_key not in ("", self.job):
@@ -172,6 +189,7 @@ def evaluate(cfg: ModelConfig, specs: list[str], every: int = 5) -> dict:
             spent[0] += time.perf_counter() - t
     for c in passes:  # the analysis loop's passes as data arrives, one every `every` steps
         spent[0] = 0.0
+        reader.now = ends[c] + 1   # what the store holds by this pass
         ar = AnalysisReader(reader, fetch, memo)
         got, sec = scoring.run_detectors(ar, ends[c] + 1)
         if c in checks:  # scored on the windows ending at onset + 5, + 10 steps and at the end

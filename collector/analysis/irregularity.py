@@ -247,23 +247,28 @@ def load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
 
 
 ROWS_KEY = ("irregularity", "rows")   # the job's Step rows kept in the engine's per-job memo between passes
+VIEWS_KEY = ("irregularity", "views")  # the windows' parses (_View) kept beside them
+MAX_VIEWS = 4                          # windows kept per job (the detectors of a pass ask for two or three)
 
 
-def _rows(reader, window: Window) -> list[dict]:
-    """The window's Step rows. With the engine's per-job memo and a store that reads incrementally
-    (Reader.steps_after), the rows are kept between passes and each pass reads only what was stored since the
-    last one: no row limit cuts a large job's window (8,192 ranks x 60 steps is ~500k rows; Reader.steps keeps the
-    newest 200k), and a pass costs what arrived. The kept rows cover the widest window asked for lately (the hang
-    detector reads a longer one than irregularity in the same pass): a window reaching further back reads only
-    the older part, once. Otherwise one read of the window (Reader.steps)."""
+def _rows(reader, window: Window) -> dict | None:
+    """The job's Step rows kept between passes, brought up to date: with the engine's per-job memo and a store that
+    reads incrementally (Reader.steps_after), each pass reads only what was stored since the last one, so no row
+    limit cuts a large job's window (8,192 ranks x 60 steps is ~500k rows; Reader.steps keeps the newest 200k) and a
+    pass costs what arrived. The kept rows cover the widest window asked for lately (the hang detector reads a
+    longer one than irregularity in the same pass): a window reaching further back reads only the older part,
+    once. Returns the cache: "rows" by (rank, evidence, source, step) (a row sent again for the same step replaces
+    the one before) and "log", every change as (old row or None, new row or None) from absolute position "base"
+    on, which the windows' parses (_View) follow. None without the memo or the incremental read."""
     memo = getattr(reader, "step_memo", None)
     after = getattr(reader, "steps_after", None)
     if not isinstance(memo, dict) or not callable(after):
-        return reader.steps(window.job_key, since_ns=window.since_ns, with_comms=True)
+        return None
     cache = memo.get(ROWS_KEY)
     if cache is None:
         new, top = after(window.job_key, 0, since_ns=window.since_ns)
-        cache = memo[ROWS_KEY] = {"since": window.since_ns, "rowid": top, "rows": {}, "asked": deque(maxlen=32)}
+        cache = memo[ROWS_KEY] = {"since": window.since_ns, "rowid": top, "rows": {}, "asked": deque(maxlen=32),
+                                  "log": [], "base": 0}
     else:
         new = []
         if window.since_ns < cache["since"]:   # further back than kept: the older part, as of the kept rowid
@@ -273,69 +278,222 @@ def _rows(reader, window: Window) -> list[dict]:
             cache["since"] = window.since_ns
         more, cache["rowid"] = after(window.job_key, cache["rowid"], since_ns=cache["since"])
         new += more
-    rows = cache["rows"]
-    for r in new:   # in storage order: a row sent again for the same step replaces the one before
-        rows[(r["rank"], r["evidence"], r.get("source", ""), r["step"])] = r
+    rows, log = cache["rows"], cache["log"]
+    for r in new:   # in storage order
+        k = (r["rank"], r["evidence"], r.get("source", ""), r["step"])
+        log.append((rows.get(k), r))
+        rows[k] = r
     cache["asked"].append(window.since_ns)
     floor = min(cache["asked"])
     if floor > cache["since"]:   # no window lately reaches back so far: forget what left them all
         cache["since"] = floor
         for k in [k for k, r in rows.items() if r["end_ns"] < floor]:
-            del rows[k]
-    return sorted((r for r in rows.values() if r["end_ns"] >= window.since_ns), key=lambda r: r["end_ns"])
+            log.append((rows.pop(k), None))
+    return cache
+
+
+class _View:
+    """One window's Step rows parsed as load() hands them (one series per rank, the per-step figures), kept
+    between the loop's passes and brought up to date by what changed since: the rows stored (new, sent again,
+    forgotten; the cache's log) and the window's move (rows its start left behind, rows its end now reaches).
+    A pass then costs what arrived and moved (8,192 ranks x 5 new steps), not the ~500k rows of an 8,192-GPU
+    window. Each rank's series is a {step: row} dict in end order, replaced (never changed) when it changes, so
+    the JobSteps of an earlier pass stay as they were. Ranks are in rank order."""
+
+    def __init__(self, cf: float, pivot: int) -> None:
+        self.cf, self.pivot = cf, pivot
+        self.since, self.until, self.cursor = 0, -1, 0
+        self.win: dict[int, dict[tuple, dict[int, dict]]] = {}  # rank -> (evidence, source) -> {step: row}
+        self.key: dict[int, tuple] = {}                         # rank -> its chosen series
+        self.node_of: dict[int, str] = {}
+        self.by_step: dict[int, dict[tuple, dict]] = {}         # step -> cache key -> row: every window row
+        self.low: dict[int, int] = {}                           # step -> its window rows' earliest end
+        self.at: dict[int, dict[int, dict]] = {}                # step -> rank -> the rank's chosen row
+        self.figs: dict[int, tuple] = {}                        # step -> (rows, x, end, start, fingerprint)
+        self.later: dict[tuple, dict] = {}                      # rows ending after the window, by cache key
+        self.order: list[int] = []                              # ranks, sorted
+
+    def fits(self, window: Window) -> bool:
+        return self.since <= window.since_ns and self.until <= window.until_ns
+
+    def update(self, window: Window, changes) -> None:
+        """Bring the parse to `window` (not before the last one) after `changes`, (old, new) row pairs."""
+        s1, u1 = window.since_ns, window.until_ns
+        self._touched: dict[int, set[int]] = {}    # rank -> steps whose rows changed
+        self._copied: set[tuple] = set()           # (rank, series) dicts already replaced in this update
+        self._unsorted: set[tuple] = set()
+        by_step, later = self.by_step, self.later
+        for old, new in changes:
+            if old is not None:
+                k = (old["rank"], old["evidence"], old.get("source", ""), old["step"])
+                if by_step.get(old["step"], {}).get(k) is old:
+                    self._drop(k, old)
+                elif later.get(k) is old:
+                    del later[k]
+            if new is not None and new["end_ns"] >= s1:
+                rank = new["rank"]
+                if rank is None or rank < 0 or new["step"] < 0:
+                    continue
+                k = (rank, new["evidence"], new.get("source", ""), new["step"])
+                if new["end_ns"] > u1:
+                    later[k] = new
+                else:
+                    self._add(k, new)
+        if s1 > self.since:   # rows the window's start left behind
+            for st in [st for st, lo in self.low.items() if lo < s1]:
+                for k, r in [(k, r) for k, r in by_step[st].items() if r["end_ns"] < s1]:
+                    self._drop(k, r)
+        if u1 > self.until and later:   # rows the window's end now reaches
+            for k in [k for k, r in later.items() if r["end_ns"] <= u1]:
+                r = later.pop(k)
+                if r["end_ns"] >= s1:
+                    self._add(k, r)
+        self.since, self.until = s1, u1
+        self._settle()
+
+    def _series(self, rank: int, key: tuple) -> dict[int, dict]:
+        """The rank's series `key`, replaced by a copy the first time this update changes it."""
+        per = self.win.get(rank)
+        if per is None:
+            per = self.win[rank] = {}
+        if (rank, key) not in self._copied:
+            self._copied.add((rank, key))
+            per[key] = dict(per.get(key, ()))
+        return per[key]
+
+    def _add(self, k: tuple, r: dict) -> None:
+        rank, ev, src, st = k
+        d = self._series(rank, (ev, src))
+        if d and r["end_ns"] < d[next(reversed(d))]["end_ns"]:
+            self._unsorted.add((rank, (ev, src)))
+        d.pop(st, None)   # (a row of this step still here was replaced without a log entry: a plain read)
+        d[st] = r
+        rows = self.by_step.get(st)
+        if rows is None:
+            rows = self.by_step[st] = {}
+            self.low[st] = r["end_ns"]
+        elif r["end_ns"] < self.low[st]:
+            self.low[st] = r["end_ns"]
+        rows[k] = r
+        t = self._touched.get(rank)
+        if t is None:
+            self._touched[rank] = {st}
+        else:
+            t.add(st)
+
+    def _drop(self, k: tuple, r: dict) -> None:
+        rank, ev, src, st = k
+        del self._series(rank, (ev, src))[st]
+        rows = self.by_step[st]
+        del rows[k]
+        if not rows:
+            del self.by_step[st], self.low[st]
+        elif r["end_ns"] <= self.low[st]:
+            self.low[st] = min(map(_END, rows.values()))
+        t = self._touched.get(rank)
+        if t is None:
+            self._touched[rank] = {st}
+        else:
+            t.add(st)
+
+    def _settle(self) -> None:
+        """The changed ranks' chosen series (the best evidence, then the longest; as steptime.from_steps picks
+        it) and nodes, the changed steps' chosen rows and figures, as _load gave them from one full parse."""
+        for rank, key in self._unsorted:
+            d = self.win[rank][key]
+            self.win[rank][key] = dict(sorted(d.items(), key=lambda kv: kv[1]["end_ns"]))
+        dirty: set[int] = set()
+        new_rank = False
+        for rank, steps in self._touched.items():
+            per = self.win[rank]
+            for key in [key for key, d in per.items() if not d]:
+                del per[key]
+            old = self.key.get(rank)
+            if not per:
+                del self.win[rank]
+                self.key.pop(rank, None)
+                self.node_of.pop(rank, None)
+                new_rank = True
+                if old is not None:
+                    for st in [st for st, at in self.at.items() if rank in at]:
+                        del self.at[st][rank]
+                        dirty.add(st)
+                continue
+            key = next(iter(per)) if len(per) == 1 else \
+                min(per, key=lambda k: (EVIDENCE_RANK.get(k[0], 9), -len(per[k]), k))
+            chosen = per[key]
+            self.key[rank] = key
+            self.node_of[rank] = chosen[next(reversed(chosen))]["node_id"]
+            if old is None:
+                new_rank = True
+            if old is not None and key != old:   # another series: every step of the rank's
+                steps = {st for st, at in self.at.items() if rank in at} | set(chosen)
+            for st in steps:
+                r = chosen.get(st)
+                at = self.at.get(st)
+                if r is not None:
+                    if at is None:
+                        at = self.at[st] = {}
+                    at[rank] = r
+                elif at is not None:
+                    at.pop(rank, None)
+                dirty.add(st)
+        if new_rank:
+            self.order = sorted(self.win)
+        pivot = self.pivot
+        for st in dirty:
+            at = self.at.get(st)
+            if not at:
+                self.at.pop(st, None)
+                self.figs.pop(st, None)
+                continue
+            have = at.values()
+            e = list(map(_END, have))
+            b = list(map(_START, have))
+            p = at.get(pivot) if pivot >= 0 else None
+            self.figs[st] = (len(e), p["end_ns"] - p["start_ns"] if p is not None else max(map(sub, e, b)),
+                             max(e), min(b), (len(e), sum(e), sum(b)))
+        del self._touched, self._copied, self._unsorted
+
+    def steps(self) -> JobSteps:
+        need = max(1, math.ceil(self.cf * len(self.order)))
+        numbers = sorted(st for st, f in self.figs.items() if f[0] >= need)
+        figs = [self.figs[st] for st in numbers]
+        win, key = self.win, self.key
+        return JobSteps(numbers, [f[1] for f in figs], [f[2] for f in figs], [f[3] for f in figs],
+                        {r: win[r][key[r]] for r in self.order}, {r: self.node_of[r] for r in self.order},
+                        fps=[f[4] for f in figs], step_end={st: self.figs[st][2] for st in sorted(self.figs)})
 
 
 def _load(reader, window: Window, cfg: IrregularityConfig) -> JobSteps:
-    """The rows as one series per rank and the job's per-step figures. 8,192 ranks x 60 steps is ~500k rows a
-    pass: each row is touched by a few dict operations, and the per-step figures are taken over per-step lists by
-    C-level map()/max() (a generator per step over every rank was half of this function's time)."""
-    rows = _rows(reader, window)
-    until = window.until_ns
-    series: dict[int, dict[tuple, list[dict]]] = {}
-    for r in rows:
-        rank = r["rank"]
-        if r["end_ns"] > until or rank is None or rank < 0 or r["step"] < 0:
-            continue
-        per = series.get(rank)
-        if per is None:
-            per = series[rank] = {}
-        k = (r["evidence"], r.get("source", ""))
-        lst = per.get(k)
-        if lst is None:
-            per[k] = [r]
-        else:
-            lst.append(r)
-    per_rank: dict[int, dict[int, dict]] = {}
-    node_of: dict[int, str] = {}
-    by_step: dict[int, list[dict]] = {}
-    for rank, per in series.items():  # one series per rank, as steptime.from_steps picks it
-        if len(per) == 1:
-            (chosen,) = per.values()
-        else:
-            chosen = per[min(per, key=lambda k: (EVIDENCE_RANK.get(k[0], 9), -len(per[k])))]
-        steps = per_rank[rank] = {r["step"]: r for r in chosen}
-        node_of[rank] = chosen[-1]["node_id"]
-        for st, r in steps.items():   # rank order within each step, as per_rank iterates
-            lst = by_step.get(st)
-            if lst is None:
-                by_step[st] = [r]
-            else:
-                lst.append(r)
-    need = max(1, math.ceil(cfg.complete_fraction * len(per_rank)))
-    numbers = sorted(st for st, lst in by_step.items() if len(lst) >= need)
-    step_end = {st: max(map(_END, have)) for st, have in by_step.items()}
-    x, ends, starts, fps = [], [], [], []
-    pivot = per_rank.get(cfg.pivot_rank, {}) if cfg.pivot_rank >= 0 else {}
-    for st in numbers:
-        have = by_step[st]
-        e = list(map(_END, have))
-        b = list(map(_START, have))
-        p = pivot.get(st)
-        x.append(p["end_ns"] - p["start_ns"] if p is not None else max(map(sub, e, b)))
-        ends.append(step_end[st])
-        starts.append(min(b))
-        fps.append((len(have), sum(e), sum(b)))
-    return JobSteps(numbers, x, ends, starts, per_rank, node_of, fps=fps, step_end=step_end)
+    """The window's rows as one series per rank and the job's per-step figures. With the rows kept between passes
+    (_rows), the parse of a window like this one (not reaching back further, not ending earlier) is kept too and
+    brought up to date (_View): 8,192 ranks x 60 steps is ~500k rows, a pass touches the ~41k that arrived.
+    Otherwise one parse of one full read."""
+    cache = _rows(reader, window)
+    if cache is None:
+        v = _View(cfg.complete_fraction, cfg.pivot_rank)
+        v.update(window, ((None, r) for r in reader.steps(window.job_key, since_ns=window.since_ns,
+                                                            with_comms=True)))
+        return v.steps()
+    views = reader.step_memo.setdefault(VIEWS_KEY, [])
+    log, base = cache["log"], cache["base"]
+    live = [v for v in views if v.cursor >= base]
+    fit = [v for v in live if (v.cf, v.pivot) == (cfg.complete_fraction, cfg.pivot_rank) and v.fits(window)]
+    if fit:
+        v = max(fit, key=lambda v: (v.since, v.until))
+        v.update(window, log[v.cursor - base:])
+        live.remove(v)
+    else:   # a new parse from the kept rows
+        v = _View(cfg.complete_fraction, cfg.pivot_rank)
+        v.update(window, ((None, r) for r in cache["rows"].values()))
+    v.cursor = base + len(log)
+    # most recent first; a parse that fell further behind than a new one would cost is let go
+    views[:] = [v] + [u for u in live if v.cursor - u.cursor <= len(cache["rows"])][:MAX_VIEWS - 1]
+    keep = min(u.cursor for u in views)
+    del log[:keep - base]
+    cache["base"] = keep
+    return v.steps()
 
 
 _END, _START = itemgetter("end_ns"), itemgetter("start_ns")
