@@ -336,7 +336,9 @@ def start_job(sockdir, tmp_path, rank, world, seconds, extra=()):
 @needs_torch
 def test_deep_mode_traces_a_real_two_rank_gloo_job(tmp_path, sockdir):
     reg = WorkloadRegistry()
-    src = make_source(tmp_path, sockdir, registry=reg, deep_window_ms=500)
+    # 1 s: >= 6 ops of both groups per rank even when the host is busy (a 500 ms window caught 4 with the
+    # 2-core machine running three other CPU-bound jobs beside the tests)
+    src = make_source(tmp_path, sockdir, registry=reg, deep_window_ms=1000)
     jobs = [start_job(sockdir, tmp_path, r, 2, 14, ["--pair"]) for r in range(2)]
     infos = {}
     for r, (p, _) in enumerate(jobs):

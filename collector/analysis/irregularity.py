@@ -811,35 +811,76 @@ def warm_skew(js: JobSteps, cfg: IrregularityConfig, tie_ns: int = 1000) -> None
 def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
     """One step of skew(), over the comms with >= 2 members: (its _Layout; per comm of the layout its min busy_ns
     (0: none); per entry of the layout its sum over the picked collectives of its arrival minus the members'
-    median, and its share of being last into them, summed)."""
-    comms, busy, acc, share = [], [], [], []
+    median, and its share of being last into them, summed). The collective comms of one size and offsets count
+    (a job's tensor- or data-parallel groups: thousands of one shape per step) are computed together, as
+    (comms x members x collectives) arrays (_class_skew); the few of uneven offsets one by one."""
+    comms, busy = [], []
+    classes: dict[tuple, tuple[list, list, list]] = {}   # (members, offsets, picks) -> entry offsets, starts, offsets
+    odd = []                                             # (entry offset, starts, offsets lists, picks)
+    pick_memo: dict[int, tuple] = {}
+    at = 0
     for cid, (ranks, starts, cs) in groups(js, i).items():
-        if len(ranks) < 2:
+        n = len(ranks)
+        if n < 2:
             continue
         busy.append(min_busy(cs))
         if cs[0]["op"] in P2P_OPS:
             comms.append((cid, tuple(ranks), True, 0))
             continue
-        k_n = min(len(c["issue_offsets_ns"]) for c in cs)
-        ks = _pick(list(range(k_n)), picks)
+        offs = list(map(_OFFS, cs))
+        lens = set(map(len, offs))
+        k_n = min(lens)
+        ks = pick_memo.get(k_n)
+        if ks is None:
+            ks = pick_memo[k_n] = tuple(_pick(list(range(k_n)), picks))
         comms.append((cid, tuple(ranks), False, len(ks)))
         if not ks:
             continue
-        a = [0.0] * len(ranks)
-        who_last: dict[int, float] = {}
-        for k in ks:
-            arr = [start + c["issue_offsets_ns"][k] for start, c in zip(starts, cs)]
-            top = max(arr)
-            who = [rank for x, rank in zip(arr, ranks) if top - x <= tie_ns]
-            srt = sorted(arr)
-            mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-            a = [x + y - mid for x, y in zip(a, arr)]
-            for rank in who:
-                who_last[rank] = who_last.get(rank, 0.0) + 1.0 / len(who)
-        acc += a
-        share += [who_last.get(r, 0.0) for r in ranks]
-    return (interned(js, LAYOUTS_KEY, tuple(comms), _layout), np.array(busy, dtype=np.int64),
-            np.array(acc, dtype=np.float64), np.array(share, dtype=np.float64))
+        if len(lens) == 1:
+            cl = classes.get((n, k_n, ks))
+            if cl is None:
+                cl = classes[(n, k_n, ks)] = ([], [], [])
+            cl[0].append(at)
+            cl[1].append(starts)
+            cl[2].append(offs)
+        else:
+            odd.append((at, starts, [[o[k] for k in ks] for o in offs], ks))
+        at += n
+    acc, share = np.zeros(at), np.zeros(at)
+    for (n, k_n, ks), (pos, starts, offs) in classes.items():
+        o = np.array(offs, dtype=np.int64)
+        if len(ks) < k_n:
+            o = o[:, :, list(ks)]
+        a, sh = _class_skew(np.array(starts, dtype=np.int64)[:, :, None] + o, tie_ns)
+        where = (np.array(pos, dtype=np.int64)[:, None] + np.arange(n)).ravel()
+        acc[where] = a.ravel()
+        share[where] = sh.ravel()
+    for pos, starts, offs, ks in odd:
+        a, sh = _class_skew(np.array(starts, dtype=np.int64)[None, :, None] + np.array(offs, dtype=np.int64)[None],
+                            tie_ns)
+        acc[pos:pos + len(starts)] = a[0]
+        share[pos:pos + len(starts)] = sh[0]
+    return (interned(js, LAYOUTS_KEY, tuple(comms), _layout), np.array(busy, dtype=np.int64), acc, share)
+
+
+_OFFS = itemgetter("issue_offsets_ns")
+
+
+def _class_skew(arr: np.ndarray, tie_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """Arrivals (comms x members x picked collectives, int ns) -> per member its sum over the collectives of
+    arrival minus the members' median (the two middle values' mean for an even count), and its share of being
+    last (within tie_ns of the latest; ties share the collective), in the order and float steps of a sum taken
+    one collective at a time."""
+    n = arr.shape[1]
+    srt = np.sort(arr, axis=1)
+    mid = (srt[:, (n - 1) // 2, :] + srt[:, n // 2, :]) / 2
+    last = arr.max(axis=1, keepdims=True) - arr <= tie_ns
+    each = 1.0 / last.sum(axis=1)
+    acc, share = np.zeros(arr.shape[:2]), np.zeros(arr.shape[:2])
+    for k in range(arr.shape[2]):
+        acc = acc + arr[:, :, k] - mid[:, None, k]
+        share = share + np.where(last[:, :, k], each[:, None, k], 0.0)
+    return acc, share
 
 
 def pointed_at(bad: Skew, bad_idx: list[int], share: float = 0.05) -> set[int]:
@@ -1231,50 +1272,86 @@ def margin_arrays(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> dict
     the members' median of that mean) and the collectives per step; comms in the order steps bring them. From
     the per-step memo (step_margins: the picks of a PICK_STEPS window whatever len(idx), so a step's result is
     the same in every pass and for the lateness detector, whose windows are shorter, and the loop computes
-    it once). One C-level conversion per comm, not a tuple per rank, comm and step (~1M at 8,192 GPUs x 60)."""
-    per_comm: dict[str, list[tuple[int, tuple]]] = {}
-    for p, step in enumerate(step_margins(js, idx, cfg)):
-        for cid, v in step.items():
-            per_comm.setdefault(cid, []).append((p, v))
+    it once). Steps of one layout (the same comms and members: a job's usual case) are one steps x entries
+    array, each comm's columns a slice of it; otherwise comm by comm."""
+    steps = step_margins(js, idx, cfg)
+    if not steps:
+        return {}
     out = {}
+    lay = steps[0][0]
+    if all(s[0] is lay for s in steps):
+        big = np.array([s[1] for s in steps], dtype=np.float64).reshape(len(steps), -1)
+        calls = np.array([s[2] for s in steps], dtype=np.float64).reshape(len(steps), -1)
+        at = 0
+        for k, (cid, mem) in enumerate(lay):
+            out[cid] = (list(mem), big[:, at:at + len(mem)], calls[:, k])
+            at += len(mem)
+        return out
+    per_comm: dict[str, list[tuple]] = {}
+    for p, (lay, vals, calls) in enumerate(steps):
+        at = 0
+        for (cid, mem), k in zip(lay, calls.tolist()):
+            per_comm.setdefault(cid, []).append((p, mem, vals[at:at + len(mem)], k))
+            at += len(mem)
     for cid, vs in per_comm.items():
-        first = vs[0][1][0]
-        if len(vs) == len(idx) and all(v[0] == first for _, v in vs):   # the same members every step
-            out[cid] = (list(first), np.array([v[1] for _, v in vs], dtype=np.float64),
-                        np.array([v[2] for _, v in vs], dtype=np.float64))
+        first = vs[0][1]
+        if len(vs) == len(idx) and all(v[1] == first for v in vs):   # the same members every step
+            out[cid] = (list(first), np.array([v[2] for v in vs], dtype=np.float64),
+                        np.array([v[3] for v in vs], dtype=np.float64))
             continue
-        mem = sorted({r for _, v in vs for r in v[0]})
+        mem = sorted({r for v in vs for r in v[1]})
         col = {r: k for k, r in enumerate(mem)}
         vals, calls = np.full((len(idx), len(mem)), np.nan), np.zeros(len(idx))
-        for p, (ranks, diffs, k) in vs:
+        for p, ranks, diffs, k in vs:
             vals[p, [col[r] for r in ranks]] = diffs
             calls[p] = k
         out[cid] = (mem, vals, calls)
     return out
 
 
-def step_margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> list[dict]:
-    """Per step of idx, its margins as _step_margins gives them (collective comm -> (members, margins,
-    collectives that step)), memoized per step (per_step) with the picks of a PICK_STEPS window."""
+def step_margins(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> list[tuple]:
+    """Per step of idx, its margins as _step_margins gives them, memoized per step (per_step) with the picks of
+    a PICK_STEPS window."""
     picks = collective_picks(js, PICK_STEPS, cfg)
     name = f"margins:{picks}"
     return [per_step(js, name, i, lambda i: _step_margins(js, i, picks)) for i in idx]
 
 
-def _step_margins(js: JobSteps, i: int, picks: int) -> dict[str, tuple[list[int], list[float], int]]:
-    """One step of step_margins(): collective comm -> (its members, each one's mean arrival over the picked
-    collectives minus the members' median of it, collectives that step), comms with >= 2 members."""
-    out = {}
+MARGIN_LAYOUTS_KEY = ("irregularity", "margin layouts")
+
+
+def _step_margins(js: JobSteps, i: int, picks: int) -> tuple[tuple, np.ndarray, np.ndarray]:
+    """One step of step_margins(), over the collective comms with >= 2 members that have offsets: (its layout,
+    ((comm, members), ...) interned (a job's steps share it); per member of each, in that order, its mean
+    arrival over the picked collectives minus the members' median of it; per comm its collectives that step).
+    The comms whose members all have offsets, as many, are computed by size and offsets count together; the
+    others one by one."""
+    out: dict[str, tuple] = {}   # comm -> (members, margins, collectives)
+    classes: dict[tuple, tuple[list, list, list, list]] = {}   # (members, offsets) -> comms, starts, offsets, calls
     pick_memo: dict[int, list[int]] = {}
     for cid, (ranks, starts, cs) in groups(js, i).items():
+        if cs[0]["op"] in P2P_OPS:
+            continue
+        offs = list(map(_OFFS, cs))
+        lens = set(map(len, offs))
+        if len(lens) == 1 and len(ranks) >= 2 and 0 not in lens:
+            key = (len(ranks), lens.pop())
+            cl = classes.get(key)
+            if cl is None:
+                cl = classes[key] = ([], [], [], [])
+            cl[0].append((cid, ranks))
+            cl[1].append(starts)
+            cl[2].append(offs)
+            cl[3].append(max(0, max(map(_CALLS, cs))))
+            out[cid] = ()   # its place: comms in the order the step brings them
+            continue
         arr, who, calls = [], [], 0
-        for rank, start, c in zip(ranks, starts, cs):
-            offs = c["issue_offsets_ns"]
-            if offs and c["op"] not in P2P_OPS:
-                ks = pick_memo.get(len(offs))
+        for rank, start, c, o in zip(ranks, starts, cs, offs):
+            if o:
+                ks = pick_memo.get(len(o))
                 if ks is None:
-                    ks = pick_memo[len(offs)] = _pick(list(range(len(offs))), picks)
-                arr.append(start + (offs[ks[0]] if len(ks) == 1 else sum([offs[k] for k in ks]) / len(ks)))
+                    ks = pick_memo[len(o)] = _pick(list(range(len(o))), picks)
+                arr.append(start + (o[ks[0]] if len(ks) == 1 else sum([o[k] for k in ks]) / len(ks)))
                 who.append(rank)
                 if c["calls"] > calls:
                     calls = c["calls"]
@@ -1282,8 +1359,22 @@ def _step_margins(js: JobSteps, i: int, picks: int) -> dict[str, tuple[list[int]
             continue
         srt = sorted(arr)
         mid = (srt[(len(srt) - 1) // 2] + srt[len(srt) // 2]) / 2
-        out[cid] = (who, [a - mid for a in arr], calls)
-    return out
+        out[cid] = (tuple(who), np.array([a - mid for a in arr], dtype=np.float64), calls)
+    for (n, k_n), (keys, starts, offs, calls) in classes.items():
+        ks = _pick(list(range(k_n)), picks)
+        o = np.array(offs, dtype=np.int64)
+        st = np.array(starts, dtype=np.int64)
+        arr = st + o[:, :, ks[0]] if len(ks) == 1 else st + o[:, :, ks].sum(axis=2) / len(ks)
+        srt = np.sort(arr, axis=1)
+        diffs = arr - ((srt[:, (n - 1) // 2] + srt[:, n // 2]) / 2)[:, None]
+        for (cid, ranks), d, k in zip(keys, diffs, calls):
+            out[cid] = (tuple(ranks), d, k)
+    lay = interned(js, MARGIN_LAYOUTS_KEY, tuple((cid, v[0]) for cid, v in out.items()))
+    vals = np.concatenate([v[1] for v in out.values()]) if out else np.zeros(0)
+    return lay, vals, np.array([v[2] for v in out.values()], dtype=np.int64)
+
+
+_CALLS = itemgetter("calls")
 
 
 def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
