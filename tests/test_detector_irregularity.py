@@ -379,3 +379,23 @@ def test_lateness_z_takes_the_median_under_spikes_and_the_mean_under_gaussian_ji
     m, z, how = lateness_z(spiky)
     assert how == "median" and z >= 4 and 0.5 < m < 1.5
     assert lateness_z([0.0] * 20)[1] == 0 and lateness_z([1.0])[1] == 0
+
+
+def test_step_busy_is_each_comms_least_positive_busy_time():
+    # the per-step array both skew() and the commtime detector read: per comm, in groups() order, the least
+    # busy_ns > 0 of its members (0: none busy; zero and negative values, as a summary without a completed op
+    # or a clock step gives, never count), against the rule taken one comm at a time
+    from steplens.collector.analysis import irregularity as irr
+    rng = random.Random(5)
+    for _ in range(30):
+        comms = [f"c{k}" for k in range(rng.randint(1, 12))]
+        rows = {}
+        for rank in range(rng.randint(1, 9)):
+            cs = [{"comm_id": c, "op": rng.choice(["all_reduce", "send", "recv"]), "calls": 1, "bytes": 1,
+                   "busy_ns": rng.choice([0, -5, rng.randint(1, 10**6), rng.randint(1, 10**6)]), "wait_ns": 0,
+                   "issue_offsets_ns": []} for c in comms if rng.random() < 0.7]
+            rows[rank] = {0: {"start_ns": 0, "end_ns": 1, "comms": cs, "node_id": "n"}}
+        js = irr.JobSteps([0], [1], [1], [0], rows, {}, fps=[(len(rows), 1, 0)])
+        want = [min([c["busy_ns"] for c in cs if c["busy_ns"] > 0], default=0)
+                for _, _, cs in irr.groups(js, 0).values()]
+        assert irr.step_busy(js, 0).tolist() == want

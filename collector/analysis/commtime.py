@@ -76,7 +76,7 @@ from steplens.collector.analysis import ports
 from steplens.collector.analysis.base import ConfigError, DetectorConfig, DetectorSpec, Window
 from steplens.collector.analysis.findings import Finding
 from steplens.collector.analysis.irregularity import (SEND, IrregularityConfig, comm_devices, groups, interned, load,
-                                                      min_busy, nic_map, per_step, refine, score_devices)
+                                                      nic_map, per_step, refine, score_devices, step_busy)
 
 NOT_TRANSFER = ("#recv", "#sendrecv")  # point-to-point keys whose busy time is not a transfer
 
@@ -180,12 +180,12 @@ LAYOUTS_KEY = ("commtime", "layouts")
 def _step_transfer(js, i: int) -> tuple[tuple, np.ndarray]:
     """One step of transfer_times(): its comms ((comm, members), the same tuple for every step with the same
     ones: interned on js.memo) and their min busy_ns (0: none busy)."""
-    lay, busy = [], []
-    for cid, (ranks, _, cs) in groups(js, i).items():
+    lay, sel = [], []
+    for j, (cid, (ranks, _, _)) in enumerate(groups(js, i).items()):
         if not cid.endswith(NOT_TRANSFER):  # a receive's busy time is mostly waiting for its sender
             lay.append((cid, tuple(ranks)))
-            busy.append(min_busy(cs))
-    return interned(js, LAYOUTS_KEY, tuple(lay)), np.array(busy, dtype=np.int64)
+            sel.append(j)
+    return interned(js, LAYOUTS_KEY, tuple(lay)), step_busy(js, i)[sel]
 
 
 MAD_SIGMA = 1.4826   # a normal distribution's sigma per median absolute deviation
