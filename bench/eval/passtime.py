@@ -1,8 +1,8 @@
 """Where an analysis pass goes at 8,192 GPUs: each detector's own time on each pass of one scale.py scenario.
 
 The passes run as scale.py runs them (a pass every --every steps, the engine's per-job memo kept across them,
-the in-memory rows out of the GC's sight, the emulated agents' FetchDetail time taken out of the detector that
-asked), with each detector timed apart; the detectors run in the registry's order, so the first to read the
+the cyclic GC off during a pass as the engine has it, the in-memory rows out of its sight, the emulated agents'
+FetchDetail time taken out of the detector that asked), with each detector timed apart; the detectors run in the registry's order, so the first to read the
 window (commtime) pays for parsing its Step rows (irregularity.load) and the others reuse them. --profile names
 a detector whose slowest pass is run under cProfile (its top functions printed).
 
@@ -25,7 +25,7 @@ import sys
 import time
 
 from steplens.collector.analysis import all_specs
-from steplens.collector.analysis.base import Window
+from steplens.collector.analysis.base import Window, no_gc
 from steplens.collector.analysis.engine import AnalysisReader
 from steplens.sim.faults import parse_fault
 
@@ -72,12 +72,13 @@ def main(argv=None) -> int:
         reader.now = ends[c] + 1   # what the store holds by this pass
         ar = AnalysisReader(reader, fetch, memo)
         times = {}
-        for name, spec in specs_by_name.items():
-            spent[0] = 0.0
-            t = time.perf_counter()
-            spec.detect(ar, Window(scoring.JOB, 0, ends[c] + 1), spec.config_class())
-            times[name] = time.perf_counter() - t - spent[0]
-            per[name].append(times[name])
+        with no_gc():   # as the engine runs a pass (engine.run_job)
+            for name, spec in specs_by_name.items():
+                spent[0] = 0.0
+                t = time.perf_counter()
+                spec.detect(ar, Window(scoring.JOB, 0, ends[c] + 1), spec.config_class())
+                times[name] = time.perf_counter() - t - spent[0]
+                per[name].append(times[name])
         totals.append((sum(times.values()), c))
         print(f"step {c:>4}  {sum(times.values()):6.2f} s  " +
               "  ".join(f"{n} {s:5.2f}" for n, s in times.items()), flush=True)

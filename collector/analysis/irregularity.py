@@ -1287,39 +1287,52 @@ def margin_arrays(js: JobSteps, idx: list[int], cfg: IrregularityConfig) -> dict
     the members' median of that mean) and the collectives per step; comms in the order steps bring them. From
     the per-step memo (step_margins: the picks of a PICK_STEPS window whatever len(idx), so a step's result is
     the same in every pass and for the lateness detector, whose windows are shorter, and the loop computes
-    it once). Steps of one layout (the same comms and members: a job's usual case) are one steps x entries
-    array, each comm's columns a slice of it; otherwise comm by comm."""
+    it once). The steps of one layout (the same comms and members) are one steps x entries array: with one
+    layout (a job's usual case) each comm's columns are a slice of it; with a few (the newest step may lack
+    ranks that have not ended it yet) each comm's columns are gathered from them."""
     steps = step_margins(js, idx, cfg)
     if not steps:
         return {}
-    out = {}
-    lay = steps[0][0]
-    if all(s[0] is lay for s in steps):
-        big = np.array([s[1] for s in steps], dtype=np.float64).reshape(len(steps), -1)
-        calls = np.array([s[2] for s in steps], dtype=np.float64).reshape(len(steps), -1)
-        at = 0
+    blocks: dict[int, tuple] = {}   # layout -> its steps' positions, in the order steps bring the layouts
+    for p, (lay, _, _) in enumerate(steps):
+        b = blocks.get(id(lay))
+        if b is None:
+            b = blocks[id(lay)] = (lay, [])
+        b[1].append(p)
+    parts = []   # per layout: comm -> (column of calls, first column of margins, members); margins; calls; steps
+    for lay, ps in blocks.values():
+        pos, at = {}, 0
         for k, (cid, mem) in enumerate(lay):
+            pos[cid] = (k, at, mem)
+            at += len(mem)
+        parts.append((pos, np.array([steps[p][1] for p in ps], dtype=np.float64).reshape(len(ps), -1),
+                      np.array([steps[p][2] for p in ps], dtype=np.float64).reshape(len(ps), -1), ps))
+    out = {}
+    if len(parts) == 1:   # one layout (a job's usual case): each comm's columns a slice
+        pos, big, calls, _ = parts[0]
+        for cid, (k, at, mem) in pos.items():
             out[cid] = (list(mem), big[:, at:at + len(mem)], calls[:, k])
-            at += len(mem)
         return out
-    per_comm: dict[str, list[tuple]] = {}
-    for p, (lay, vals, calls) in enumerate(steps):
-        at = 0
-        for (cid, mem), k in zip(lay, calls.tolist()):
-            per_comm.setdefault(cid, []).append((p, mem, vals[at:at + len(mem)], k))
-            at += len(mem)
-    for cid, vs in per_comm.items():
-        first = vs[0][1]
-        if len(vs) == len(idx) and all(v[1] == first for v in vs):   # the same members every step
-            out[cid] = (list(first), np.array([v[2] for v in vs], dtype=np.float64),
-                        np.array([v[3] for v in vs], dtype=np.float64))
+    order = dict.fromkeys(cid for lay, _ in blocks.values() for cid, _ in lay)
+    for cid in order:
+        got = [part[0].get(cid) for part in parts]
+        first = got[0]
+        if first is not None and all(g is not None and g[2] == first[2] for g in got):   # the same members every step
+            n = len(first[2])
+            vals, calls = np.empty((len(idx), n)), np.empty(len(idx))
+            for (_, big, cl, ps), (k, at, _) in zip(parts, got):
+                vals[ps] = big[:, at:at + n]
+                calls[ps] = cl[:, k]
+            out[cid] = (list(first[2]), vals, calls)
             continue
-        mem = sorted({r for v in vs for r in v[1]})
+        mem = sorted({r for g in got if g is not None for r in g[2]})
         col = {r: k for k, r in enumerate(mem)}
         vals, calls = np.full((len(idx), len(mem)), np.nan), np.zeros(len(idx))
-        for p, ranks, diffs, k in vs:
-            vals[p, [col[r] for r in ranks]] = diffs
-            calls[p] = k
+        for (_, big, cl, ps), g in zip(parts, got):
+            if g is not None:
+                k, at, m = g
+                vals[np.ix_(ps, [col[r] for r in m])] = big[:, at:at + len(m)]
+                calls[ps] = cl[:, k]
         out[cid] = (mem, vals, calls)
     return out
 
@@ -1425,14 +1438,18 @@ def stragglers(js: JobSteps, cfg: IrregularityConfig) -> list[tuple[int, dict]]:
                 quiet.add(mem[k])
     step = median(js.x_ns[i] for i in idx)
     out = []
+    as_lists: dict[str, tuple] = {}   # comm -> (member -> column, columns as lists, calls as a list): once a comm
     for rank, cids in comms_of.items():
         if rank in quiet:
             continue
         cols = []
         for c in cids:
-            mem, vals, calls = arrs[c]
-            col = vals[:, mem.index(rank)]
-            cols.append([(v, k) for v, k in zip(col.tolist(), calls.tolist()) if v == v])   # NaN: no value
+            lists = as_lists.get(c)
+            if lists is None:
+                mem, vals, calls = arrs[c]
+                lists = as_lists[c] = ({r: k for k, r in enumerate(mem)}, vals.T.tolist(), calls.tolist())
+            pos, tcols, calls = lists
+            cols.append([(v, k) for v, k in zip(tcols[pos[rank]], calls) if v == v])   # NaN: no value
         # where its lateness began (a slowdown that started inside the window): test the steps from there
         full = [xs for xs in cols if len(xs) == len(idx)]
         series = [sum(v * c for v, c in col) for col in zip(*full)] if full else []
