@@ -2,9 +2,10 @@
 
 The passes run as scale.py runs them (a pass every --every steps, the engine's per-job memo kept across them,
 the cyclic GC off during a pass as the engine has it, the in-memory rows out of its sight, the emulated agents'
-FetchDetail time taken out of the detector that asked), with each detector timed apart; the detectors run in the registry's order, so the first to read the
-window (commtime) pays for parsing its Step rows (irregularity.load) and the others reuse them. --profile names
-a detector whose slowest pass is run under cProfile (its top functions printed).
+FetchDetail time taken out of the detector that asked), with each detector timed apart; the detectors run in
+the registry's order, so the first to read the window (commtime) pays for parsing its Step rows
+(irregularity.load) and the others reuse them. --profile names a detector whose slowest pass is run under
+cProfile (its top functions printed).
 
     .venv/bin/python bench/eval/passtime.py [--seed 3000] [--scenario 0] [--every 5] [--profile irregularity]
 
