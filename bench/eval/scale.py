@@ -2,7 +2,8 @@
 
 Per scenario: the simulator's agent view (agentview.agent_records: ProcessInfo and Step records, what real agents
 send; no simulator-only field) is held in memory by MemReader, which answers the store reads the detectors make
-(steps, jobs, topology) as the SQLite store would, rows in the same form, clock-converted as ingest converts them;
+(steps, and steps_after, the analysis loop's incremental read, over the rows stored by each pass's time; jobs,
+topology) as the SQLite store would, rows in the same form, clock-converted as ingest converts them;
 FetchDetail is answered by the emulated agents (scoring.sim_fetcher), so progressive fetching counts the ranks a
 search really asked. Writing 819k Step rows per scenario through SQLite would measure the store, not the
 detectors (the issue allows feeding the detector code from the simulator's records directly at this scale;
