@@ -375,11 +375,7 @@ class _View:
         elif r["end_ns"] < self.low[st]:
             self.low[st] = r["end_ns"]
         rows[k] = r
-        t = self._touched.get(rank)
-        if t is None:
-            self._touched[rank] = {st}
-        else:
-            t.add(st)
+        self._touch(rank, st)
 
     def _drop(self, k: tuple, r: dict) -> None:
         rank, ev, src, st = k
@@ -390,6 +386,9 @@ class _View:
             del self.by_step[st], self.low[st]
         elif r["end_ns"] <= self.low[st]:
             self.low[st] = min(map(_END, rows.values()))
+        self._touch(rank, st)
+
+    def _touch(self, rank: int, st: int) -> None:
         t = self._touched.get(rank)
         if t is None:
             self._touched[rank] = {st}
@@ -829,16 +828,16 @@ def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
     median, and its share of being last into them, summed). The collective comms of one size and offsets count
     (a job's tensor- or data-parallel groups: thousands of one shape per step) are computed together, as
     (comms x members x collectives) arrays (_class_skew); the few of uneven offsets one by one."""
-    comms, busy = [], []
+    comms, sel = [], []                                  # sel: the comms' places in groups() (step_busy's order)
     classes: dict[tuple, tuple[list, list, list]] = {}   # (members, offsets, picks) -> entry offsets, starts, offsets
-    odd = []                                             # (entry offset, starts, offsets lists, picks)
+    odd = []                                             # (entry offset, starts, picked offsets lists)
     pick_memo: dict[int, tuple] = {}
     at = 0
     for j, (cid, (ranks, starts, cs)) in enumerate(groups(js, i).items()):
         n = len(ranks)
         if n < 2:
             continue
-        busy.append(j)
+        sel.append(j)
         if cs[0]["op"] in P2P_OPS:
             comms.append((cid, tuple(ranks), True, 0))
             continue
@@ -859,7 +858,7 @@ def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
             cl[1].append(starts)
             cl[2].append(offs)
         else:
-            odd.append((at, starts, [[o[k] for k in ks] for o in offs], ks))
+            odd.append((at, starts, [[o[k] for k in ks] for o in offs]))
         at += n
     acc, share = np.zeros(at), np.zeros(at)
     for (n, k_n, ks), (pos, starts, offs) in classes.items():
@@ -870,12 +869,12 @@ def _step_skew(js: JobSteps, i: int, picks: int, tie_ns: int) -> tuple:
         where = (np.array(pos, dtype=np.int64)[:, None] + np.arange(n)).ravel()
         acc[where] = a.ravel()
         share[where] = sh.ravel()
-    for pos, starts, offs, ks in odd:
+    for pos, starts, offs in odd:
         a, sh = _class_skew(np.array(starts, dtype=np.int64)[None, :, None] + np.array(offs, dtype=np.int64)[None],
                             tie_ns)
         acc[pos:pos + len(starts)] = a[0]
         share[pos:pos + len(starts)] = sh[0]
-    return (interned(js, LAYOUTS_KEY, tuple(comms), _layout), step_busy(js, i)[busy], acc, share)
+    return (interned(js, LAYOUTS_KEY, tuple(comms), _layout), step_busy(js, i)[sel], acc, share)
 
 
 _OFFS = itemgetter("issue_offsets_ns")
