@@ -4,8 +4,10 @@ Per scenario: the simulator's agent view (agentview.agent_records: ProcessInfo a
 send; no simulator-only field) is held in memory by MemReader, which answers the store reads the detectors make
 (steps, and steps_after, the analysis loop's incremental read, over the rows stored by each pass's time; jobs,
 topology) as the SQLite store would, rows in the same form, clock-converted as ingest converts them;
-FetchDetail is answered by the emulated agents (scoring.sim_fetcher), so progressive fetching counts the ranks a
-search really asked. Writing 819k Step rows per scenario through SQLite would measure the store, not the
+FetchDetail is answered by the emulated agents (scoring.sim_fetcher: the job simulated once at the first request,
+its network model and communicators kept, each request walking the asked ranks' ops only, as an agent answers
+from its node-local store), so progressive fetching counts the ranks a search really asked. The rows are built
+with the cyclic GC off and frozen after: they stand for the store, not for objects in the collector's heap. Writing 819k Step rows per scenario through SQLite would measure the store, not the
 detectors (the issue allows feeding the detector code from the simulator's records directly at this scale;
 bench/eval/run.py scores the smaller jobs through a real store, and bench/eval/wholepath.py through the whole
 stream -> collector path). Ground truth (output.truth) is read by the scorer only.
@@ -59,6 +61,17 @@ class MemReader:
 
     def __init__(self, cfg: ModelConfig, faults, job: str = scoring.JOB, progress: bool = False,
                  hang_mode: str = "stopped") -> None:
+        # the rows stand for the store (on disk in a collector, not in its heap): built with the cyclic GC off,
+        # which would walk their millions of objects again and again as they are made (it doubles the time)
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            self._load(cfg, faults, job, progress, hang_mode)
+        finally:
+            if was:
+                gc.enable()
+
+    def _load(self, cfg: ModelConfig, faults, job: str, progress: bool, hang_mode: str) -> None:
         off = cfg.base_ns - scoring.MONO_BASE
         self.job = job
         self.rows: list[dict] = []

@@ -156,12 +156,13 @@ def sim_fetcher(cfg: ModelConfig, faults):
     ranks), with the clock conversion ingest applies (cluster = mono + base_ns - MONO_BASE)."""
     off = cfg.base_ns - MONO_BASE
     kept: list = []  # the job's iterations, simulated once at the first fetch (agents answer from a store)
+    keep: dict = {}  # and its network model and communicators
 
     def fetch(job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0) -> list[dict]:
         if not kept:
             simulate(cfg, faults, sink=kept.append)
         ops = agentview.commops(cfg, faults, list(ranks), since_ns - off, until_ns - off, MONO_BASE, job_key=job_key,
-                                iterations=kept)
+                                iterations=kept, keep=keep)
         rows = [{"kind": "commop", "rank": o.rank, "comm_id": o.comm_id, "op": o.op, "seq": o.seq,
                  "p2p_seq": o.p2p_seq, "peer": o.peer, "members": o.members, "nranks": o.nranks, "bytes": o.bytes,
                  "issue_ns": o.issue_mono_ns + off, "start_ns": o.start_mono_ns + off, "end_ns": o.end_mono_ns + off}

@@ -56,14 +56,15 @@ constant phase against the segmenter's while ops per step, calls, bytes per comm
 (2) it emits every step, the segmenter none until it has learnt the pattern (3 cycles); (3) numbers are always
 the iteration, the segmenter's come from a collective's seq (the same where DP or TP > 1) or a counter.
 (tests/test_agentview.py checks that the segmenter cuts one step per iteration on every stage.)
-Dense jobs (ep == 1) take a column-wise path (`_dense_records`: per op, list arithmetic over all ranks of a
-stage; tests/test_agentview.py checks it equals the per-rank path record for record); EP jobs the per-rank one.
+Dense jobs (ep == 1) take a column-wise path (`_dense_records`: per op, numpy arithmetic over all ranks of a
+stage, rounded half to even as round() is; tests/test_agentview.py checks it equals the per-rank path record for
+record); EP jobs the per-rank one.
 
 Cost (2-core machine, simulation included): 1,024 GPUs x 20 iterations (DP=128 PP=8 TP=1) ~63k rank-iterations/s
 for ProcessInfo + Step records, ~35k with CommSummary, ~16k with every kind (~340k records/s: 2/3 of them Flows,
 since every PP transfer crosses nodes there); 8,192 GPUs x 100 iterations (DP=1024 PP=8): ProcessInfo + Steps
-14.0 s, with CommSummary 22.8 s (4.5M records), every kind would add ~12M Flows (`bench/sim_speed.py`).
-`kinds` builds only what a consumer reads. No numpy (not a dependency): hence lists, not arrays.
+6.7 s (`bench/sim_speed.py`), with CommSummary 12.8 s (4.5M records; 14.0 and 22.8 s in lists before the
+per-stage numpy arrays), every kind would add ~12M Flows. `kinds` builds only what a consumer reads.
 
 Time: mono_ns = mono_base + simulated ns since the job start (cluster base_ns), one clock for every agent.
 """
@@ -73,6 +74,8 @@ from __future__ import annotations
 import queue
 import threading
 from typing import Iterator
+
+import numpy as np
 
 from steplens.agent.records import (
     CommOp,
@@ -274,106 +277,118 @@ def _summaries(p: _Proc, job_key: str, ops: list[tuple]) -> list[CommSummary]:
     return sorted(groups.values(), key=lambda s: (s.mono_ns, s.pid, s.comm_id, s.op))
 
 
-def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int, net) -> tuple[list, list[list[str]]]:
-    """Rows.commops() of stage s (dense model) column-wise: [(slot, op, seq, bytes, issue[col], end[col])] in
-    every rank's issue order, col = d * T + t, and the comm id of each slot per column. The same values as
-    Rows.commops(), computed per op over all ranks of the stage at once."""
+def _stage_names(cfg: ModelConfig, s: int, cache: dict) -> dict[str, list[str] | None]:
+    """The comm id of each slot of stage s per column d * T + t (the same every iteration: built once)."""
+    got = cache.get(s)
+    if got is None:
+        D, P, T = cfg.dp, cfg.pp, cfg.tp
+        got = cache[s] = {
+            "prev": [f"pp.s{s - 1}-{s}.d{c // T}.t{c % T}" for c in range(D * T)] if s > 0 else None,
+            "next": [f"pp.s{s}-{s + 1}.d{c // T}.t{c % T}" for c in range(D * T)] if s < P - 1 else None,
+            "tp": [f"tp.s{s}.d{c // T}" for c in range(D * T)] if T > 1 else None,
+            "dp": [f"dp.s{s}.t{c % T}" for c in range(D * T)] if D > 1 else None}
+    return got
+
+
+def _dense_stage(cfg: ModelConfig, it: Iteration, s: int, base: int, net) -> list[tuple]:
+    """Rows.commops() of stage s (dense model) column-wise: [(slot, op, seq, bytes, issue, end)] in every rank's
+    issue order, issue and end int64 arrays over the columns col = d * T + t. The same values as Rows.commops()
+    (float ns rounded half to even, as round() does), computed per op over all ranks of the stage at once."""
     D, P, T, M = cfg.dp, cfg.pp, cfg.tp, cfg.micro_batches
     fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
     act = cfg.activation_bytes
     s0 = (s * D) * T
-    fac = it.factor[s0:s0 + D * T]
+    fac = np.asarray(it.factor[s0:s0 + D * T], dtype=np.float64)
     i2m = it.it * 2 * M
 
-    def ns(xs):
-        v = [base + int(round(x)) for x in xs]
-        return [x for x in v for _ in range(T)] if T > 1 else v
+    def cols(x):  # per replica -> per column (T columns a replica)
+        return np.repeat(x, T) if T > 1 else x
 
+    def ns(x):
+        return np.rint(x).astype(np.int64) + base
+
+    px_next = np.asarray(pair_xfer(net, cfg, it, s), dtype=np.float64) if s < P - 1 else None
+    px_prev = np.asarray(pair_xfer(net, cfg, it, s - 1), dtype=np.float64) if s > 0 else None
     rows = []
-    names = {"prev": [f"pp.s{s - 1}-{s}.d{c // T}.t{c % T}" for c in range(D * T)] if s > 0 else None,
-             "next": [f"pp.s{s}-{s + 1}.d{c // T}.t{c % T}" for c in range(D * T)] if s < P - 1 else None,
-             "tp": [f"tp.s{s}.d{c // T}" for c in range(D * T)] if T > 1 else None,
-             "dp": [f"dp.s{s}.t{c % T}" for c in range(D * T)] if D > 1 else None}
     for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
         comp = fwd if kind == "F" else bwd
+        st = cols(np.asarray(start, dtype=np.float64))
+        en = cols(np.asarray(end, dtype=np.float64))
         if kind == "F" and s > 0:
-            rows.append(("prev", "recv", i2m + m, act, ns(posted), ns(start)))
+            rows.append(("prev", "recv", i2m + m, act, ns(cols(np.asarray(posted, dtype=np.float64))), ns(st)))
         elif kind == "B" and s < P - 1:
-            rows.append(("next", "recv", i2m + M + m, act, ns(posted), ns(start)))
+            rows.append(("next", "recv", i2m + M + m, act, ns(cols(np.asarray(posted, dtype=np.float64))), ns(st)))
         if T > 1:
-            st = [x for x in start for _ in range(T)]
-            rows.append(("tp", "all_reduce", i2m + k, act,
-                         [base + int(round(a + comp * f)) for a, f in zip(st, fac)], ns(end)))
+            rows.append(("tp", "all_reduce", i2m + k, act, ns(st + comp * fac), ns(en)))
         if kind == "F" and s < P - 1:
-            px = pair_xfer(net, cfg, it, s)
-            rows.append(("next", "send", i2m + m, act, ns(end),
-                         [base + int(round(end[c // T] + px[c])) for c in range(D * T)]))
+            rows.append(("next", "send", i2m + m, act, ns(en), ns(en + px_next)))
         elif kind == "B" and s > 0:
-            px = pair_xfer(net, cfg, it, s - 1)
-            rows.append(("prev", "send", i2m + M + m, act, ns(end),
-                         [base + int(round(end[c // T] + px[c])) for c in range(D * T)]))
+            rows.append(("prev", "send", i2m + M + m, act, ns(en), ns(en + px_prev)))
     if D > 1:
-        last = it.ops[s][-1][4]
-        ar = it.ar_ns[s]
-        rows.append(("dp", "all_reduce", it.it, cfg.grad_bytes, ns(last),
-                     [base + int(round(it.last_b[s] + ar[c % T])) for c in range(D * T)]))
-    return rows, names
+        last = cols(np.asarray(it.ops[s][-1][4], dtype=np.float64))
+        ar = np.tile(np.asarray(it.ar_ns[s], dtype=np.float64), D)
+        rows.append(("dp", "all_reduce", it.it, cfg.grad_bytes, ns(last), ns(it.last_b[s] + ar)))
+    return rows
 
 
 def _dense_records(cfg: ModelConfig, it: Iteration, base: int, procs: list, job_key: str, last_end: dict,
-                   want_step: bool, want_sum: bool, mine, net) -> Iterator[tuple[int, object]]:
+                   want_step: bool, want_sum: bool, mine, net, names: dict) -> Iterator[tuple[int, object]]:
     """(rank, Step | CommSummary) of one iteration of a dense job: what _constructed_step() and _summaries()
-    make of each rank's Rows.commops(), ~4x faster (per op work is list arithmetic over a stage's ranks)."""
+    make of each rank's Rows.commops(), per op in arrays over a stage's ranks. last_end: per stage, the
+    columns' ends of the step before (kept between calls); names: _stage_names' cache."""
     D, T = cfg.dp, cfg.tp
+    C = D * T
     for s in range(cfg.pp):
-        rows, names = _dense_stage(cfg, it, s, base, net)
+        rows = _dense_stage(cfg, it, s, base, net)
+        nm = _stage_names(cfg, s, names)
         n = len(rows)
+        issue = np.stack([row[4] for row in rows])   # n ops x C columns
+        end = np.stack([row[5] for row in rows])
+        durs = np.where(end > issue, end - issue, 0)
+        ends = end.max(axis=0)
+        prev = last_end.get(s)
+        start = issue[0] if prev is None else np.where(prev != 0, prev, issue[0])
+        last_end[s] = ends
         slots: dict = {}
         pairs: dict[tuple[str, str], list[int]] = {}
         for i, row in enumerate(rows):
             slots.setdefault((row[0], row[1]) if row[1] in ("send", "recv") else row[0], []).append(i)
             pairs.setdefault((row[0], row[1]), []).append(i)
-        durs = [[b - a if b > a else 0 for a, b in zip(row[4], row[5])] for row in rows]
-        ends = [max(col) for col in zip(*(row[5] for row in rows))]
-        issues = list(zip(*(row[4] for row in rows)))
-        slot_info = []
-        for slot, idx in slots.items():
-            ops = {rows[i][1] for i in idx}
-            seqs = [rows[i][2] for i in idx if rows[i][1] not in ("send", "recv")]
-            busy = [sum(c) for c in zip(*(durs[i] for i in idx))]
-            slot_info.append((slot, ops.pop() if len(ops) == 1 else "mixed", len(idx), sum(rows[i][3] for i in idx),
-                              min(seqs) if seqs else -1, [i for i in idx if i < MAX_COLLECTIVES],
-                              sum(1 for i in idx if i >= MAX_COLLECTIVES), busy))
+        per_slot = []   # each slot's StepComm figures per column
+        if want_step:
+            for slot, idx in slots.items():
+                ops = {rows[i][1] for i in idx}
+                seqs = [rows[i][2] for i in idx if rows[i][1] not in ("send", "recv")]
+                off = [i for i in idx if i < MAX_COLLECTIVES]
+                per_slot.append((nm[slot if type(slot) is str else slot[0]], ops.pop() if len(ops) == 1 else "mixed",
+                                 len(idx), sum(rows[i][3] for i in idx), min(seqs) if seqs else -1,
+                                 (issue[off] - start).T.tolist() if off else [[] for _ in range(C)],
+                                 sum(1 for i in idx if i >= MAX_COLLECTIVES), durs[idx].sum(axis=0).tolist()))
         pair_info = []
         if want_sum:
             for (slot, op), idx in pairs.items():
                 p2p = op in ("send", "recv")
-                pair_info.append((slot, op, len(idx), sum(rows[i][3] for i in idx),
-                                  [sum(c) for c in zip(*(durs[i] for i in idx))],
-                                  [max(c) for c in zip(*(durs[i] for i in idx))], rows[idx[0]][4],
-                                  [max(c) for c in zip(*(rows[i][5] for i in idx))],
+                pair_info.append((nm[slot], op, len(idx), sum(rows[i][3] for i in idx),
+                                  durs[idx].sum(axis=0).tolist(), durs[idx].max(axis=0).tolist(),
+                                  rows[idx[0]][4].tolist(), end[idx].max(axis=0).tolist(),
                                   -1 if p2p else min(rows[i][2] for i in idx),
                                   -1 if p2p else max(rows[i][2] for i in idx)))
-        r0 = s * D * T
-        for c in range(D * T):
+        ends_l, starts_l = ends.tolist(), np.minimum(start, ends).tolist()
+        r0 = s * C
+        for c in range(C):
             r = r0 + c
             if not mine(r):
                 continue
             p = procs[r]
             if want_step:
-                tup = issues[c]
-                start = last_end.get(r) or tup[0]
-                end = ends[c]
-                comms = [StepComm(names[slot if type(slot) is str else slot[0]][c], op, calls, nb, busy[c], -1, seq,
-                                  [tup[i] - start for i in off], dropped)
-                         for slot, op, calls, nb, seq, off, dropped, busy in slot_info]
-                last_end[r] = end
-                yield r, Step(end, p.pid, START_TICKS, job_key, r, it.it, min(start, end), end, "comm_pattern", n, n,
-                              comms)
+                comms = [StepComm(ids[c], op, calls, nb, busy[c], -1, seq, offs[c], dropped)
+                         for ids, op, calls, nb, seq, offs, dropped, busy in per_slot]
+                yield r, Step(ends_l[c], p.pid, START_TICKS, job_key, r, it.it, starts_l[c], ends_l[c], "comm_pattern",
+                              n, n, comms)
             if want_sum:
-                out = [CommSummary(mono[c], p.pid, names[slot][c], op, first[c], calls, nb, busy[c], mx[c],
+                out = [CommSummary(mono[c], p.pid, ids[c], op, first[c], calls, nb, busy[c], mx[c],
                                    START_TICKS, job_key, r, -1, q0, q1, "cuda_event")
-                       for slot, op, calls, nb, busy, mx, first, mono, q0, q1 in pair_info]
+                       for ids, op, calls, nb, busy, mx, first, mono, q0, q1 in pair_info]
                 out.sort(key=lambda x: (x.mono_ns, x.pid, x.comm_id, x.op))
                 for x in out:
                     yield r, x
@@ -590,6 +605,8 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
     rows = Rows(cfg)
     rows.base = mono_base  # every time Rows makes is agent-monotonic from here on
     last_end: dict[int, int] = {}
+    dense_end: dict[int, object] = {}   # the dense path's last_end: per stage, an array over its ranks
+    names: dict[int, dict] = {}         # the dense path's comm ids per stage
     segs: dict[int, object] = {}
     if steps == "segmenter":
         from steplens.agent.commlog import summarize
@@ -610,8 +627,8 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
                     yield out(r // gpn, source, rec)
         cur: dict[int, Step] = {}
         if dense and (want_step or want_sum):
-            for r, rec in _dense_records(cfg, it, mono_base, procs, job_key, last_end, want_step, want_sum,
-                                         mine_rank, rows.net):
+            for r, rec in _dense_records(cfg, it, mono_base, procs, job_key, dense_end, want_step, want_sum,
+                                         mine_rank, rows.net, names):
                 if want_prog and type(rec) is Step:
                     cur[r] = rec
                 yield out(r // gpn, "flightrec", rec)
@@ -667,17 +684,25 @@ def _records(cfg, faults, job_key, mono_base, agents, steps, nodes, sources: boo
 
 
 def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: int, until_ns: int,
-            mono_base: int = 0, *, job_key: str = "simjob", iterations: list[Iteration] | None = None) -> list[CommOp]:
+            mono_base: int = 0, *, job_key: str = "simjob", iterations: list[Iteration] | None = None,
+            keep: dict | None = None) -> list[CommOp]:
     """The node-local CommOp detail of `ranks` in [since, until] (what FetchDetail returns from an agent).
     since/until in the agents' mono ns (mono_base + simulated ns); an op is in the window when it overlaps it
     (issue <= until and end >= since); until_ns <= 0 means no upper bound. Re-simulates up to `until`, or reads
     `iterations` (the job's simulated iterations, kept by a caller that fetches often: an agent answers from
-    its node-local store in milliseconds, not by re-running the job)."""
+    its node-local store in milliseconds, not by re-running the job). keep: a dict the caller keeps between
+    calls about one job (cfg, faults, mono_base): the job's network model and communicators are built once
+    (at 8,192 GPUs ~0.2 s a call otherwise)."""
     want = set(ranks)
-    members = _members(cfg)
+    keep = {} if keep is None else keep
+    members = keep.get("members")
+    if members is None:
+        members = keep["members"] = _members(cfg)
     procs = {r: _Proc(cfg, r) for r in want}
-    rows = Rows(cfg)
-    rows.base = mono_base
+    rows = keep.get("rows")
+    if rows is None:
+        rows = keep["rows"] = Rows(cfg)
+        rows.base = mono_base
     hi = until_ns if until_ns > 0 else None
     out: list[CommOp] = []
     for it in (iterations if iterations is not None else _iterations(cfg, faults)):

@@ -43,8 +43,14 @@ def pair_xfer(net: Network, cfg: ModelConfig, it: Iteration, s: int) -> list[flo
         got = cache[key] = [net.p2p_lat + bits / net.pair_bps(cfg.rank(s, d, t), cfg.rank(s + 1, d, t), it.net)
                             for d in range(cfg.dp) for t in range(cfg.tp)]
     if it.net_jitter:  # this iteration's draw for the replica's pairs (the model's xfer_ns carries the same)
+        last = net.__dict__.setdefault("_pair_xfer_it", {})  # per stage: (iteration, its list), the last asked
+        hit = last.get(s)
+        if hit is not None and hit[0] is it and hit[1] is got:
+            return hit[2]
         j, T = it.net_jitter["pp"][s], cfg.tp
-        return [x * j[c // T] for c, x in enumerate(got)]
+        out = [x * j[c // T] for c, x in enumerate(got)]
+        last[s] = (it, got, out)
+        return out
     return got
 
 
@@ -121,32 +127,32 @@ class Rows:
         fwd, bwd = cfg.fwd_ms * 1e6, cfg.bwd_ms * 1e6
         tp_bytes = cfg.activation_bytes
         factor, ns = it.factor, self.ns
+        R = D * P * T
         if cfg.ep > 1:
             yield from (o for o in self._commops_ep(it) if ranks is None or o[0] in ranks)
             return
         for s in range(P):
+            # the stage's ranks as (d, t, rank) in rank order: all of them, or the asked ones only (a fetch of a
+            # few ranks of a large job then costs those ranks' ops, not a walk over every rank's)
+            if ranks is None:
+                cols = [(d, t, (s * D + d) * T + t) for d in range(D) for t in range(T)]
+            else:
+                cols = [(r // T % D, r % T, r) for r in sorted(ranks) if 0 <= r < R and r // (D * T) == s]
+                if not cols:
+                    continue
             for k, (kind, m, posted, start, end) in enumerate(it.ops[s]):
                 comp = fwd if kind == "F" else bwd
-                for d in range(D):
-                    g = s * D + d
-                    for t in range(T):
-                        r = g * T + t
-                        if ranks is not None and r not in ranks:
-                            continue
-                        yield from self._pp_recv(it, r, s, d, t, kind, m, posted, start)
-                        if T > 1:
-                            yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
-                                   ns(start[d] + comp * factor[r]), ns(end[d]))
-                        yield from self._pp_send(it, r, s, d, t, kind, m, end)
+                for d, t, r in cols:
+                    yield from self._pp_recv(it, r, s, d, t, kind, m, posted, start)
+                    if T > 1:
+                        yield (r, f"tp.s{s}.d{d}", "all_reduce", it.it * 2 * M + k, tp_bytes,
+                               ns(start[d] + comp * factor[r]), ns(end[d]))
+                    yield from self._pp_send(it, r, s, d, t, kind, m, end)
             if D > 1:
                 last = it.ops[s][-1][4]
-                for d in range(D):
-                    for t in range(T):
-                        r = (s * D + d) * T + t
-                        if ranks is not None and r not in ranks:
-                            continue
-                        yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, cfg.grad_bytes, ns(last[d]),
-                               ns(it.last_b[s] + it.ar_ns[s][t]))
+                for d, t, r in cols:
+                    yield (r, f"dp.s{s}.t{t}", "all_reduce", it.it, cfg.grad_bytes, ns(last[d]),
+                           ns(it.last_b[s] + it.ar_ns[s][t]))
 
     def _commops_ep(self, it: Iteration) -> Iterator[tuple[int, str, str, int, int, int, int]]:
         """commops() with expert parallelism: per op recv, its all-to-alls, the TP all-reduce, send; per step
