@@ -120,8 +120,8 @@ def test_commops_look_like_flight_recorder_ops():
 
 
 def test_a_fetch_of_a_few_ranks_is_those_ranks_ops_of_the_whole_walk():
-    """Rows.commops(it, ranks) walks the asked ranks only (a fetch of 9 ranks of 8,192 walked every rank's ops, ~50 ms
-    an iteration): the same ops in the same order as the whole walk filtered to them, net jitter included (its
+    """Rows.commops(it, ranks) walks the asked ranks only (a fetch of 9 ranks of 8,192 walked every rank's ops of
+    every iteration): the same ops in the same order as the whole walk filtered to them, net jitter included (its
     per-iteration pair times are kept per stage); and commops() with a `keep` dict kept between calls answers as a
     fresh call does."""
     from bench.sim.model import simulate

@@ -7,10 +7,11 @@ topology) as the SQLite store would, rows in the same form, clock-converted as i
 FetchDetail is answered by the emulated agents (scoring.sim_fetcher: the job simulated once at the first request,
 its network model and communicators kept, each request walking the asked ranks' ops only, as an agent answers
 from its node-local store), so progressive fetching counts the ranks a search really asked. The rows are built
-with the cyclic GC off and frozen after: they stand for the store, not for objects in the collector's heap. Writing 819k Step rows per scenario through SQLite would measure the store, not the
-detectors (the issue allows feeding the detector code from the simulator's records directly at this scale;
-bench/eval/run.py scores the smaller jobs through a real store, and bench/eval/wholepath.py through the whole
-stream -> collector path). Ground truth (output.truth) is read by the scorer only.
+with the cyclic GC off and frozen after: they stand for the store, not for objects in the collector's heap.
+Writing 819k Step rows per scenario through SQLite would measure the store, not the detectors (the issue allows
+feeding the detector code from the simulator's records directly at this scale; bench/eval/run.py scores the
+smaller jobs through a real store, and bench/eval/wholepath.py through the whole stream -> collector path).
+Ground truth (output.truth) is read by the scorer only.
 
 Scored as scoring.py scores: detected when a finding's onset is at or after the fault start - 2 iterations;
 top-1 / top-3 when the target is the first / among the first three suspects of any finding about it; healthy

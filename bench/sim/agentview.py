@@ -63,8 +63,9 @@ record); EP jobs the per-rank one.
 Cost (2-core machine, simulation included): 1,024 GPUs x 20 iterations (DP=128 PP=8 TP=1) ~63k rank-iterations/s
 for ProcessInfo + Step records, ~35k with CommSummary, ~16k with every kind (~340k records/s: 2/3 of them Flows,
 since every PP transfer crosses nodes there); 8,192 GPUs x 100 iterations (DP=1024 PP=8): ProcessInfo + Steps
-6.7 s (`bench/sim_speed.py`), with CommSummary 12.8 s (4.5M records; 14.0 and 22.8 s in lists before the
-per-stage numpy arrays), every kind would add ~12M Flows. `kinds` builds only what a consumer reads.
+6.7 s (`bench/sim_speed.py`), with CommSummary 12.8 s without faults (4.5M records); side by side with the list
+version before the per-stage numpy arrays, a slow GPU and a slow link: 33 -> 12 s and 43 -> 19 s
+(bench/README.md). Every kind would add ~12M Flows. `kinds` builds only what a consumer reads.
 
 Time: mono_ns = mono_base + simulated ns since the job start (cluster base_ns), one clock for every agent.
 """
@@ -692,7 +693,7 @@ def commops(cfg: ModelConfig, faults: list[Fault], ranks: list[int], since_ns: i
     `iterations` (the job's simulated iterations, kept by a caller that fetches often: an agent answers from
     its node-local store in milliseconds, not by re-running the job). keep: a dict the caller keeps between
     calls about one job (cfg, faults, mono_base): the job's network model and communicators are built once
-    (at 8,192 GPUs ~0.2 s a call otherwise)."""
+    (at 8,192 GPUs ~0.19 s a call otherwise, under cProfile)."""
     want = set(ranks)
     keep = {} if keep is None else keep
     members = keep.get("members")
