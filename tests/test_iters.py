@@ -6,6 +6,7 @@ iteration per optimizer step with counts from its locals; and (slow) the real vL
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -307,7 +308,9 @@ def other(n):
         opt.zero_grad()
         seen.append(steplens_iters._train["where"])
 loop(4, 100); other(2); loop(3, 200)
-print(json.dumps({"status": steplens_iters.status(), "seen": seen}))
+where = steplens_iters._train["where"]
+print(json.dumps({"status": steplens_iters.status(), "seen": seen, "plan": where is not None and bool(where[2]),
+                  "fast": steplens_iters.fast_locals_offset() is not None}))
 '''
     out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=120,
                          env=_env(tmp_path, STEPLENS_BOOTSTRAP="1",
@@ -315,12 +318,129 @@ print(json.dumps({"status": steplens_iters.status(), "seen": seen}))
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert res["seen"] == ["loop"] * 4 + [None, None] + ["loop"] * 3, res["seen"]
+    assert res["plan"] is res["fast"], res   # CPython 3.11-3.13: the loop frame's slots are read directly
     its, _ = _ring_of(tmp_path, int(res["status"]["path"].rsplit("/", 1)[1].split(".")[0]))
     got = [(c[steplens_iters.COUNT_FIELDS.index("tokens")], c[steplens_iters.COUNT_FIELDS.index("micro_batches")])
            for *_, c in its]
     # 9 steps, the first not written (no start); its counts are those read at each step's optimizer call
     assert got == [(101, 2), (102, 3), (103, 4), (7, 0), (7, 0), (200, 1), (201, 2), (202, 3)], got
     assert res["status"]["reader_errors"] == 0
+
+
+FAST_LOCALS = '''
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import steplens_iters as si
+feats = si.parse_step_features("tokens=tokens,micro_batches=mb,batch_size=batch.ids")
+out = {"version": list(sys.version_info[:2]), "offset": si.fast_locals_offset(), "cases": {}}
+def slow(frame):
+    counts, todo = [0] * len(si.COUNT_FIELDS), list(feats)
+    si._counts_in(frame.f_locals, todo, counts)
+    return counts if not todo else None
+def case(name, frame):
+    plan = si.fast_plan(frame, feats)
+    fast = list(si._fast_counts(frame, plan)) if plan else None
+    out["cases"][name] = {"plan": plan is not None, "fast": fast, "slow": slow(frame)}
+def many(a0, tokens):
+    x1 = x2 = x3 = x4 = x5 = x6 = x7 = x8 = 1.5
+    batch, mb = {"ids": [1] * 8}, 3
+    for k in range(3):
+        tokens, mb = tokens + k, mb + k     # rebound each time: the slots follow
+        case(f"many{k}", sys._getframe())
+    plan = si.fast_plan(sys._getframe(), feats)
+    del mb
+    if plan:
+        try:
+            si._fast_counts(sys._getframe(), plan)
+            out["unbound"] = "read"
+        except ValueError as exc:   # a NULL slot: the hook goes back to the walk
+            out["unbound"] = str(exc)
+    out["not_local"] = si.fast_plan(sys._getframe(), feats[:1] + ((8, "gone", ""),)) is not None
+    return x1 + x2 + x3 + x4 + x5 + x6 + x7 + x8
+many(0, 100)
+def celled(tokens):
+    batch, mb = {"ids": [1, 2]}, 5
+    get = lambda: mb        # mb is a cell: read through f_locals, never the slot
+    case("celled", sys._getframe())
+    return get
+celled(7)
+print(json.dumps(out))
+'''
+PYTHONS = sorted(p for p in glob.glob("/root/.pyenv/versions/3.*/bin/python3")   # the bootstrap's 3.9 and up
+                 if p.split("/")[-3].split(".")[1].isdigit() and int(p.split("/")[-3].split(".")[1]) >= 9)
+
+
+@pytest.mark.parametrize("python", PYTHONS or [sys.executable])
+def test_step_features_read_straight_from_the_frame_slots_agree_with_f_locals(python, tmp_path):
+    """CPython 3.11-3.13 read a remembered frame's features from its local slots (the offset checked on a live
+    probe frame of that interpreter); the counts equal f_locals' at every rebinding; a cell variable is left to
+    f_locals; older versions use f_locals only."""
+    res = subprocess.run([python, "-c", FAST_LOCALS, SITE], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    fast = tuple(out["version"]) >= (3, 11) and tuple(out["version"]) <= (3, 13)
+    assert out["offset"] == (steplens_iters.FAST_OFFSET if fast else None), out
+    for k in range(3):
+        c = out["cases"][f"many{k}"]
+        assert c["slow"] == [8] + [0] * 6 + [100 + k * (k + 1) // 2, 3 + k * (k + 1) // 2], c
+        assert c["plan"] is fast and c["fast"] == (c["slow"] if fast else None), c
+    assert out["cases"]["celled"] == {"plan": False, "fast": None, "slow": [2] + [0] * 6 + [7, 5]}
+    assert out["not_local"] is False                                  # no local of that name: no plan
+    assert out.get("unbound") == ("unbound local" if fast else None), out   # an unbound slot raises
+
+
+def test_a_wrong_slot_offset_is_refused_by_the_probe(monkeypatch):
+    """The offset is used only when two known objects sit in the probe frame's slots 0 and 1 there."""
+    monkeypatch.setattr(steplens_iters, "_fast", {"offset": None, "checked": False})
+    monkeypatch.setattr(steplens_iters, "FAST_OFFSET", steplens_iters.FAST_OFFSET + 8)
+    assert steplens_iters.fast_locals_offset() is None
+
+
+ENGINE_STEP = '''
+class Engine:
+    def __init__(self, opt):
+        self.opt = opt
+    def step(self):
+        self.opt.step()
+        self.opt.zero_grad()
+'''
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
+def test_an_optimizer_step_inside_an_anchor_gives_that_iteration_its_counts(tmp_path):
+    """Plain optimizer steps are train iterations of their own; once an anchor (DeepSpeed's engine step) runs, an
+    optimizer step inside it only gives the anchor's iteration phase "train" and the step's counts; the held
+    plain iteration is written at exit."""
+    (tmp_path / "eng.py").write_text(ENGINE_STEP)
+    code = '''
+import json, torch
+m = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+import steplens_iters, eng
+e = eng.Engine(opt)
+for i in range(3):
+    tokens, micro_batches = 10 + i, 1
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+for i in range(3):
+    tokens, micro_batches = 20 + i, 2
+    m(torch.randn(2, 8)).sum().backward()
+    e.step()
+print(json.dumps(steplens_iters.status()))
+'''
+    out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_env(tmp_path, STEPLENS_BOOTSTRAP="1", STEPLENS_ITER_ANCHORS="eng:Engine.step",
+                                  STEPLENS_STEP_FEATURES="tokens=tokens,micro_batches=micro_batches"))
+    assert out.returncode == 0, out.stderr
+    status = json.loads(out.stdout)
+    assert "eng:Engine.step" in status["patched"] and status["reader_errors"] == status["write_errors"] == 0
+    its, names = _ring_of(tmp_path, int(status["path"].rsplit("/", 1)[1].split(".")[0]))
+    tok, mb = steplens_iters.COUNT_FIELDS.index("tokens"), steplens_iters.COUNT_FIELDS.index("micro_batches")
+    got = [(names[a], steplens_iters.PHASES[ph], c[tok], c[mb]) for _, _, _, a, ph, c in its]
+    train = steplens_iters.TRAIN_ANCHOR
+    assert got == [(train, "train", 11, 1), ("eng:Engine.step", "train", 20, 2), ("eng:Engine.step", "train", 21, 2),
+                   ("eng:Engine.step", "train", 22, 2), (train, "train", 12, 1)], got
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
