@@ -76,6 +76,14 @@ def _ring_of(tmp_path, pid: int):
     return its, names
 
 
+def _the_ring(tmp_path) -> int:
+    """The pid of the one ring a finished child left (training iterations are written a few at a time, so the
+    ring may not exist yet when the child prints its status)."""
+    rings = list((tmp_path / "run").glob("*.iters"))
+    assert len(rings) == 1, rings
+    return int(rings[0].name.split(".")[0])
+
+
 def test_import_hook_patches_modules_imported_before_and_after_install(tmp_path):
     (tmp_path / "early.py").write_text(FAKE_ENGINE)
     (tmp_path / "late.py").write_text(FAKE_ENGINE)
@@ -269,7 +277,7 @@ print(json.dumps({"ends": ends, "pres": pres, "status": steplens_iters.status()}
     assert out.returncode == 0, out.stderr
     res = json.loads(out.stdout)
     assert steplens_iters.TRAIN_ANCHOR in res["status"]["patched"], res
-    its, names = _ring_of(tmp_path, int(res["status"]["path"].rsplit("/", 1)[1].split(".")[0]))
+    its, names = _ring_of(tmp_path, _the_ring(tmp_path))
     assert len(its) == 4  # the first step has no start: not written
     ends, pres = res["ends"], res["pres"]
     for k, (n, start, end, anchor, phase, counts) in enumerate(its):
@@ -319,7 +327,7 @@ print(json.dumps({"status": steplens_iters.status(), "seen": seen, "plan": where
     res = json.loads(out.stdout)
     assert res["seen"] == ["loop"] * 4 + [None, None] + ["loop"] * 3, res["seen"]
     assert res["plan"] is res["fast"], res   # CPython 3.11-3.13: the loop frame's slots are read directly
-    its, _ = _ring_of(tmp_path, int(res["status"]["path"].rsplit("/", 1)[1].split(".")[0]))
+    its, _ = _ring_of(tmp_path, _the_ring(tmp_path))
     got = [(c[steplens_iters.COUNT_FIELDS.index("tokens")], c[steplens_iters.COUNT_FIELDS.index("micro_batches")])
            for *_, c in its]
     # 9 steps, the first not written (no start); its counts are those read at each step's optimizer call
@@ -410,7 +418,7 @@ class Engine:
 def test_an_optimizer_step_inside_an_anchor_gives_that_iteration_its_counts(tmp_path):
     """Plain optimizer steps are train iterations of their own; once an anchor (DeepSpeed's engine step) runs, an
     optimizer step inside it only gives the anchor's iteration phase "train" and the step's counts; the held
-    plain iteration is written at exit."""
+    plain iterations are written at exit."""
     (tmp_path / "eng.py").write_text(ENGINE_STEP)
     code = '''
 import json, torch
@@ -439,8 +447,45 @@ print(json.dumps(steplens_iters.status()))
     tok, mb = steplens_iters.COUNT_FIELDS.index("tokens"), steplens_iters.COUNT_FIELDS.index("micro_batches")
     got = [(names[a], steplens_iters.PHASES[ph], c[tok], c[mb]) for _, _, _, a, ph, c in its]
     train = steplens_iters.TRAIN_ANCHOR
-    assert got == [(train, "train", 11, 1), ("eng:Engine.step", "train", 20, 2), ("eng:Engine.step", "train", 21, 2),
-                   ("eng:Engine.step", "train", 22, 2), (train, "train", 12, 1)], got
+    # the anchor's iterations are written as they end; the plain ones are held (HOLD_STEPS) and written at exit
+    assert got == [("eng:Engine.step", "train", 20, 2), ("eng:Engine.step", "train", 21, 2),
+                   ("eng:Engine.step", "train", 22, 2), (train, "train", 11, 1), (train, "train", 12, 1)], got
+
+
+@pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")
+def test_training_iterations_are_written_a_few_at_a_time_and_never_held_long(tmp_path):
+    """The hook holds finished training iterations and writes HOLD_STEPS at once, or at the first step after the
+    oldest held one ended more than HOLD_NS ago; a process ending by os._exit loses only what it still held."""
+    code = '''
+import json, os, time, torch
+import steplens_iters as si
+m = torch.nn.Linear(8, 2)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+def step():
+    m(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+def written():
+    path = si.status()["path"]
+    return len(si.read(path)[0]) if path else 0
+seen = []
+for k in range(si.HOLD_STEPS + 2):   # the first step starts no iteration; the 2nd..(HOLD+1)th end HOLD of them
+    step()
+    seen.append(written())
+time.sleep(si.HOLD_NS / 1e9 + 0.05)
+step()                               # the one held since the last write ended long ago: written now
+seen.append(written())
+step()                               # held, then lost by os._exit (no atexit)
+print(json.dumps(seen), flush=True)
+os._exit(0)
+'''
+    out = subprocess.run([VENV_PY, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=_env(tmp_path, STEPLENS_BOOTSTRAP="1"))
+    assert out.returncode == 0, out.stderr
+    hold = steplens_iters.HOLD_STEPS
+    assert json.loads(out.stdout) == [0] * (hold + 1) + [hold, hold + 1], out.stdout
+    its, _ = _ring_of(tmp_path, _the_ring(tmp_path))
+    assert [n for n, *_ in its] == list(range(hold + 1))
 
 
 @pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv")

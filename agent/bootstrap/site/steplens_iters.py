@@ -47,9 +47,14 @@ uses; that module is installed only in torch.distributed processes and keeps its
 independent, ~0.3 us each). Each optimizer step ends an iteration that starts at the previous step's end (the
 first step has no start: not written, it holds start-up and compilation anyway). Where steplens_anchors runs too
 (torch.distributed jobs) and finds the zero_grad that closes the loop body after the step (its call-site rule),
-the iteration ends at that zero_grad's end instead (`iteration_end_moved`; the iteration is held and written at
-the next step or at exit), as the job's own step logs do: on the gloo testbed the step's end alone was 1.5 % of a step
-early (the zero_grad's memset of 8 MB of gradients). A step that ends no iteration (the first, the first after a
+the iteration ends at that zero_grad's end instead (`iteration_end_moved`; the iteration stays open until the
+next step), as the job's own step logs do: on the gloo testbed the step's end alone was 1.5 % of a step early (the
+zero_grad's memset of 8 MB of gradients). Finished training iterations are held and written HOLD_STEPS (8) at
+a time, or at the first step after the oldest held one ended more than HOLD_NS (0.25 s) ago, and at exit or
+when switched off: one ring write per 8 steps of ~30 ms, and a step of 0.25 s or more written at the next one
+as before. The agent reads every second, so it sees them as soon as before give or take 0.25 s; a process that
+ends by os._exit (a fork-started multiprocessing child, a crash) loses what it still held: up to 8 iterations,
+where it lost the one still open before. A step that ends no iteration (the first, the first after a
 pause) has its zero_grad too: the next iteration starts there (torch 2.13's first zero_grad took 8 ms). Its
 counts come from the locals of the frames that called step() (torch's own frames skipped, MAX_FRAMES outward,
 the first frame that has the name wins), named by
@@ -60,6 +65,8 @@ step calls the optimizer's) the hook only gives that iteration phase "train" and
 of up to MAX_FRAMES frames at the first step, only when STEPLENS_STEP_FEATURES is set; once one frame held them
 all, its depth and code object are kept and later steps read that frame alone (_train_counts): on CPython
 3.11-3.13 straight from its local slots (fast_plan, below: no f_locals dict), elsewhere through its f_locals.
+The hook's CPU per step on the DP2 gloo testbed (bench/sentinel_cost.py, bench/README.md): 73-93 us with
+f_locals and a write per step, 38-41 us with the slots read directly, 26-28 us with the writes held.
 
 Layout of <runtime dir>/<pid>.iters (little-endian; HEADER_BYTES + slots x SLOT_BYTES, 1 MiB by default):
   0   8s   magic b"SLITERS1"
@@ -184,6 +191,18 @@ class Ring:
             pack_u64(mm, COUNT_AT, n + 1)
         finally:
             lock.release()
+
+    def add_many(self, items, anchor: int, phase: int, pack_slot=_SLOT.pack_into, pack_u64=_U64.pack_into) -> None:
+        """add() for each (start ns, end ns, counts) of items, under one lock, count moved once after them all."""
+        with self.lock:
+            n, mm, slots = self.count, self.map, self.slots
+            for start_ns, end_ns, counts in items:
+                off = HEADER_BYTES + (n % slots) * SLOT_BYTES
+                pack_slot(mm, off, 0, start_ns, end_ns, anchor, phase, *counts)
+                pack_u64(mm, off, n + 1)
+                n += 1
+            self.count = n
+            pack_u64(mm, COUNT_AT, n)
 
     def close(self) -> None:
         try:
@@ -384,7 +403,9 @@ def _reader_wrapper(fn, read):
 
 # -- training: the optimizer step -------------------------------------------------------------------------------
 
-_train = {"last_end": 0, "features": (), "skip": "", "index": -1, "pending": None, "where": None}
+_train = {"last_end": 0, "features": (), "skip": "", "index": -1, "pending": None, "where": None, "held": []}
+HOLD_STEPS = 8               # finished training iterations are written to the ring this many at a time, or
+HOLD_NS = 250_000_000        # once the oldest held one ended this long ago (the hook's Cost, module docstring)
 
 
 def parse_step_features(spec: str) -> tuple[tuple[int, str, str], ...]:
@@ -563,9 +584,8 @@ def _train_counts(features) -> tuple:
     """The step's counts for the optimizer hook (called from it: depth 2 is its caller). Once the frame that
     holds every feature is known (its depth and code object), a step goes straight to it (sys._getframe: no walk,
     no name checks) and falls back to the walk when the frame at that depth runs other code or lacks a feature.
-    On the gloo testbed (bench/sentinel_cost.py) the hook's CPU time per step went from 127-151 to 93-103 us;
-    with the slots read directly (fast_plan), the thread-local skipped and the held iteration written in the hook,
-    from 73-93 to 40-41 us."""
+    On the gloo testbed (bench/sentinel_cost.py) the hook's CPU time per step went from 127-151 to 93-103 us
+    (the module docstring has the later figures)."""
     where = _train["where"]
     if where is not None:
         try:
@@ -599,7 +619,7 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
     docstring, Training); inside an active anchor, that anchor's features only. Never raises. It runs right
     after the step, with the caches the step evicted, where every object and function touched costs several
     times its hot time (bench/README.md, sentinel_cost.py): hence the thread-local looked at only once an anchor
-    has run, and the held iteration written here, not through _flush_train."""
+    has run, and finished iterations held and written HOLD_STEPS at a time (module docstring, Training)."""
     if not _on[0]:
         return
     try:
@@ -620,14 +640,10 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
         pend = train["pending"]
         if pend is not None:
             train["pending"] = None
-            ring = _ring
-            if ring is None:
-                ring = _ring_now()
-            try:
-                if ring is not None:
-                    ring.add(pend[0], pend[1], train["index"], TRAIN_PHASE, pend[2])
-            except Exception:
-                _state["write_errors"] += 1
+            held = train["held"]
+            held.append(pend)
+            if len(held) >= HOLD_STEPS or end - held[0][1] > HOLD_NS:
+                _write_held()
         last, train["last_end"] = train["last_end"], end
         if last:   # held until the iteration's end is known: this step's, or the zero_grad's that follows it
             train["pending"] = (last, end, counts)
@@ -635,12 +651,28 @@ def _on_optimizer_step(optimizer, args, kwargs) -> None:
         _state["write_errors"] += 1
 
 
+def _write_held() -> None:
+    """Write the held training iterations (oldest first) in one go; never raises (a failure is counted)."""
+    held, _train["held"] = _train["held"], []
+    if not held:
+        return
+    try:
+        ring = _ring
+        if ring is None:
+            ring = _ring_now()
+        if ring is not None:
+            ring.add_many(held, _train["index"], TRAIN_PHASE)
+    except Exception:
+        _state["write_errors"] += 1
+
+
 def _flush_train() -> None:
-    """Write the held training iteration (when the iterations are switched off, at exit; the optimizer hook
-    writes it itself at the next step)."""
+    """Write the training iterations not yet written, the one still open to a zero_grad included (when the
+    iterations are switched off, at exit)."""
     pend, _train["pending"] = _train["pending"], None
     if pend is not None:
-        _write(pend[0], pend[1], _train["index"], [0, PHASES.index("train"), pend[2]])
+        _train["held"].append(pend)
+    _write_held()
 
 
 def iteration_end_moved(end_ns: int) -> None:
@@ -652,7 +684,7 @@ def iteration_end_moved(end_ns: int) -> None:
         if not _on[0]:
             return
         if pend is not None and end_ns > pend[1]:
-            _train["pending"] = (pend[0], end_ns, pend[2])   # written at the next step: its slot write (~10 us
+            _train["pending"] = (pend[0], end_ns, pend[2])   # held from the next step: its slot write (~10 us
             _train["last_end"] = end_ns                      # cold) then lies inside the next iteration, not
                                                              # between this end and the job's own clock read
         elif pend is None and 0 < _train["last_end"] < end_ns:   # a step that ended no iteration: the next
@@ -787,6 +819,7 @@ def _forked() -> None:
     ring, _ring, _tls = _ring, None, threading.local()
     _train["last_end"] = 0
     _train["pending"] = None
+    _train["held"] = []
     _train["where"] = None
     _state["path"] = ""
     if ring is not None:
