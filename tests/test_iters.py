@@ -372,6 +372,15 @@ def celled(tokens):
     case("celled", sys._getframe())
     return get
 celled(7)
+def first(tokens, mb, batch):
+    return si.fast_plan(sys._getframe(), feats)
+def second(x1, x2, x3, x4, x5, x6, x7, x8, x9, tokens, mb, batch, plan_a=None):
+    frame = sys._getframe()
+    plan_b = si.fast_plan(frame, feats)
+    si._fast_view(frame, plan_a)   # as if first()'s frame had stood at these very addresses: a view for its plan
+    return list(si._fast_counts(frame, plan_b))
+if out["offset"] is not None:
+    out["replan"] = second(*range(9), 5, 6, {"ids": [1]}, plan_a=first(1, 2, {"ids": []}))
 print(json.dumps(out))
 '''
 PYTHONS = sorted(p for p in glob.glob("/root/.pyenv/versions/3.*/bin/python3")   # the bootstrap's 3.9 and up
@@ -393,6 +402,7 @@ def test_step_features_read_straight_from_the_frame_slots_agree_with_f_locals(py
         assert c["slow"] == [8] + [0] * 6 + [100 + k * (k + 1) // 2, 3 + k * (k + 1) // 2], c
         assert c["plan"] is fast and c["fast"] == (c["slow"] if fast else None), c
     assert out["cases"]["celled"] == {"plan": False, "fast": None, "slow": [2] + [0] * 6 + [7, 5]}
+    assert out.get("replan") == ([1] + [0] * 6 + [5, 6] if fast else None), out   # a view per frame and plan
     assert out["not_local"] is False                                  # no local of that name: no plan
     assert out.get("unbound") == ("unbound local" if fast else None), out   # an unbound slot raises
 

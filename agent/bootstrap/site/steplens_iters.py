@@ -485,10 +485,10 @@ def find_step_counts(frame, features, skip_prefix: str = "") -> tuple[tuple, int
 # used only once checked on a live probe frame of this very interpreter (two known objects in slots 0 and 1), and a
 # remembered frame's plan only once its slots agree with its f_locals; any other version or build (debug,
 # free-threaded, 32-bit) reads f_locals. A step then reads the frame object's 4th word and the feature slots
-# through ctypes arrays made once per frame (no object is held: a frame is matched by its address, its interpreter
-# frame's address and its code, and read only while it is live on this thread's stack), and turns each slot's
-# address into its object with _ctypes.PyObj_FromPtr (a new reference; a NULL slot, an unbound local, is refused
-# before it).
+# through memoryviews made once per frame and plan (no frame is held: a frame is matched by its address, its
+# interpreter frame's address, its code and the plan, and read only while it is live on this thread's stack), and
+# turns each slot's address into its object with _ctypes.PyObj_FromPtr (a new reference; a NULL slot, an unbound
+# local, is refused before it).
 FAST_OFFSET = 72
 _fast = {"offset": None, "checked": False, "view": None}
 
@@ -549,13 +549,13 @@ def fast_plan(frame, features):
 
 
 def _fast_view(frame, plan) -> tuple:
-    """(frame address, interpreter frame address, the frame object's first 4 words, its slots up to plan's last),
-    the words as memoryviews of unsigned 64-bit integers (an index is a plain load), for a live frame: made when
-    the frame is not the one of the last view."""
+    """(frame address, interpreter frame address, the frame object's first 4 words, its slots up to plan's last,
+    plan), the words as memoryviews of unsigned 64-bit integers (an index is a plain load), for a live frame: made
+    when the frame or the plan is not the one of the last view."""
     words = memoryview(_fast["words"].from_address(id(frame))).cast("B").cast("Q")
     base = words[3]
     slots = _fast["array"](max(slot for _, slot, _, _ in plan) + 1).from_address(base + _fast["offset"])
-    view = (id(frame), base, words, memoryview(slots).cast("B").cast("Q"))
+    view = (id(frame), base, words, memoryview(slots).cast("B").cast("Q"), plan)
     _fast["view"] = view
     return view
 
@@ -564,7 +564,7 @@ def _fast_counts(frame, plan) -> tuple:
     """The counts of plan read from the live `frame`'s slots; ValueError when a feature's slot is NULL (unbound
     now). As few steps as can be: it runs right after a step, with cold caches (Cost in the module docstring)."""
     view = _fast["view"]
-    if view is None or view[0] != id(frame) or view[2][3] != view[1]:
+    if view is None or view[4] is not plan or view[0] != id(frame) or view[2][3] != view[1]:
         view = _fast_view(frame, plan)
     slots, from_ptr = view[3], _fast["from_ptr"]
     counts = [0] * len(COUNT_FIELDS)
