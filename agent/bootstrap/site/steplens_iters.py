@@ -65,8 +65,9 @@ step calls the optimizer's) the hook only gives that iteration phase "train" and
 of up to MAX_FRAMES frames at the first step, only when STEPLENS_STEP_FEATURES is set; once one frame held them
 all, its depth and code object are kept and later steps read that frame alone (_train_counts): on CPython
 3.11-3.13 straight from its local slots (fast_plan, below: no f_locals dict), elsewhere through its f_locals.
-The hook's CPU per step on the DP2 gloo testbed (bench/sentinel_cost.py, bench/README.md): 73-93 us with
-f_locals and a write per step, 38-41 us with the slots read directly, 26-28 us with the writes held.
+The hook's CPU per step on the DP2 gloo testbed (bench/sentinel_cost.py, bench/README.md; 2-core VM, the
+runs of 2026-12-06, 7 / 8 / 4 of them): 67-108 us with f_locals and a write per step, 35-50 us with the slots
+read directly, 26-33 us with the writes held.
 
 Layout of <runtime dir>/<pid>.iters (little-endian; HEADER_BYTES + slots x SLOT_BYTES, 1 MiB by default):
   0   8s   magic b"SLITERS1"
@@ -193,7 +194,8 @@ class Ring:
             lock.release()
 
     def add_many(self, items, anchor: int, phase: int, pack_slot=_SLOT.pack_into, pack_u64=_U64.pack_into) -> None:
-        """add() for each (start ns, end ns, counts) of items, under one lock, count moved once after them all."""
+        """add() for each (start ns, end ns, counts) of items, under one lock, count moved once after them all
+        (add() stays its own copy of the loop's body: it is the serving anchors' write per batch, called cold)."""
         with self.lock:
             n, mm, slots = self.count, self.map, self.slots
             for start_ns, end_ns, counts in items:
@@ -437,6 +439,12 @@ def _count_of(value, first_dim: bool) -> int:
     return int(numel()) if callable(numel) else 0
 
 
+def _keyed(value, key: str):
+    """`name.key` of STEPLENS_STEP_FEATURES: a mapping's key, else an attribute (None when neither)."""
+    getter = getattr(value, "get", None)
+    return getter(key) if callable(getter) else getattr(value, key, None)
+
+
 def _counts_in(local, todo: list, counts: list) -> None:
     """Fill counts from one frame's locals (a dict, or 3.13's frame proxy) for the items of todo it holds; those
     are removed from todo."""
@@ -444,8 +452,7 @@ def _counts_in(local, todo: list, counts: list) -> None:
         i, name, key = item
         value = local[name]
         if key:
-            getter = getattr(value, "get", None)
-            value = getter(key) if callable(getter) else getattr(value, key, None)
+            value = _keyed(value, key)
         counts[i] = _count_of(value, COUNT_FIELDS[i] == "batch_size")
         todo.remove(item)
 
@@ -574,8 +581,7 @@ def _fast_counts(frame, plan) -> tuple:
             raise ValueError("unbound local")
         value = from_ptr(address)
         if key:
-            getter = getattr(value, "get", None)
-            value = getter(key) if callable(getter) else getattr(value, key, None)
+            value = _keyed(value, key)
         counts[i] = value if type(value) is int else _count_of(value, first)
     return tuple(counts)
 
