@@ -6,7 +6,7 @@ Pure: rows in, bytes out; what to put in comes from control/trace.py. Layout, as
   node <id>                         one group per agent
     deep dives                      the node's deep-mode windows, from its ModeChange records
     <counter> ...                   NVML (DCGM_FI_*) and host counters (cumulative *_total turned into rates)
-    rank <r> · pid <p>              one group per rank
+    rank <r> · pid <p>              one group per rank ("process · pid <p>" for a process of no rank: a server)
       steps / iterations            step and iteration slices
       python <tid>                  Python stacks as nested slices (consecutive samples sharing frames merge)
       comm <desc>                   comm ops; every member of a collective gets a flow arrow to the member that

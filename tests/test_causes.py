@@ -75,7 +75,9 @@ def _job(nodes=4, scenario="", target=1, runqueue=(0.01, 0.45), conn_source="net
         recs += _counter("process_cpu_seconds_total", ent, 1.0, 1.0)
         recs += _counter("process_runqueue_seconds_total", ent, runqueue[0],
                          runqueue[1] if hit and scenario == "cpu-contention" else 0.6 if hit and
-                         scenario == "cpu-throttled" else runqueue[0])
+                         scenario in ("cpu-throttled", "cpu-affinity") else runqueue[0])
+        # a pin to one of the host's 2 CPUs makes its threads queue for the one left: run-queue wait as above
+        recs += _gauge("process_cpus_allowed", ent, 2.0, 1.0 if hit and scenario == "cpu-affinity" else 2.0)
         recs += _counter("process_cpu_throttled_seconds_total", ent, 0.0,
                          0.8 if hit and scenario == "cpu-throttled" else 0.0)
         if hit and scenario == "cpu-throttled":
@@ -342,10 +344,12 @@ def test_kernels_against_the_peers_on_a_real_h100_recording(tmp_path, phase, cau
 
 
 @pytest.mark.parametrize("scenario,cause", [("cpu-contention", "cpu-contention"), ("memory-pressure",
-                                                                                   "memory-pressure"), ("", "")])
+                                                                                   "memory-pressure"),
+                                            ("cpu-affinity", "cpu-affinity"), ("", "")])
 def test_a_process_suspect_gets_its_own_cause(tmp_path, scenario, cause):
     """A serving engine is a process of no rank (the sentinel names it "node:pid"): its run-queue wait, its node's
-    memory pressure explain it like a rank's; the GPU and kernel rules (peers) are not applied."""
+    memory pressure, its affinity narrowed to fewer CPUs (whose run-queue wait it explains: not contention) explain
+    it like a rank's; the GPU and kernel rules (peers) are not applied."""
     per = _job(nodes=1, scenario=scenario, target=0)
     per["n0"] = [ProcessInfo(T0, 100, 7, job_key=JOB, rank=-1) if isinstance(x, ProcessInfo) else x
                  for x in per["n0"]]
@@ -359,5 +363,65 @@ def test_a_process_suspect_gets_its_own_cause(tmp_path, scenario, cause):
         assert "; process n0:100: " in got.summary
     else:
         assert got.summary == f.summary
+    if cause == "cpu-affinity":
+        assert s.evidence["why"]["causes"] == ["cpu-affinity"], s.evidence["why"]   # not cpu-contention as well
+        assert "may run on 1 CPU(s), 2 before" in got.summary, got.summary
     unknown = replace(f, suspects=(Suspect("process", "n0:999", 1.0, ""),))
     assert causes.attach(rd, JOB, {"sentinel": [unknown]})["sentinel"] == [unknown]
+
+
+class _Counting:
+    """A reader that counts its reads, with the engine's per-job memo (step_memo)."""
+
+    def __init__(self, rd) -> None:
+        self.rd, self.step_memo, self.reads = rd, {}, 0
+
+    def __getattr__(self, name):
+        attr = getattr(self.rd, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*a, **kw):
+            self.reads += 1
+            return attr(*a, **kw)
+        return counted
+
+
+def test_an_episode_that_is_over_is_explained_once_across_passes(tmp_path):
+    """The sentinel reports an over episode at every pass while it lies in its window: once it ended margin +
+    SETTLE_NS before the pass's data time, the suspects it got are reused from the per-job memo (no reads); one
+    still going on, or changed since, is explained again."""
+    per = _job(nodes=1, scenario="cpu-contention", target=0)
+    per["n0"] = [ProcessInfo(T0, 100, 7, job_key=JOB, rank=-1) if isinstance(x, ProcessInfo) else x
+                 for x in per["n0"]]
+    rd = _Counting(_write(str(tmp_path / "m.db"), per))
+    f = replace(_finding(Suspect("process", "n0:100", 1.0, "")), detector="sentinel")
+    first = causes.attach(rd, JOB, {"sentinel": [f]}, until_ns=LAST + 20 * S)["sentinel"][0]
+    assert first.suspects[0].cause == "cpu-contention" and rd.reads > 0
+    reads = rd.reads
+    again = causes.attach(rd, JOB, {"sentinel": [f]}, until_ns=LAST + 21 * S)["sentinel"][0]
+    assert rd.reads == reads and again == first   # from the memo, the same finding
+    # still going on at the pass (within margin + settle of its data time): read again, never memoized
+    causes.attach(rd, JOB, {"sentinel": [f]}, until_ns=LAST + 3 * S)
+    assert rd.reads > reads
+    reads = rd.reads
+    longer = replace(f, last_ns=LAST + S)   # the episode grew: another entry
+    assert causes.attach(rd, JOB, {"sentinel": [longer]}, until_ns=LAST + 20 * S)["sentinel"][0].suspects[0].cause \
+        == "cpu-contention" and rd.reads > reads
+    assert len(rd.step_memo[causes.EXPLAINED_KEY]) == 2
+
+
+def test_a_tail_that_continues_an_open_finding_is_explained_over_the_whole_finding(tmp_path):
+    """A fault's milder tail (the sentinel's next episode after a memory hog ended) continues the open finding: it is
+    explained from that finding's onset, not alone (alone it has no cause, and the finding showed none once the
+    tail was its newest output)."""
+    per = _job(nodes=1, scenario="cpu-contention", target=0)
+    per["n0"] = [ProcessInfo(T0, 100, 7, job_key=JOB, rank=-1) if isinstance(x, ProcessInfo) else x
+                 for x in per["n0"]]
+    rd = _write(str(tmp_path / "t.db"), per)
+    tail = replace(_finding(Suspect("process", "n0:100", 1.0, "")), detector="sentinel", onset_ns=LAST + S,
+                   last_ns=LAST + 8 * S)
+    alone = causes.attach(rd, JOB, {"sentinel": [tail]})["sentinel"][0]
+    assert alone.suspects[0].cause == ""
+    whole = causes.attach(rd, JOB, {"sentinel": [tail]}, open_onsets={tail.key: ONSET})["sentinel"][0]
+    assert whole.suspects[0].cause == "cpu-contention" and whole.onset_ns == tail.onset_ns, whole.suspects[0]

@@ -176,3 +176,36 @@ def test_a_finding_starts_one_synchronized_dive_and_gets_its_ranked_causes(tmp_p
     assert d["reference_until_ns"] == t0 - S and d["reference_since_ns"] == t0 - 6 * S
     top = d["causes"][0]
     assert (top["rank"], top["kind"], top["id"], top["cause"]) == (1, "resource", "runqueue", "cpu-contention"), top
+
+
+@pytest.mark.parametrize("fault,cause", [("pin", "cpu-affinity"), ("burners", "cpu-contention")])
+def test_a_serving_engine_of_no_rank_is_ranked_on_its_own_past(tmp_path, fault, cause):
+    """A job whose only process has no rank (a serving engine; issue 17's inference loop): its resources are candidates
+    against its own reference window. Pinned to one of its two CPUs at t0 (the inference bed's `slow` fault), its
+    threads queue for the one left: the lost CPUs lead, not the run-queue wait they cause; with burners beside it
+    (no pin) the run-queue wait does."""
+    from steplens.collector.analysis import deepdive
+    db = str(tmp_path / "c.db")
+    StoreWriter(db).start()   # the schema
+    t0 = time.time_ns()
+    conn = sqlite3.connect(db)
+    conn.execute("INSERT INTO processes(agent_id, pid, start_ticks, job_key, rank, local_rank, world_size, started_ns)"
+                 " VALUES ('n0', 4242, 7, 'e', -1, -1, -1, ?)", (t0 - 60 * S,))
+    for name, before, during in (("process_runqueue_seconds_total", 0.03, 0.45), ("process_cpus_allowed", 2, 1)):
+        sid = conn.execute("INSERT INTO series(agent_id, name, entity) VALUES ('n0', ?, 'pid:4242:7')",
+                           (name,)).lastrowid
+        v = 0.0
+        for k in range(-40, 40):
+            if name == "process_cpus_allowed":
+                v = during if k >= 0 and fault == "pin" else before
+            else:
+                v += (during if k >= 0 else before) / 4
+            conn.execute("INSERT INTO metrics(series_id, ts_ns, value) VALUES (?,?,?)", (sid, t0 + k * S // 4, v))
+    conn.commit()
+    conn.close()
+    dd = deepdive.DeepDive("dd-x", "e", "f", "finding", t0, t0 + S // 2, 8 * S, t0 - 9 * S, t0 - S, ["n0"], [])
+    res = deepdive.analyse_dive(Reader(db), dd, [], [])
+    top = res["causes"][0]
+    assert (top["rank"], top["pid"], top["node"], top["kind"], top["cause"]) == (-1, 4242, "n0", "resource", cause), \
+        res["causes"]
+    assert res["data"]["ranks"] == 1 and list(res["rank_scores"]) == ["n0:4242"]

@@ -253,6 +253,31 @@ def _write(writer: StoreWriter, seq: int, records: list) -> None:
     assert done.wait(10)
 
 
+def test_a_slow_analysis_of_a_job_is_logged_with_what_it_spent(tmp_path, monkeypatch, caplog):
+    """A job's analysis that holds the loop up (SLOW_PASS_SECONDS, wall) is said in the log with its CPU and its
+    slowest detectors: a finding that came late can be traced to it."""
+    from steplens.collector.analysis import engine as eng_mod
+    monkeypatch.setattr(eng_mod, "SLOW_PASS_SECONDS", 0.05)
+    path = str(tmp_path / "l.db")
+    writer = StoreWriter(path)
+    writer.start()
+    try:
+        t = time.monotonic_ns() - 10**9
+        _write(writer, 1, [r.CommSummary(t, 1, COMM, "allreduce", t, 1, 1, 1, 1, job_key="slowjob", rank=0, step=0)])
+
+        def sleepy(reader, window, cfg):
+            time.sleep(0.1)
+            return []
+        eng = AnalysisEngine(Reader(path), writer, AnalysisSettings(max_cpu_fraction=1.0),
+                             {"sleepy": DetectorSpec("sleepy", "sleeps 0.1 s", (), DetectorConfig, sleepy)})
+        with caplog.at_level("WARNING", logger="steplens.collector.analysis"):
+            assert eng.run_pass() == 1
+        said = [m for m in caplog.messages if "analysis of job slowjob took" in m]
+        assert said and "slowest detectors: sleepy 0.1" in said[0], caplog.messages
+    finally:
+        writer.stop()
+
+
 def test_loop_stays_within_its_cpu_budget(tmp_path):
     """The loop's duty cycle: a detector burning CPU on every job is paced to max_cpu_fraction of a core."""
     path = str(tmp_path / "s.db")

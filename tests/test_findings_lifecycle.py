@@ -67,12 +67,41 @@ def test_identity_is_job_detector_kind_and_top_suspect():
                    emitted(100 * S, rank="13", kind="spike"), emitted(100 * S, rank="13", detector="other")],
               100 * S, P)
     assert len({c.finding.id for c in a}) == 4 and all(c.action == "opened" for c in a)
-    # several outputs with one identity in one window: the most severe one stands
+    # several outputs with one identity in one window: the most severe of those still going on stands
     b = merge([], [emitted(100 * S, severity=1.3), emitted(100 * S, severity=1.9)], 100 * S, P)
     assert len(b) == 1 and b[0].finding.severity == 1.9
+    b = merge([], [emitted(100 * S, severity=1.9), emitted(130 * S, severity=1.3)], 130 * S, P)   # both going on
+    assert len(b) == 1 and b[0].finding.severity == 1.9
+    # an earlier, worse episode that is over does not hide a new one (the sentinel reports both while both lie in
+    # its window): the new one opens once the old one has resolved, and is not taken for it
+    store = apply({}, merge([], [emitted(100 * S, severity=7.2)], 100 * S, P))
+    store = apply(store, merge(live(store), [emitted(100 * S, severity=7.2)], 170 * S, P))
+    assert live(store) == []   # resolved: nothing newer came
+    ch = merge(live(store), [emitted(100 * S, severity=7.2), emitted(180 * S, severity=2.7)], 180 * S, P)
+    assert [(c.action, c.finding.severity, c.finding.last_ns) for c in ch] == [("opened", 2.7, 180 * S)]
     # no suspect at all is an identity too
     c = merge([], [replace(emitted(100 * S), suspects=())], 100 * S, P)
     assert c[0].finding.key[3:] == ("", "")
+
+
+def test_an_episode_reported_and_resolved_is_not_stored_again_while_the_window_holds_it():
+    """The sentinel reports every episode still in its 60 s window: once its finding resolved, the same episode
+    seen again is not a second finding (it was one before: each sentinel finding came twice on the inference bed,
+    the second stored as history with a later onset); an operator's diagnose (confirm) still gets it."""
+    store = apply({}, merge([], [emitted(100 * S, onset_ns=90 * S)], 100 * S, P))
+    (first,) = [f for f in store.values()]
+    ch = merge(live(store), [emitted(100 * S, onset_ns=90 * S)], 170 * S, P)
+    assert [c.action for c in ch] == ["resolved"]
+    store = apply(store, ch)
+    resolved = [f for f in store.values() if f.status == "resolved"]
+    again = emitted(100 * S, onset_ns=95 * S)   # the same episode, its onset as the window now sees it
+    assert merge(live(store), [again], 175 * S, P, resolved=resolved) == []
+    assert [c.action for c in merge(live(store), [again], 175 * S, P)] == ["resolved"]   # without: history again
+    assert [c.action for c in merge(live(store), [again], 175 * S, P, confirm=True, resolved=resolved)] == \
+        ["resolved"]
+    # a new episode after it is a new finding
+    ch = merge(live(store), [again, emitted(180 * S, onset_ns=176 * S)], 180 * S, P, resolved=resolved)
+    assert [(c.action, c.finding.onset_ns) for c in ch] == [("opened", 176 * S)] and ch[0].finding.id != first.id
 
 
 def test_other_findings_are_left_alone():

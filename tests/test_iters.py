@@ -225,6 +225,34 @@ def test_ring_round_trip_torn_slot_wrap_and_bad_files(tmp_path):
         assert steplens_iters.read(str(p))[2] != ""
 
 
+def test_a_serving_iteration_ends_once_its_slot_body_is_stored(tmp_path):
+    """The serving anchors' end is read after the slot's body is stored and before its number is (Ring.add's clock):
+    the write's cold cost after a long step lies inside the iteration, where its caller's own timing sees it, and
+    a reader meanwhile sees the slot as being written (number 0)."""
+    path = str(tmp_path / "78.iters")
+    ring = steplens_iters.Ring(path, 1234, ["m:A.step"], slots=8)
+    off = steplens_iters.HEADER_BYTES
+    seen = []
+
+    def clock():
+        number, start, end, _, phase, *counts = steplens_iters._SLOT.unpack_from(ring.map, off)
+        seen.append((number, start, end, phase, tuple(counts)))
+        return 2_000
+    ring.add(1_000, 0, 0, 2, tuple(range(9)), clock)
+    assert seen == [(0, 1_000, 0, 2, tuple(range(9)))]
+    assert steplens_iters.read(path, 1234)[0] == [(0, 1_000, 2_000, 0, 2, tuple(range(9)))]
+    # through the anchor's wrapper: start before the call, end after it, from the same clock
+    ticks = iter(range(10_000, 10_100, 7))
+    steplens_iters._ring, saved = ring, steplens_iters._ring
+    try:
+        step = steplens_iters._anchor_wrapper(lambda: "out", 0, clock=lambda: next(ticks))
+        assert step() == "out"
+    finally:
+        steplens_iters._ring = saved
+    assert steplens_iters.read(path, 1234)[0][1][:3] == (1, 10_000, 10_007)
+    ring.close()
+
+
 def test_a_forked_child_writes_its_own_ring(tmp_path):
     (tmp_path / "fake.py").write_text(FAKE_ENGINE)
     code = '''
@@ -589,7 +617,8 @@ def test_real_vllm_engine_iterations(tmp_path):
     print("\n" + out.stdout)
     head = json.loads(out.stdout.splitlines()[-1])
     assert head["matched"] == head["rows"] == head["iterations"], out.stdout
-    # the start is within 0.1 % of record.py's clock read; the end side holds the slot write (~10 us after a ~3 ms
-    # CPU step, cold caches: 0.3 % of the batch here, see bench/inference/README.md), which is not in the bounds
-    assert head["start_error_median_pct"] < 0.1 and head["end_error_median_pct"] < 1.0, out.stdout
+    # the start is within 0.1 % of record.py's clock read; the end is read once the slot's body is stored, after
+    # which the number, the count and the return remain (~6 us after a 3-7 ms CPU step, cold caches: 0.1 % of the
+    # batch here, 0.3 % with the end read before the write; see bench/inference/README.md)
+    assert head["start_error_median_pct"] < 0.1 and head["end_error_median_pct"] < 0.25, out.stdout
     assert head["batch_size_equal_pct"] == head["decode_requests_equal_pct"] == head["kv_tokens_equal_pct"] == 100

@@ -126,6 +126,10 @@ def test_workload_process_figures(tmp_path):
         assert _by(second, "process_voluntary_context_switches_total")[entity] >= 0
         assert _by(second, "process_involuntary_context_switches_total")[entity] >= 0
         assert rss == pytest.approx(psutil.Process(burner.pid).memory_info().rss, rel=0.05)
+        allowed = os.sched_getaffinity(burner.pid)
+        assert _by(second, "process_cpus_allowed")[entity] == len(allowed)
+        os.sched_setaffinity(burner.pid, {min(allowed)})   # pinned to one core (the inference bed's `slow` fault)
+        assert _by(src.step(), "process_cpus_allowed")[entity] == 1
     finally:
         burner.kill()
         burner.wait()

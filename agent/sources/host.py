@@ -40,7 +40,8 @@ Emitted metrics (entity in brackets):
   network_{receive,transmit}_{bytes,packets,errors,drops}_total [nic],
   disk_{read,written}_bytes_total, disk_{reads,writes}_completed_total, disk_io_time_seconds_total [disk],
   process_cpu_seconds_total, process_cpu_percent (100 = one full core), process_resident_memory_bytes,
-  process_threads, process_{voluntary,involuntary}_context_switches_total, process_runqueue_seconds_total,
+  process_threads, process_{voluntary,involuntary}_context_switches_total, process_cpus_allowed (CPUs in the main
+  thread's affinity mask, /proc/PID/status Cpus_allowed: a pin to fewer cores), process_runqueue_seconds_total,
   process_cpu_throttled_seconds_total, process_cpu_throttled_periods_total, process_cpu_periods_total,
   process_cpu_quota_cores (1.0 = one core) [pid:<pid>:<start_ticks>],
   ib_port_up, ib_port_rate_gbps, ib_port_{symbol_errors,link_error_recoveries,link_downed,receive_errors,
@@ -381,7 +382,7 @@ class HostSource(Source):
             sample = _read_process(self.ctx.proc_root, pid, start_ticks)
             if sample is None:
                 continue  # gone (or PID reused) since the procs source scanned: not an error
-            ticks, rss_pages, threads, vol, invol = sample
+            ticks, rss_pages, threads, vol, invol, cpus = sample
             entity = f"pid:{pid}:{start_ticks}"
             out.append(Metric(now, "process_cpu_seconds_total", entity, ticks / _CLK_TCK))
             prev = self._prev_proc.get(key)
@@ -393,6 +394,8 @@ class HostSource(Source):
             if vol >= 0:
                 out.append(Metric(now, "process_voluntary_context_switches_total", entity, float(vol)))
                 out.append(Metric(now, "process_involuntary_context_switches_total", entity, float(invol)))
+            if cpus > 0:
+                out.append(Metric(now, "process_cpus_allowed", entity, float(cpus)))
             delay_ns = _read_run_delay_ns(self.ctx.proc_root, pid)
             if delay_ns >= 0:
                 out.append(Metric(now, "process_runqueue_seconds_total", entity, delay_ns / 1e9))
@@ -686,7 +689,8 @@ def _cpu_total(t) -> float:
 
 
 def _read_process(proc_root: str, pid: int, start_ticks: int):
-    """(utime+stime ticks, rss pages, threads, voluntary, involuntary) or None if gone or not the same process."""
+    """(utime+stime ticks, rss pages, threads, voluntary, involuntary, CPUs its main thread may run on) or None if
+    gone or not the same process (-1 for a figure /proc/PID/status did not give)."""
     base = os.path.join(proc_root, str(pid))
     try:
         stat = _read_small(os.path.join(base, "stat"))
@@ -702,13 +706,15 @@ def _read_process(proc_root: str, pid: int, start_ticks: int):
         rss = int(fields[21])
     except (IndexError, ValueError):
         return None
-    vol = invol = -1
+    vol = invol = cpus = -1
     try:
-        for line in _read_small(os.path.join(base, "status")).split(b"\n")[-4:]:
+        for line in _read_small(os.path.join(base, "status")).split(b"\n")[-8:]:
             if line.startswith(b"voluntary_ctxt_switches:"):
                 vol = int(line.split()[1])
             elif line.startswith(b"nonvoluntary_ctxt_switches:"):
                 invol = int(line.split()[1])
+            elif line.startswith(b"Cpus_allowed:"):   # a hex mask, 32-bit words joined by commas
+                cpus = int(line.split()[1].replace(b",", b""), 16).bit_count()
     except (OSError, ValueError, IndexError):
         pass
-    return ticks, rss, threads, vol, invol
+    return ticks, rss, threads, vol, invol, cpus

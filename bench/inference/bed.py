@@ -8,15 +8,24 @@ What runs (all on this host, loopback, nothing in the engine's code changed):
               LLMEngine.step and reads each batch's workload from Scheduler.schedule's output into a ring the agent
               reads. The recorder's own per-batch log (t0/t1 around engine.step(), the fault in force) is the
               ground truth; the sentinel never sees it.
+With --deep (issue "Closing the loop", the inference side) the agent also runs pystacks (10 Hz in sentinel mode, up to
+1 kHz in a deep window, under the agent's overhead governor) and the collector starts a synchronized deep dive for each
+sentinel finding (analysis/deepdive.py: a 6 s window, an 8 s reference ending 1 s before the onset, a 20 s cool-down);
+the faults' schedule starts a minute after the store holds the 1,500 decode batches of the sentinel's first fit
+(record.py --faults-after), and each fault's finding is also scored on its dive: done or not, the causes ranked
+(analysis/suspicion.py), whether the top one is the fault's (EXPECTED_CAUSE), and the dive's merged trace
+(`steplens trace --finding`, written while the agent still answers) as Perfetto's trace processor reads it.
 Scored at the end, from the collector's store and its findings:
   boundaries  the stored Iterations (cluster time) matched to the recorder's batches: median / p95 |start error| and
               |end error| as % of the batch time (the whole path: ring, agent clock, collector clock mapping);
-  findings    each sentinel finding against the fault windows: a fault is found when a finding's onset lies in
-              [start - 1 s, end], with the onset lag in decode batches and seconds, the cause its top suspect got
-              (collector/analysis/causes.py); a finding outside every fault is false.
+  findings    each sentinel finding against the fault windows: a fault is found when a finding is open during it
+              (from 1 s before its start), with the onset lag in decode batches and seconds (negative: the finding
+              began before the fault), the cause its top suspect got (collector/analysis/causes.py); a finding
+              outside every fault is false.
 Last line: one JSON object. Run as root (the agent reads other processes' /proc):
 
     .venv/bin/python bench/inference/bed.py --seconds 150 --fault noisy:70:90 --fault cpu:110:125
+    .venv/bin/python bench/inference/bed.py --deep     # noisy, cpu, mem, slow 45 s apart once the sentinel judges
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,6 +55,9 @@ insecure = true
 
 [analysis]
 interval_seconds = 1.0
+# the collector belongs on another host; here its analysis thread (nice 10 by default) shares the two cores with the
+# engine and the faults' burners: a pass's 0.5 s of CPU took 5.5 s
+nice = 0
 
 [detectors.sentinel]
 window_seconds = 60.0
@@ -63,7 +76,52 @@ ring_dirs = ["{rings}"]
 interval_seconds = 0.5
 """
 
+DEEP_TOML = """
+[deep_dive]
+detectors = ["sentinel"]
+duration_seconds = 6.0
+reference_seconds = 8.0
+# the sentinel's onset can trail a fault's start by a few batches (a pinned engine's batches take ~1 s each): a
+# 1 s gap let the pinned seconds into the reference window and the lost CPUs no longer stood out against it
+reference_gap_seconds = 5.0
+cooldown_seconds = 20.0
+max_per_hour = 120
+max_deep_fraction = 0.5
+"""
+NO_DEEP_TOML = "\n[deep_dive]\nenabled = false\n"
 DISABLED = ("gpu", "flightrec", "pystacks", "sched", "gpuprobes", "netflows", "tcpinfo", "kineto", "nccltopo")
+# what each of record.py's faults is, in the causes' words: burners on the engine's cores (cpu, noisy) make it wait
+# on the run queue; `slow` pins every engine thread to one core (its affinity narrowed); `mem` is a process sweeping
+# 2 GiB over and over, a core's worth of CPU and the memory bandwidth beside it (this VM has no counter of the
+# bandwidth, and 2 GiB of 24 GiB is no memory pressure): what can be seen of it is the core it takes
+EXPECTED_CAUSE = {"cpu": "cpu-contention", "noisy": "cpu-contention", "slow": "cpu-affinity", "mem": "cpu-contention"}
+
+
+def _go_when_judged(db: str, go: str, fit: int = 1500, judging_s: float = 60.0) -> None:
+    """Create `go` (record.py --faults-after) once the store holds `fit` decode iterations (the sentinel's first
+    fit) and `judging_s` more seconds have passed."""
+    import sqlite3
+    while True:
+        time.sleep(2.0)
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+            try:
+                n = con.execute("SELECT COUNT(*) FROM iterations WHERE phase = 'decode'").fetchone()[0]
+            finally:
+                con.close()
+        except sqlite3.Error:
+            continue   # not created yet
+        if n >= fit:
+            break
+    time.sleep(judging_s)
+    open(go, "w").close()
+
+
+def _collector_priority() -> None:
+    try:
+        os.nice(-5)   # root only; otherwise it runs at the engine's priority
+    except OSError:
+        pass
 
 
 def free_port() -> int:
@@ -85,16 +143,73 @@ def match(iters: list[dict], batches: list[dict], offset_ns: int) -> list[tuple[
     return out
 
 
+def dive_of(rd, f, hit: list, kind: str) -> dict:
+    """The deep dive a fault's finding started (or, in the cool-down, the one of its job that covered it)."""
+    dives = rd.deep_dives(finding_ids=[x.id for x in hit]) or [rd.deep_dives_for([f]).get(f.id)]
+    dd = next((x for x in dives if x), None)
+    if dd is None:
+        return {"status": "none"}
+    causes = dd.get("causes") or []
+    top = causes[0] if causes else {}
+    return {"status": dd["status"], "command_id": dd["command_id"], "start_after_onset_s":
+            round((dd["start_ns"] - f.onset_ns) / 1e9, 2), "nodes": dd["nodes"],
+            "top": [(c["kind"], c["id"], c["cause"], c["score"]) for c in causes[:3]],
+            "top1_right": top.get("cause") == EXPECTED_CAUSE[kind], "note": dd.get("note", "")}
+
+
+def write_traces(db: str, listen: str, state: str) -> dict:
+    """finding id -> `steplens trace JOB --finding ID`'s counts for each finding whose dive is done, and what Perfetto's
+    own trace processor finds in the file (tests/perfettotp: its tracks of a process, deep windows, stack slices)."""
+    from steplens.collector.store.queries import Reader
+    rd = Reader(db)
+    out = {}
+    for f in rd.findings():
+        dd = rd.deep_dives(finding_ids=[f.id])
+        if f.detector != "sentinel" or not dd or dd[0]["status"] != "done":
+            continue
+        path = os.path.join(state, f"trace-{f.id}.pftrace")
+        res = subprocess.run([os.path.join(BIN, "steplens"), "--collector", listen, "--insecure", "trace", f.job_key,
+                              "--finding", f.id, "-o", path, "--json"], capture_output=True, text=True, timeout=240)
+        if res.returncode != 0:
+            out[f.id] = {"error": res.stderr.strip()[-500:]}
+            continue
+        rec = {"counts": json.loads(res.stdout)["counts"], "path": path}
+        sys.path.insert(0, os.path.join(REPO, "tests"))
+        from perfettotp import TraceProcessorWasm, unavailable
+        why = unavailable()
+        if why:
+            rec["trace_processor"] = why
+        else:
+            with TraceProcessorWasm.load(path) as tp:
+                rec["process_tracks"] = [t["name"] for t in tp.query(
+                    "select name from track where name like 'process · pid %'")]
+                rec["deep_windows"] = tp.query("select count(*) as n from slice s join track t on s.track_id = t.id"
+                                               " where t.name = 'deep dives'")[0]["n"]
+                rec["python_slices"] = tp.query("select count(*) as n from slice s join track t on s.track_id = t.id"
+                                                " where t.name like 'python %'")[0]["n"]
+        out[f.id] = rec
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seconds", type=float, default=150.0)
+    ap.add_argument("--seconds", type=float, default=0.0, help="the engine's run (default 150 s; with --deep at most "
+                    "900 s: it ends 30 s after the last fault)")
     ap.add_argument("--fault", action="append", default=[], help="record.py's KIND:START_S:END_S")
-    ap.add_argument("--rate", default="1:12:40")
+    ap.add_argument("--rate", default="", help="record.py's --rate (default 1:12:40)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--state-dir", default="", help="keep everything here (default: a temporary directory)")
+    ap.add_argument("--deep", action="store_true", help="pystacks on, and a deep dive for each sentinel finding")
     a = ap.parse_args(argv)
-    faults = a.fault or ["noisy:70:90", "cpu:110:125"]
+    # --deep: the faults' times count from when the sentinel can judge the engine (its first fit takes 1,500
+    # decode batches, sentinel.py fit_iterations: ~80 s here on one day, ~175 s on a slower one, when the load
+    # saturated the engine) plus a minute of judging, so that no fault lands in what it learns as normal; the
+    # engine stops 30 s after the last fault
+    faults = a.fault or (["noisy:0:15", "cpu:45:60", "mem:90:105", "slow:135:150"] if a.deep else
+                         ["noisy:70:90", "cpu:110:125"])
+    a.seconds = a.seconds or (900.0 if a.deep else 150.0)
+    a.rate = a.rate or "1:12:40"
     if not os.path.exists(VLLM_PY):
         print("bed: .venv-vllm is missing (make inference-env)", file=sys.stderr)
         return 2
@@ -105,33 +220,45 @@ def main(argv=None) -> int:
     listen = f"127.0.0.1:{free_port()}"
     db = os.path.join(state, "collector.db")
     with open(os.path.join(state, "collector.toml"), "w") as fh:
-        fh.write(COLLECTOR_TOML.format(db=db, listen=listen))
+        fh.write(COLLECTOR_TOML.format(db=db, listen=listen) + (DEEP_TOML if a.deep else NO_DEEP_TOML))
     with open(os.path.join(state, "agent.toml"), "w") as fh:
         fh.write(AGENT_TOML.format(listen=listen, state=os.path.join(state, "agent"), rings=rings))
     procs: list[subprocess.Popen] = []
+    traces: dict = {}
     logs = {n: open(os.path.join(state, f"{n}.log"), "w") for n in ("collector", "agent", "engine")}
     steps = os.path.join(state, "engine-steps.jsonl")
     try:
+        # the collector belongs on another host: here it shares the two cores with the engine and the faults'
+        # burners, which starved its analysis passes (a finding opened 20 s after its onset); niced up instead
         procs.append(subprocess.Popen([os.path.join(BIN, "steplens-collector"), "serve", "--config",
                                        os.path.join(state, "collector.toml")], stdout=logs["collector"],
-                                      stderr=subprocess.STDOUT))
+                                      stderr=subprocess.STDOUT, preexec_fn=_collector_priority))
         time.sleep(2)
         procs.append(subprocess.Popen([os.path.join(BIN, "steplens-agent"), "run", "--config",
                                        os.path.join(state, "agent.toml"),
-                                       *[x for s in DISABLED for x in ("--disable", s)]],
+                                       *[x for s in DISABLED if not (a.deep and s == "pystacks")
+                                         for x in ("--disable", s)]],
                                       stdout=logs["agent"], stderr=subprocess.STDOUT))
         sys.path.insert(0, REPO)
         from steplens.agent.bootstrap import site_dir
         env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=rings)
         t_engine = time.time_ns()
+        go = os.path.join(state, "faults-go")
+        gate = None
+        if a.deep:
+            gate = threading.Thread(target=_go_when_judged, args=(db, go), daemon=True)
+            gate.start()
         eng = subprocess.run([VLLM_PY, os.path.join(REPO, "bench", "inference", "record.py"), "--seconds",
                               str(a.seconds), "--rate", a.rate, "--hidden", str(a.hidden), "--layers",
-                              str(a.layers), "--out", steps, *[x for f in faults for x in ("--fault", f)]],
+                              str(a.layers), "--out", steps, *[x for f in faults for x in ("--fault", f)],
+                              *(["--faults-after", go] if a.deep else [])],
                              env=env, stdout=logs["engine"], stderr=subprocess.STDOUT)
         if eng.returncode != 0:
             print(f"bed: the engine failed (rc {eng.returncode}), see {state}/engine.log", file=sys.stderr)
             return 1
         time.sleep(8)   # the agent's last reads, the collector's last analysis passes
+        if a.deep:   # while the agent still answers: each dive's merged trace (its node-local detail)
+            traces = write_traces(db, listen, state)
     finally:
         for p in reversed(procs):
             if p.poll() is None:
@@ -176,17 +303,30 @@ def main(argv=None) -> int:
         return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else None
     findings = [f for f in rd.findings() if f.detector == "sentinel" and f.job_key == job]
     t_first = batches[0]["t0_real_ns"] + offset - int(batches[0]["t_s"] * 1e9)
+    # each fault's window from the recorder's rows (the fault in force at each batch's start): its first batch's
+    # start to its last batch's end, in the order injected
+    # (from the batch in flight when the fault began: it is labelled by its start, before the fault, and slowed)
     windows = []
-    for spec in faults:
-        kind, s0, s1 = spec.split(":")
-        windows.append({"kind": kind, "start_ns": t_first + int(float(s0) * 1e9),
-                        "end_ns": t_first + int(float(s1) * 1e9)})
-    per_fault, matched = {}, set()
+    for i, b in enumerate(batches):
+        if b["fault"] and (not windows or windows[-1]["kind"] != b["fault"] or windows[-1]["closed"]):
+            windows.append({"kind": b["fault"], "start_ns": batches[max(0, i - 1)]["t0_real_ns"] + offset,
+                            "closed": False})
+        if windows and not windows[-1]["closed"]:
+            if b["fault"] == windows[-1]["kind"]:
+                windows[-1]["end_ns"] = b["t1_real_ns"] + offset
+            else:
+                windows[-1]["closed"] = True
+    if len(windows) != len(faults):
+        print(f"bed: {len(windows)} fault windows in the recorder's rows, {len(faults)} asked for", file=sys.stderr)
+    per_fault = {spec.split(":")[0]: {"found": False, "injected": False} for spec in faults}
+    matched = set()
     for w in windows:
-        hit = [f for f in findings if w["start_ns"] - 10**9 <= f.onset_ns <= w["end_ns"]]
-        d = {"found": bool(hit)}
+        # a finding open during the fault: its onset may precede it (a stray alarm a few batches before the fault
+        # merges into the fault's episode, or a false one's finding is still open when the fault begins)
+        hit = [f for f in findings if f.onset_ns <= w["end_ns"] and f.last_ns >= w["start_ns"] - 10**9]
+        d = {"found": bool(hit), "injected": True, "at_s": round((w["start_ns"] - t_first) / 1e9, 1)}
         if hit:
-            f = min(hit, key=lambda f: f.onset_ns)
+            f = max(hit, key=lambda f: min(f.last_ns, w["end_ns"]) - max(f.onset_ns, w["start_ns"]))   # most overlap
             matched.update(id(x) for x in hit)
             lag_s = (f.onset_ns - w["start_ns"]) / 1e9
             decode_between = sum(1 for b in batches if b["mode"] == 2 and w["start_ns"] <= b["t0_real_ns"] + offset
@@ -194,7 +334,12 @@ def main(argv=None) -> int:
             top = f.suspects[0] if f.suspects else None
             d.update(onset_lag_s=round(lag_s, 3), onset_lag_decode_batches=decode_between,
                      severity=f.severity, suspect=f"{top.kind}:{top.id}" if top else "", cause=top.cause if top else "",
-                     summary=f.summary)
+                     cause_right=(top.cause if top else "") == EXPECTED_CAUSE[w["kind"]], summary=f.summary)
+            if a.deep:
+                d["deep"] = dive_of(rd, f, hit, w["kind"])
+                tr = next((traces[x.id] for x in hit if x.id in traces), None)
+                if tr is not None:
+                    d["deep"]["trace"] = {k: v for k, v in tr.items() if k != "path"}
         per_fault[w["kind"]] = d
     false = [f for f in findings if id(f) not in matched]
     res = {"vllm": head.get("vllm"), "engine_batches": len(batches), "iterations_stored": len(iters),
@@ -204,7 +349,8 @@ def main(argv=None) -> int:
            "start_error_p95_pct": round(100 * q(start_err, 0.95), 4) if start_err else None,
            "end_error_median_pct": round(100 * q(end_err, 0.5), 4) if end_err else None,
            "end_error_p95_pct": round(100 * q(end_err, 0.95), 4) if end_err else None,
-           "faults_found": sum(d["found"] for d in per_fault.values()), "faults": len(windows),
+           "faults_found": sum(d["found"] for d in per_fault.values()), "faults": len(faults),
+           "cause_right": sum(bool(d.get("cause_right")) for d in per_fault.values()),
            "false_findings": len(false), "per_fault": per_fault,
            "false": [(round((f.onset_ns - t_first) / 1e9, 1), f.severity) for f in false],
            "state_dir": state, "engine_started_ns": t_engine}
@@ -213,9 +359,14 @@ def main(argv=None) -> int:
         res["state_dir"] = "(removed)"
     print(f"inference bed: {len(pairs)}/{len(batches)} batches matched to stored Iterations; boundaries median "
           f"{res['start_error_median_pct']} % (start) / {res['end_error_median_pct']} % (end) of the batch time; "
-          f"faults found {res['faults_found']}/{len(windows)}, false findings {len(false)}")
+          f"faults found {res['faults_found']}/{len(faults)}, false findings {len(false)}")
     for k, d in per_fault.items():
         print(f"  {k}: {d}")
+    if a.deep:
+        res["deep_done"] = sum(d.get("deep", {}).get("status") == "done" for d in per_fault.values())
+        res["deep_top1_right"] = sum(bool(d.get("deep", {}).get("top1_right")) for d in per_fault.values())
+        print(f"deep dives: {res['deep_done']}/{len(faults)} done, top-1 cause right {res['deep_top1_right']}/"
+              f"{len(faults)}; the sentinel finding's own cause right {res['cause_right']}/{len(faults)}")
     print(json.dumps(res))
     return 0
 

@@ -14,7 +14,8 @@ bookkeeping gives the batch's workload, the ground truth a sentinel is scored ag
   prompt tokens), decode_requests, kv_tokens (the decode requests' context: prompt + generated so far),
   avg_input_length, avg_output_length, mode (1 prefill in the batch, 2 decode only), dur_ns (the step), fault;
   t0_ns/t1_ns (CLOCK_MONOTONIC) and t0_real_ns/t1_real_ns (CLOCK_REALTIME, read just outside them: what
-  bench/inference/iterbench.py matches the bootstrap's iteration ring against) around engine.step().
+  bench/inference/iterbench.py matches the bootstrap's iteration ring against) around engine.step(); t_fault_s,
+  the time on the faults' schedule (t_s, or with --faults-after the time since the file appeared; -1 before).
 Faults (--fault KIND:START_S:END_S, repeatable), with their windows in the same file:
   cpu    2 CPU burners (other processes) for the window: contention for the engine's cores;
   noisy  1 burner: a noisy neighbour;
@@ -31,9 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import time
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -42,18 +44,16 @@ CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_
           "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
 
 
-def _burn(stop) -> None:
-    x = 0
-    while not stop.is_set():
-        for i in range(100_000):
-            x += i * i
+# the fault processes: programs of their own (started, not forked from the engine: a fork would carry the engine's
+# torch and its frames, and be taken for one of the job's processes), stopped by a signal
+_BURN = "x = 0\nwhile True:\n    for i in range(100_000):\n        x += i * i\n"
+_HOG = "import numpy as np\na = np.ones(2 << 30 >> 3)\nwhile True:\n    a += 1.0\n"
 
 
-def _hog(stop) -> None:
-    import numpy as np
-    a = np.ones(2 << 30 >> 3)
-    while not stop.is_set():
-        a += 1.0
+def _plain_env() -> dict:
+    """The environment without the steplens bootstrap (the bed runs the engine under it; a neighbour is not the job)."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "STEPLENS_BOOTSTRAP")
+            and not k.startswith("STEPLENS_")}
 
 
 def _pin_all(cpus) -> None:
@@ -66,7 +66,8 @@ def _pin_all(cpus) -> None:
 
 
 class Faults:
-    """Starts and stops the fault processes on the schedule; knows which fault is on at a time."""
+    """Starts and stops the fault processes on the schedule (`python -c` programs: a noisy neighbour is another
+    program); knows which fault is on at a time."""
 
     def __init__(self, specs: list[str]) -> None:
         self.windows = []
@@ -76,6 +77,7 @@ class Faults:
                 raise SystemExit(f"fault kind must be cpu, noisy, mem or slow, not {kind!r}")
             self.windows.append((kind, float(a), float(b)))
         self.active: dict[int, tuple] = {}
+        self.last_end = max((b for _, _, b in self.windows), default=0.0)
         self.cpus = sorted(os.sched_getaffinity(0))
 
     def at(self, t: float) -> str:
@@ -88,24 +90,24 @@ class Faults:
         for i, (kind, a, b) in enumerate(self.windows):
             on = a <= t < b
             if on and i not in self.active:
-                stop = multiprocessing.Event()
                 procs = []
                 if kind in ("cpu", "noisy", "mem"):
-                    target = _hog if kind == "mem" else _burn
-                    for _ in range(2 if kind == "cpu" else 1):
-                        p = multiprocessing.Process(target=target, args=(stop,), daemon=True)
-                        p.start()
-                        procs.append(p)
+                    code = _HOG if kind == "mem" else _BURN
+                    procs = [subprocess.Popen([sys.executable, "-c", code], env=_plain_env())
+                             for _ in range(2 if kind == "cpu" else 1)]
                 else:
                     _pin_all(self.cpus[:1])
-                self.active[i] = (stop, procs, kind)
+                self.active[i] = (procs, kind)
             elif not on and i in self.active:
-                stop, procs, kind = self.active.pop(i)
-                stop.set()
+                procs, kind = self.active.pop(i)
                 for p in procs:
-                    p.join(5)
-                    if p.is_alive():
+                    p.terminate()
+                for p in procs:
+                    try:
+                        p.wait(5)
+                    except subprocess.TimeoutExpired:
                         p.kill()
+                        p.wait()
                 if kind == "slow":
                     _pin_all(self.cpus)
 
@@ -123,6 +125,9 @@ def main() -> int:
     ap.add_argument("--max-seqs", type=int, default=24)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fault", action="append", default=[], help="KIND:START_S:END_S (cpu, noisy, mem, slow)")
+    ap.add_argument("--faults-after", default="", metavar="FILE",
+                    help="the faults' START_S/END_S count from when FILE appears (none before; its existence is "
+                         "checked once a second): the bed starts them once the sentinel has its model")
     ap.add_argument("--model-dir", default="/tmp/steplens-tinyllama")
     ap.add_argument("--hidden", type=int, default=CONFIG["hidden_size"], help="model width (intermediate 2.6875x)")
     ap.add_argument("--layers", type=int, default=CONFIG["num_hidden_layers"])
@@ -154,20 +159,25 @@ def main() -> int:
     p_lo, p_hi = (int(x) for x in a.prompt.split(":"))
     o_lo, o_hi = (int(x) for x in a.output.split(":"))
     faults = Faults(a.fault)
-    import sys
     iters_mod = sys.modules.get("steplens_iters")   # loaded by the steplens bootstrap, when it runs under it
     reqs: dict[str, dict] = {}          # request id -> prompt length, generated so far, first step done
     next_arrival = 0.0
     n = 0
     t_start = time.monotonic()
+    t_go, checked = (None, -1.0) if a.faults_after else (0.0, 0.0)   # fault time = t - t_go once it is known
     with open(a.out, "w") as out:
         out.write(json.dumps({"settings": vars(a), "vllm": __import__("vllm").__version__,
                               "config": config}) + "\n")
         while True:
             t = time.monotonic() - t_start
-            if t >= a.seconds:
-                break
-            faults.tick(t)
+            if t >= a.seconds or (t_go is not None and a.faults_after and t - t_go >= faults.last_end + 30):
+                break   # (with --faults-after: 30 s after the last fault ended)
+            if t_go is None and t - checked >= 1.0:
+                checked = t
+                if os.path.exists(a.faults_after):
+                    t_go = t
+            t_fault = -1.0 if t_go is None else t - t_go
+            faults.tick(t_fault)
             iters_on = None
             if a.toggle_seconds and iters_mod is not None:
                 iters_on = int(t // a.toggle_seconds) % 2 == 0
@@ -206,8 +216,8 @@ def main() -> int:
                 r["out"] = len(o.outputs[0].token_ids)
                 if o.finished:
                     del reqs[o.request_id]
-            row.update(t0_ns=t0, t1_ns=t1, dur_ns=t1 - t0, t_s=round(t, 4), fault=faults.at(t), t0_real_ns=r0,
-                       t1_real_ns=r1, iters_on=iters_on)
+            row.update(t0_ns=t0, t1_ns=t1, dur_ns=t1 - t0, t_s=round(t, 4), fault=faults.at(t_fault),
+                       t0_real_ns=r0, t1_real_ns=r1, iters_on=iters_on, t_fault_s=round(t_fault, 4))
             out.write(json.dumps(row) + "\n")
     faults.stop()
     if iters_mod is not None and a.toggle_seconds:   # the anchors' own time (STEPLENS_ITERS_SELFTIME): cost bench

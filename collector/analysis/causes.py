@@ -20,6 +20,9 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
                    of identical kernels, on kernel records fetched from the agents of the rank and 3 peers)
   memory-pressure  the node's memory PSI (pressure_memory_some) at `pressure_fraction` of the episode, `rise` x
                    baseline, or swapping in at >= `swap_in_bytes_per_s`
+  cpu-affinity     the process may run on fewer CPUs than before (host: process_cpus_allowed, its main thread's
+                   affinity mask; median over the episode below the baseline's): a pin to fewer cores makes its own
+                   threads queue for them, which the run-queue rule below would call contention
   cpu-contention   the process waited on a run queue (process_runqueue_seconds_total, /proc/PID/schedstat) for
                    `runqueue_fraction` of the episode and `rise` x its baseline (with no throttling: a quota makes
                    run-queue waits too, and is the cause then)
@@ -74,13 +77,14 @@ from steplens.collector.analysis.findings import Finding, Suspect
 
 EXAMINED_KINDS = ("slowdown", "degradation", "spike", "fluctuation", "network")
 LOCAL = ("stopped", "cpu-throttled", "gc", "gpu-error", "gpu-throttled", "gpu-slow", "memory-pressure",
-         "cpu-contention", "host-bound", "data-loading")
+         "cpu-affinity", "cpu-contention", "host-bound", "data-loading")
 SLOWDOWN_REASONS = {0x2: "applications_clocks", 0x8: "hw_slowdown", 0x20: "sw_thermal", 0x40: "hw_thermal",
                     0x80: "hw_power_brake"}
 REASON_NAMES = {0x1: "idle", 0x4: "sw_power_cap", 0x10: "sync_boost", 0x100: "display_clock", **SLOWDOWN_REASONS}
 
 PROC_METRICS = ("process_cpu_throttled_seconds_total", "process_cpu_quota_cores", "python_gc_seconds_total",
-                "python_gc_collections_total", "process_runqueue_seconds_total", "process_cpu_seconds_total")
+                "python_gc_collections_total", "process_runqueue_seconds_total", "process_cpu_seconds_total",
+                "process_cpus_allowed")
 HOST_METRICS = ("pressure_memory_some_seconds_total", "pressure_cpu_some_seconds_total", "swap_in_bytes_total")
 GPU_METRICS = ("gpu_sm_clock_mhz", "gpu_clocks_event_reasons")
 GPU_PEERS = 8      # other GPUs of the job a suspect's GPU is compared with at most (its node's first)
@@ -262,6 +266,11 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
     quota = gauge_median(pm.get(("process_cpu_quota_cores", entity), []), a, b + m)
     if quota is not None:
         ev["cpu_quota_cores"] = quota
+    cpus = pm.get(("process_cpus_allowed", entity), [])
+    cpus_now, cpus_before = gauge_median(cpus, a, b + m), gauge_median(cpus, b0, a - m)
+    if cpus_now is not None and cpus_before is not None and cpus_now < cpus_before:
+        found.append("cpu-affinity")
+        ev["cpus_allowed"] = {"during": cpus_now, "before": cpus_before}
 
     # the GPU
     if rank >= 0 and proc["local_rank"] >= 0:
@@ -307,10 +316,10 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
             found.append("data-loading")
 
     order = ("stopped", "cpu-throttled", "gc", "gpu-error", "gpu-throttled", "gpu-slow", "memory-pressure",
-             "cpu-contention", "host-bound", "network", "data-loading")
-    # a quota makes run-queue waits too: throttling explains them
+             "cpu-affinity", "cpu-contention", "host-bound", "network", "data-loading")
+    # a quota or a pin to fewer cores makes run-queue waits too: they explain them
     found = list(dict.fromkeys(found))
-    if "cpu-throttled" in found and "cpu-contention" in found:
+    if ("cpu-throttled" in found or "cpu-affinity" in found) and "cpu-contention" in found:
         found.remove("cpu-contention")
     found.sort(key=order.index)
     ev["causes"] = found
@@ -691,13 +700,18 @@ def explain_finding(ps: _Pass, f: Finding) -> Finding:
                 break
     if sus[0].cause == "network":
         sus = _network_lead(ps, sus, f.onset_ns, f.last_ns)
+    return _explained(f, tuple(sus))
+
+
+def _explained(f: Finding, sus: tuple) -> Finding:
+    """The finding with its explained suspects, its leader's cause said in the summary."""
     summary = f.summary
     top = sus[0]
     if top.kind == "node" and top.cause == "network":
         summary = f"{summary.rstrip('.')}; node {top.id}: {top.evidence.get('why', '')}."
     elif top.kind in ("rank", "process") and top.cause in LOCAL + ("network",):
         summary = f"{summary.rstrip('.')}; {top.kind} {top.id}: {_say(top)}."
-    return replace(f, suspects=tuple(sus), summary=summary)
+    return replace(f, suspects=sus, summary=summary)
 
 
 def _network_lead(ps: _Pass, sus: list[Suspect], onset: int, last: int) -> list[Suspect]:
@@ -769,6 +783,9 @@ def _say(s: Suspect) -> str:
     if c == "gc":
         fr = why.get("python_gc_fraction", {}).get("during")
         return f"Python GC took {fr:.0%} of the time"
+    if c == "cpu-affinity":
+        n = why.get("cpus_allowed", {})
+        return f"may run on {n.get('during'):g} CPU(s), {n.get('before'):g} before (its affinity was narrowed)"
     if c == "cpu-contention":
         fr = why.get("process_runqueue_fraction", {}).get("during")
         return f"waited for a CPU {fr:.0%} of the time (run queue)"
@@ -797,13 +814,48 @@ def _say(s: Suspect) -> str:
     return c
 
 
-def attach(reader, job_key: str, outputs: dict[str, list[Finding]], cfg: CausesConfig | None = None
-           ) -> dict[str, list[Finding]]:
+EXPLAINED_KEY = ("causes", "explained")   # in the engine's per-job memo: suspects of findings explained before
+EXPLAINED_MAX = 256
+SETTLE_NS = 3 * 10**9   # a finding over this long before the pass's data time (past the margin) has all its data
+
+
+def attach(reader, job_key: str, outputs: dict[str, list[Finding]], cfg: CausesConfig | None = None,
+           until_ns: int = 0, open_onsets: dict | None = None) -> dict[str, list[Finding]]:
     """The detectors' output with a cause on the leading suspects of every examined finding (see the module
-    docstring). A reader without the reads needed returns the output as it is."""
+    docstring). A reader without the reads needed returns the output as it is.
+
+    until_ns: the pass's data time. A detector reports an episode that is over again at every pass while it lies in
+    its window (the sentinel's 60 s): one that ended margin + SETTLE_NS before until_ns, unchanged since (span,
+    suspects), gets the suspects it got then, from the engine's per-job memo (reader.step_memo), instead of its
+    reads again (a serving engine's findings took ~0.3-0.9 s of the collector's CPU a pass, mostly its stack
+    summaries re-read for every over episode, and the loop's duty cycle sleeps 3x that).
+
+    open_onsets: {finding key: onset} of the job's open findings. An output that continues one (same identity) is
+    explained over the finding's whole span, from its onset: a fault's milder tail (a memory hog's aftermath) is the
+    same incident, and explained alone it had no cause of its own (its finding showed none once the tail was the
+    newest output)."""
     if not _supported(reader):
         return outputs
     cfg = cfg or CausesConfig()
     ps = _Pass(reader, job_key, cfg)
-    return {name: [explain_finding(ps, f) if f.kind in EXAMINED_KINDS and f.suspects else f for f in fs]
+    memo = getattr(reader, "step_memo", None)
+    done = memo.setdefault(EXPLAINED_KEY, {}) if isinstance(memo, dict) and until_ns else None
+    settled = until_ns - int(cfg.margin_seconds * 1e9) - SETTLE_NS
+
+    def explain(f: Finding) -> Finding:
+        onset = (open_onsets or {}).get(f.key, f.onset_ns)
+        if onset < f.onset_ns:
+            return replace(explain(replace(f, onset_ns=onset)), onset_ns=f.onset_ns)
+        if done is None or f.last_ns > settled:
+            return explain_finding(ps, f)
+        key = (f.key, f.onset_ns, f.last_ns, tuple((s.kind, s.id, s.score, s.cause) for s in f.suspects))
+        sus = done.get(key)
+        if sus is None:
+            out = explain_finding(ps, f)
+            if len(done) >= EXPLAINED_MAX:
+                del done[next(iter(done))]   # the oldest
+            done[key] = out.suspects
+            return out
+        return _explained(f, sus) if sus != f.suspects else f
+    return {name: [explain(f) if f.kind in EXAMINED_KINDS and f.suspects else f for f in fs]
             for name, fs in outputs.items()}

@@ -37,6 +37,7 @@ log = logging.getLogger("steplens.collector.deepdive")
 PROC_SHARES = {"runqueue": "process_runqueue_seconds_total", "throttled": "process_cpu_throttled_seconds_total",
                "gc": "python_gc_seconds_total"}
 NODE_SHARES = {"memory": "pressure_memory_some_seconds_total"}
+CPUS_ALLOWED = "process_cpus_allowed"   # the "affinity" resource: the share of its CPUs a process lost (gauge)
 
 
 @dataclass
@@ -301,9 +302,16 @@ def gather(reader, job_key: str, deep: tuple[int, int], ref: tuple[int, int], de
     a, b = deep
     ra, rb = ref
     procs = {}
+    rankless = []
     for p in reader.job_processes(job_key):
-        if p["rank"] >= 0 and (not p["exited_ns"] or p["exited_ns"] >= ra):
-            procs[p["rank"]] = p
+        if not p["exited_ns"] or p["exited_ns"] >= ra:
+            if p["rank"] >= 0:
+                procs[p["rank"]] = p
+            else:
+                rankless.append(p)
+    if not procs:   # a job of no ranks (a serving engine): its processes, keyed -1, -2, ... (RankData.pid names them)
+        for i, p in enumerate(sorted(rankless, key=lambda p: (p["node_id"], p["pid"]))):
+            procs[-1 - i] = p
     steps = reader.steps(job_key, since_ns=min(a, ra) if rb > ra else a, with_comms=True)
     by_pid = {(p["node_id"], p["pid"]): r for r, p in procs.items()}
 
@@ -318,7 +326,7 @@ def gather(reader, job_key: str, deep: tuple[int, int], ref: tuple[int, int], de
     out = {}
     node_cache: dict[str, tuple] = {}
     for r, p in procs.items():
-        d = suspicion.RankData(r, p["node_id"])
+        d = suspicion.RankData(r, p["node_id"], pid=p["pid"])
         mine = sorted((s["start_ns"], s["end_ns"]) for s in steps if s["rank"] == r)
         in_deep = [(s0, s1) for s0, s1 in mine if s0 >= a and s1 <= b]
         for st in steps:
@@ -340,11 +348,15 @@ def gather(reader, job_key: str, deep: tuple[int, int], ref: tuple[int, int], de
         d.ref_cycles = suspicion.cycle_shares(rmain, ref_bins, cfg.max_frames) if rb > ra else []
         node, pid, ticks = p["node_id"], p["pid"], p["start_ticks"]
         ent = f"pid:{pid}:{ticks}"
-        pm = reader.metric_points(node, list(PROC_SHARES.values()), [ent], min(a, ra), b)
+        pm = reader.metric_points(node, [*PROC_SHARES.values(), CPUS_ALLOWED], [ent], min(a, ra), b)
         for name, metric in PROC_SHARES.items():
             pts = pm.get((metric, ent), [])
             d.resources[name] = suspicion.interval_shares(pts, a, b)
             d.ref_resources[name] = suspicion.interval_shares(pts, ra, rb) if rb > ra else []
+        cpus = pm.get((CPUS_ALLOWED, ent), [])
+        if cpus:
+            d.resources["affinity"] = suspicion.lost_shares(cpus, a, b)
+            d.ref_resources["affinity"] = suspicion.lost_shares(cpus, ra, rb) if rb > ra else []
         if node not in node_cache:
             nm = reader.metric_points(node, list(NODE_SHARES.values()), [""], min(a, ra), b)
             conns = reader.conn_stats_of(node, min(a, ra), b) if hasattr(reader, "conn_stats_of") else []

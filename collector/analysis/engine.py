@@ -196,6 +196,9 @@ class FindingsHub:
                     self.unsubscribe(sub)
 
 
+SLOW_PASS_SECONDS = 5.0   # a job's analysis taking this long (wall) is logged with what it spent
+
+
 class AnalysisEngine:
     def __init__(self, reader, writer, settings: AnalysisSettings | None = None,
                  detectors: dict[str, DetectorSpec] | None = None,
@@ -288,7 +291,9 @@ class AnalysisEngine:
             if outputs and self.settings.causes:   # why each leading suspect is slow (causes.py)
                 c0 = time.perf_counter()
                 try:
-                    outputs = causes.attach(reader, job_key, outputs)
+                    onsets = {f.key: f.onset_ns for f in self.reader.findings(job_key, open_only=True)} \
+                        if hasattr(self.reader, "findings") else {}
+                    outputs = causes.attach(reader, job_key, outputs, until_ns=until, open_onsets=onsets)
                 except Exception as exc:  # the findings still go out, with the detectors' own causes
                     errors["causes"] = f"{type(exc).__name__}: {exc}"
                     self.cause_errors += 1
@@ -346,7 +351,9 @@ class AnalysisEngine:
         def apply(conn) -> int:
             result.clear()
             for name, found in outputs.items():
-                result.extend(merge(store.live_findings(conn, job_key, name), found, data_ns, policies[name], confirm))
+                back = data_ns - int(self.configs[name].window_seconds * 1e9) if name in self.configs else data_ns
+                result.extend(merge(store.live_findings(conn, job_key, name), found, data_ns, policies[name], confirm,
+                                    store.resolved_since(conn, job_key, name, back)))
             return store.write_changes(conn, result, now)
         done = threading.Event()
         outcome: list = []
@@ -415,12 +422,18 @@ class AnalysisEngine:
             del self._marks[job]
             if not self.detectors:
                 continue
-            c0 = time.thread_time()
+            c0, w0, k0 = time.thread_time(), time.monotonic(), self.cause_seconds
             try:
                 self.run_job(job, until_ns=mark, data_ns=mark)
             except Exception as exc:
                 log.error("analysis of job %s failed: %s", job, exc)
             cpu = time.thread_time() - c0
+            wall = time.monotonic() - w0
+            if wall >= SLOW_PASS_SECONDS:   # what held the loop up: said, so that a late finding can be traced to it
+                log.warning("analysis of job %s took %.1f s (%.2f s of CPU; causes %.2f s; slowest detectors: %s)",
+                            job, wall, cpu, self.cause_seconds - k0, ", ".join(
+                                f"{n} {st.last_duration_seconds:.2f} s" for n, st in sorted(
+                                    self.stats.items(), key=lambda kv: -kv[1].last_duration_seconds)[:3]))
             self.cpu_seconds += cpu
             self.jobs_analysed += 1
             self.lag.observe(max(0.0, (self.now_ns() - mark) / 1e9))

@@ -3,7 +3,13 @@
 A detector returns `Finding`s for one window of one job (what it sees now). `merge()` folds that output into
 the findings the store holds for the same job and detector, the way Prometheus evaluates an alerting rule:
   * identity: (job, detector, kind, top suspect). The same identity seen again updates last_ns, severity
-    (latest; peak_severity keeps the worst), summary, suspects and evidence, and counts a confirmation;
+    (latest; peak_severity keeps the worst), summary, suspects and evidence, and counts a confirmation. Several
+    outputs of one identity in one window (a detector that reports each episode still in its window: the
+    sentinel's 60 s) are one: the most severe of those still going on (last_ns within resolve_after of the
+    window's end), else the newest. The most severe of all hid a new, milder episode of a serving engine behind
+    an earlier one that was over, until that one left the window (~40 s: on the inference bed a memory fault
+    right after a CPU fault was found only then, too late for its deep dive); the newest of all let a fault's
+    finding take the figures and cause of a mild blip just after it;
   * `for`: a new identity starts `pending` and opens once it has been confirmed for `for_ns` of data time
     (0: opens at once). A pending one not confirmed by the next window is dropped, as Prometheus drops a
     pending alert whose condition went false. `confirm=True` (an operator's `diagnose`) opens at once;
@@ -105,16 +111,21 @@ class Change:
 
 
 def merge(current: list[Finding], emitted: list[Finding], until_ns: int, policy: Policy,
-          confirm: bool = False) -> list[Change]:
+          confirm: bool = False, resolved: list[Finding] = ()) -> list[Change]:
     """Fold one window's output of one detector for one job into its pending/open findings.
 
     current: the stored pending and open findings of this (job, detector); emitted: the detector's output
-    for a window ending at until_ns (job_key and detector set). Returns the changes to store and announce;
+    for a window ending at until_ns (job_key and detector set); resolved: its resolved findings of late (an
+    output that is over and that one of them, same identity, already covers is the same event reported again by a
+    window that still holds it: not stored a second time). Returns the changes to store and announce;
     findings neither confirmed nor due to resolve are left out (nothing to write)."""
     live = {f.key: f for f in current if f.status in ("pending", "open")}
     seen: dict[tuple, Finding] = {}
-    for f in emitted:  # one finding per identity per window: keep the most severe
-        if f.key not in seen or f.severity > seen[f.key].severity:
+    def rank(f: Finding) -> tuple:   # one finding per identity per window: see the module docstring
+        fresh = until_ns - f.last_ns < policy.resolve_after_ns
+        return (fresh, f.severity, f.last_ns) if fresh else (fresh, f.last_ns, f.severity)
+    for f in emitted:
+        if f.key not in seen or rank(f) > rank(seen[f.key]):
             seen[f.key] = f
     changes: list[Change] = []
     for key, f in seen.items():
@@ -127,6 +138,9 @@ def merge(current: list[Finding], emitted: list[Finding], until_ns: int, policy:
             new = replace(f, id=finding_id(key, onset), onset_ns=onset, status="open" if opens else "pending",
                           peak_severity=f.severity, confirmations=1, first_seen_ns=first, resolved_ns=0)
             if stale:  # history: stored resolved when it may open (an operator's diagnose), else nothing
+                if not confirm and any(r.key == key and r.onset_ns <= f.last_ns and f.onset_ns <= r.last_ns
+                                       for r in resolved):
+                    continue   # reported already, and resolved: the same episode still in the detector's window
                 if opens:
                     changes.append(Change("resolved", replace(new, status="resolved", resolved_ns=until_ns)))
                 continue

@@ -9,9 +9,9 @@ Candidates, each scored against two references:
             one whose log1p deviates most. The process's own CPU is not one: it falls whenever the rank waits,
             whatever made it wait.
   resource  a resource of one rank or its node (run-queue wait, cgroup throttling, GC, stopped, memory pressure:
-            shares of wall time; the network-limited share of the connections with the node's address at either
-            end, its own and its peers' to it): per-interval values of the window (each interval between two
-            samples of the counter).
+            shares of wall time; affinity: the share of its CPUs the process may no longer run on; the
+            network-limited share of the connections with the node's address at either end, its own and its
+            peers' to it): per-interval values of the window (each interval between two samples of the counter).
   peer reference  the same candidate on the rank's peers in the same window: for functions its role peers (the
             behavioural symmetry the paper assumes: ranks that run collectives on one communicator short of the
             whole job, a DP group's replicas of a stage or a TP group; without such groups, ranks whose innermost
@@ -26,11 +26,14 @@ resource that appears on one rank only (gc on the faulty rank, zero on its peers
 `z_floor_pp` percentage points instead, and Z capped at `z_cap`, so one degenerate reference cannot dominate.
 Resources only count when they rise (more waiting is bad; less is not a cause); functions count both ways (a
 stopped rank's compute share falls). A comm function no resource explains ("waiting") is a symptom, the others'
-slowness showing on this rank: its score is weighed down (`waiting_weight`). The cause a candidate names: a resource's own (runqueue -> cpu-contention,
-throttled -> cpu-throttled, gc -> gc, stopped -> stopped, memory -> memory-pressure, network -> network); a
-function's is its mu resource's where that deviates (|Z| >= `mu_z_significant`), else compute / waiting (comm) /
-data-loading by its class.
-Output: causes best first {kind, id, rank, node, cause, score, evidence}, and per rank its best score.
+slowness showing on this rank: its score is weighed down (`waiting_weight`). The cause a candidate names: a
+resource's own (runqueue -> cpu-contention, throttled -> cpu-throttled, gc -> gc, stopped -> stopped, memory ->
+memory-pressure, network -> network, affinity -> cpu-affinity); a function's is its mu resource's where that deviates
+(|Z| >= `mu_z_significant`), else compute / waiting (comm) / data-loading by its class.
+A process of no rank (a serving engine: LatencyPrism's own setting) is a candidate like a rank, keyed < 0; with no
+peers only its own reference scores it.
+Output: causes best first {kind, id, rank (-1: none), node, pid, cause, score, evidence}, and per rank (or
+"node:pid") its best score.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ import statistics
 from dataclasses import dataclass, field
 
 RESOURCE_CAUSE = {"runqueue": "cpu-contention", "throttled": "cpu-throttled", "gc": "gc", "stopped": "stopped",
-                  "memory": "memory-pressure", "network": "network"}
-CLASS_RESOURCES = {"compute": ("runqueue", "throttled", "gc", "stopped", "memory"),
+                  "memory": "memory-pressure", "network": "network", "affinity": "cpu-affinity"}
+CLASS_RESOURCES = {"compute": ("runqueue", "throttled", "gc", "stopped", "memory", "affinity"),
                    "comm": ("network",), "data": ("runqueue", "memory")}
 CLASS_CAUSE = {"compute": "compute", "comm": "waiting", "data": "data-loading"}
 
@@ -63,7 +66,7 @@ class SuspicionConfig:
 
 @dataclass
 class RankData:
-    rank: int
+    rank: int                                        # the job's rank; a process of no rank (a serving engine): < 0
     node: str
     cycles: list = field(default_factory=list)       # deep window: [{function: share}]
     ref_cycles: list = field(default_factory=list)   # reference window: [{function: share}]
@@ -74,6 +77,7 @@ class RankData:
     ref_resources: dict = field(default_factory=dict)
     samples: int = 0
     ref_samples: int = 0
+    pid: int = 0
 
 
 def function_class(file: str) -> str:
@@ -271,7 +275,7 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
                 continue
             s = sum(e["s"] for e in ev.values() if e["d_beta_pp"] > 0)
             extra = {"links": d.links} if n == "network" and d.links else {}
-            causes.append({"kind": "resource", "id": n, "rank": r, "node": d.node, "cause": RESOURCE_CAUSE[n],
+            causes.append({"kind": "resource", "id": n, **who(r, d), "cause": RESOURCE_CAUSE[n],
                            "score": round(s, 1), "evidence": {"share": round(x, 4), **ev, **extra}})
         # functions
         if not d.cycles:
@@ -295,15 +299,27 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
                 cause = RESOURCE_CAUSE[best]
             if cause == "waiting":
                 s *= cfg.waiting_weight
-            causes.append({"kind": "function", "id": label(k), "rank": r, "node": d.node, "cause": cause,
+            causes.append({"kind": "function", "id": label(k), **who(r, d), "cause": cause,
                            "score": round(s, 1), "evidence": {"beta": round(x, 4), "class": cls, "mu": best,
                                                               "file": key_file(k), **ev}})
     causes.sort(key=lambda c: -c["score"])
-    by_rank: dict[int, float] = {}
+    by_rank: dict[str, float] = {}
     for c in causes:
-        by_rank[c["rank"]] = max(by_rank.get(c["rank"], 0.0), c["score"])
-    return {"causes": causes[:cfg.top], "ranks": {str(r): s for r, s in sorted(by_rank.items(), key=lambda x: -x[1])},
-            "roles": {str(r): p for r, p in peers.items()}}
+        k = proc_name(c["rank"], c["node"], c["pid"])
+        by_rank[k] = max(by_rank.get(k, 0.0), c["score"])
+    return {"causes": causes[:cfg.top], "ranks": dict(sorted(by_rank.items(), key=lambda x: -x[1])),
+            "roles": {proc_name(r, ranks[r].node, ranks[r].pid): [proc_name(q, ranks[q].node, ranks[q].pid)
+                                                                     for q in p] for r, p in peers.items()}}
+
+
+def who(key: int, d: RankData) -> dict:
+    """A candidate's process: its rank (-1 for a process of no rank), node and pid."""
+    return {"rank": key if key >= 0 else -1, "node": d.node, "pid": d.pid}
+
+
+def proc_name(rank: int, node: str, pid: int) -> str:
+    """How rank_causes' "ranks" and "roles" name a process: its rank, or "node:pid" where it has none."""
+    return str(rank) if rank >= 0 else f"{node}:{pid}"
 
 
 # -- resources from what the store holds ------------------------------------------------------------------------
@@ -316,6 +332,13 @@ def interval_shares(points: list[tuple[int, float]], a: int, b: int) -> list[flo
         if t1 > t0 and v1 >= v0:
             out.append(min(1.0, (v1 - v0) / ((t1 - t0) / 1e9)))
     return out
+
+
+def lost_shares(points: list[tuple[int, float]], a: int, b: int) -> list[float]:
+    """A process's allowed CPUs (process_cpus_allowed, a gauge) as the share of them it lost at each sample in [a, b]:
+    1 - allowed / the most it was allowed in `points` (both windows: a pin to one of two cores is 0.5)."""
+    top = max((v for _, v in points), default=0.0)
+    return [max(0.0, 1.0 - v / top) for t, v in points if a <= t <= b] if top > 0 else []
 
 
 def stopped_shares(spans: list[tuple[int, int]], a: int, b: int, width_ns: int = 10**9) -> list[float]:

@@ -752,11 +752,16 @@ def _deep_list(stub, args) -> int:
         table.append([d["command_id"], d["job_key"], d["trigger"], d["finding_id"] or "-", _ago(d["start_ns"]),
                       f"{d['duration_ns'] / 1e9:.1f}s", str(len(d["nodes"])),
                       "-" if spread is None else f"{spread / 1e6:.2f}ms", d["status"],
-                      f"rank {top['rank']} {top['kind']} {top['id']} ({top['cause']}, {top['score']:.0f})"
+                      f"{_who(top)} {top['kind']} {top['id']} ({top['cause']}, {top['score']:.0f})"
                       if top else (d["note"] or "-")])
     print(_table(table, ["COMMAND", "JOB", "TRIGGER", "FINDING", "START", "FOR", "NODES", "SPREAD", "STATUS",
                          "TOP CAUSE"], free=("TOP CAUSE",)))
     return 0
+
+
+def _who(cause: dict) -> str:
+    """A ranked cause's process: its rank, or its pid where it has none (a serving engine)."""
+    return f"rank {cause['rank']}" if cause.get("rank", -1) >= 0 or "pid" not in cause else f"pid {cause['pid']}"
 
 
 def build_parser() -> argparse.ArgumentParser:

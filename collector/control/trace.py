@@ -148,7 +148,8 @@ def _build(job_key: str, procs: list[dict], store: dict, fetched: list[dict], si
                                                                     p["pid"]))):
             key = (node, p["pid"])
             rt = rank_track[key] = b.track(("rank", node, p["pid"], p["start_ticks"]),
-                                           f"rank {p['rank']} · pid {p['pid']}", nt, order=100 + j)
+                                           f"rank {p['rank']} · pid {p['pid']}" if (p["rank"] or 0) >= 0 else
+                                           f"process · pid {p['pid']}", nt, order=100 + j)   # no rank: a server
             ent = f"pid:{p['pid']}:{p['start_ticks']}"
             for (name, entity), pts in sorted(store["proc_metrics"].get(node, {}).items()):
                 if entity != ent:

@@ -47,6 +47,14 @@ def live_findings(conn: sqlite3.Connection, job_key: str, detector: str) -> list
     return [finding_from_row(r) for r in _dict_rows(cur)]
 
 
+def resolved_since(conn: sqlite3.Connection, job_key: str, detector: str, since_ns: int) -> list[Finding]:
+    """Resolved findings of one job and detector whose span reaches since_ns or later (findings.merge: an output
+    that is over and one of these already reported is not stored again)."""
+    cur = conn.execute(f"SELECT {_FCOLS} FROM findings WHERE job_key=? AND detector=? AND status='resolved' AND"
+                       " last_ns >= ?", (job_key, detector, since_ns))
+    return [finding_from_row(r) for r in _dict_rows(cur)]
+
+
 def write_changes(conn: sqlite3.Connection, changes: list[Change], now_ns: int) -> int:
     """Store the lifecycle's changes: insert new findings, update the others, delete dropped pending ones."""
     for ch in changes:

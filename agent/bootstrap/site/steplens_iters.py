@@ -99,13 +99,15 @@ loop, tests/test_iters.py::test_wrapper_cost_in_place): 1.3 us per iteration for
 nested anchor and the reader on 2 requests; the reader alone on vLLM's own SchedulerOutput of 24 requests 3.3 us.
 In place, in vLLM 0.32.0 CPU (bench/inference/iterbench.py, tiny Llama, decode batches of 1-8 requests, ~3 ms
 each, 2-core VM shared with other work, python 3.11, three runs of 30-35 s, ~6,000 batches each): the slot write
-after a 3 ms step costs ~9.5 us (cold caches: the same write again right after costs 1.4 us), so the driver's own
-timing of engine.step is 10.6-11.7 us (median) longer than the iteration, 0.30-0.37 % of the batch; the start
-is 0.033 % after the driver's clock read. The iteration's bounds are the anchor's call itself; that write lies
-after its end, before the driver's next clock read. Decode steps of equal batch size with vs without
-(STEPLENS_ITERS=0): +0.32 % and -0.53 % (two pairs of 35 s runs), +5.7 % (a pair of 15 s runs): run-to-run noise
-on this shared VM, larger than the ~0.4 % the in-place figures add up to; not resolved here. A GPU engine's
-20-100 ms steps make the same ~15 us 0.015-0.07 %.
+after a 3 ms step costs ~9.5 us (cold caches: the same write again right after costs 1.4 us). A serving anchor's
+end is therefore read once the slot's body is stored (Ring.add's clock), before its number and the count: the
+write's cost lies inside the iteration, as the caller's own timing of the call sees it, not after its end. The
+driver's timing of engine.step was 13.8-20.1 us longer than the iteration with the end read before the write
+(0.29-0.30 % of 4.5-6.9 ms batches) and 5.8-5.9 us with it after the body (0.094-0.099 % of 5.8-6.2 ms batches;
+2026-12-06, four 30 s runs alternating); the start is 0.04 % after the driver's clock read. Decode steps of equal
+batch size with vs without (STEPLENS_ITERS=0): +0.32 % and -0.53 % (two pairs of 35 s runs), +5.7 % (a pair of
+15 s runs): run-to-run noise on this shared VM, larger than the ~0.4 % the in-place figures add up to; not
+resolved here. A GPU engine's 20-100 ms steps make the same ~15 us 0.015-0.07 %.
 """
 
 from __future__ import annotations
@@ -176,8 +178,10 @@ class Ring:
         self.map[NAMES_AT:NAMES_AT + len(table)] = table
         os.replace(tmp, path)  # a reader never sees a file without its header
 
-    def add(self, start_ns: int, end_ns: int, anchor: int, phase: int, counts,
+    def add(self, start_ns: int, end_ns: int, anchor: int, phase: int, counts, clock=None,
             pack_slot=_SLOT.pack_into, pack_u64=_U64.pack_into) -> None:
+        """clock: the end is read from it once the body is stored (end_ns unused): the write's cold cost then lies
+        inside the iteration, as its caller's own timing sees it, not after its end (see Cost)."""
         # the slot with number 0 and its body in one store, then its number, then count (the module docstring's
         # order); as few steps as can be: it runs right after a long step, with cold caches (see Cost)
         lock = self.lock
@@ -187,6 +191,8 @@ class Ring:
             off = HEADER_BYTES + (n % self.slots) * SLOT_BYTES
             mm = self.map
             pack_slot(mm, off, 0, start_ns, end_ns, anchor, phase, *counts)
+            if clock is not None:
+                pack_u64(mm, off + 16, clock())
             pack_u64(mm, off, n + 1)
             self.count = n + 1
             pack_u64(mm, COUNT_AT, n + 1)
@@ -274,14 +280,15 @@ def _ring_now() -> Ring | None:
         return _ring
 
 
-def _write(start_ns: int, end_ns: int, index: int, it: list) -> None:
+def _write(start_ns: int, clock, index: int, it: list) -> None:
+    """A serving anchor's iteration, ending now (Ring.add's clock)."""
     try:
         ring = _ring
         if ring is None:
             ring = _ring_now()
             if ring is None:
                 return
-        ring.add(start_ns, end_ns, index, it[1], it[2])
+        ring.add(start_ns, 0, index, it[1], it[2], clock)
     except Exception:
         _state["write_errors"] += 1
 
@@ -377,9 +384,8 @@ def _anchor_wrapper(fn, index: int, clock=time.time_ns):
         try:
             return fn(*args, **kwargs)
         finally:
-            end = clock()
             _tls.it = None
-            _write(start, end, index, it)
+            _write(start, clock, index, it)   # the end: read once the slot's body is stored (Ring.add)
 
     steplens_iteration.__steplens_orig__ = fn
     return steplens_iteration
