@@ -88,19 +88,21 @@ def test_an_episode_reported_and_resolved_is_not_stored_again_while_the_window_h
     """The sentinel reports every episode still in its 60 s window: once its finding resolved, the same episode
     seen again is not a second finding (it was one before: each sentinel finding came twice on the inference bed,
     the second stored as history with a later onset); an operator's diagnose (confirm) still gets it."""
-    store = apply({}, merge([], [emitted(100 * S, onset_ns=90 * S)], 100 * S, P))
+    def unread():
+        raise AssertionError("resolved findings read where no output is over")
+    store = apply({}, merge([], [emitted(100 * S, onset_ns=90 * S)], 100 * S, P, resolved=unread))
     (first,) = [f for f in store.values()]
     ch = merge(live(store), [emitted(100 * S, onset_ns=90 * S)], 170 * S, P)
     assert [c.action for c in ch] == ["resolved"]
     store = apply(store, ch)
     resolved = [f for f in store.values() if f.status == "resolved"]
     again = emitted(100 * S, onset_ns=95 * S)   # the same episode, its onset as the window now sees it
-    assert merge(live(store), [again], 175 * S, P, resolved=resolved) == []
+    assert merge(live(store), [again], 175 * S, P, resolved=lambda: resolved) == []
     assert [c.action for c in merge(live(store), [again], 175 * S, P)] == ["resolved"]   # without: history again
-    assert [c.action for c in merge(live(store), [again], 175 * S, P, confirm=True, resolved=resolved)] == \
+    assert [c.action for c in merge(live(store), [again], 175 * S, P, confirm=True, resolved=lambda: resolved)] == \
         ["resolved"]
     # a new episode after it is a new finding
-    ch = merge(live(store), [again, emitted(180 * S, onset_ns=176 * S)], 180 * S, P, resolved=resolved)
+    ch = merge(live(store), [again, emitted(180 * S, onset_ns=176 * S)], 180 * S, P, resolved=lambda: resolved)
     assert [(c.action, c.finding.onset_ns) for c in ch] == [("opened", 176 * S)] and ch[0].finding.id != first.id
 
 

@@ -288,7 +288,7 @@ class AnalysisEngine:
                 st.duration.observe(st.last_duration_seconds)
                 st.findings += len(outputs.get(name, []))
                 ran.append(name)
-            if outputs and self.settings.causes:   # why each leading suspect is slow (causes.py)
+            if any(outputs.values()) and self.settings.causes:   # why each leading suspect is slow (causes.py)
                 c0 = time.perf_counter()
                 try:
                     onsets = {f.key: f.onset_ns for f in self.reader.findings(job_key, open_only=True)} \
@@ -353,7 +353,7 @@ class AnalysisEngine:
             for name, found in outputs.items():
                 back = data_ns - int(self.configs[name].window_seconds * 1e9) if name in self.configs else data_ns
                 result.extend(merge(store.live_findings(conn, job_key, name), found, data_ns, policies[name], confirm,
-                                    store.resolved_since(conn, job_key, name, back)))
+                                    lambda n=name, b=back: store.resolved_since(conn, job_key, n, b)))
             return store.write_changes(conn, result, now)
         done = threading.Event()
         outcome: list = []

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 SUSPECT_KINDS = ("rank", "gpu", "node", "nic", "switch", "link", "process", "function")
@@ -111,16 +112,18 @@ class Change:
 
 
 def merge(current: list[Finding], emitted: list[Finding], until_ns: int, policy: Policy,
-          confirm: bool = False, resolved: list[Finding] = ()) -> list[Change]:
+          confirm: bool = False, resolved: Callable[[], list[Finding]] = list) -> list[Change]:
     """Fold one window's output of one detector for one job into its pending/open findings.
 
     current: the stored pending and open findings of this (job, detector); emitted: the detector's output
-    for a window ending at until_ns (job_key and detector set); resolved: its resolved findings of late (an
-    output that is over and that one of them, same identity, already covers is the same event reported again by a
-    window that still holds it: not stored a second time). Returns the changes to store and announce;
+    for a window ending at until_ns (job_key and detector set); resolved: reads its resolved findings of late,
+    called only where an output that is over has no live finding (one that a resolved finding of the same identity
+    already covers is the same event reported again by a window that still holds it: not stored a second time).
+    Returns the changes to store and announce;
     findings neither confirmed nor due to resolve are left out (nothing to write)."""
     live = {f.key: f for f in current if f.status in ("pending", "open")}
     seen: dict[tuple, Finding] = {}
+    past: list[Finding] | None = None   # resolved(), read at most once
     def rank(f: Finding) -> tuple:   # one finding per identity per window: see the module docstring
         fresh = until_ns - f.last_ns < policy.resolve_after_ns
         return (fresh, f.severity, f.last_ns) if fresh else (fresh, f.last_ns, f.severity)
@@ -138,9 +141,10 @@ def merge(current: list[Finding], emitted: list[Finding], until_ns: int, policy:
             new = replace(f, id=finding_id(key, onset), onset_ns=onset, status="open" if opens else "pending",
                           peak_severity=f.severity, confirmations=1, first_seen_ns=first, resolved_ns=0)
             if stale:  # history: stored resolved when it may open (an operator's diagnose), else nothing
-                if not confirm and any(r.key == key and r.onset_ns <= f.last_ns and f.onset_ns <= r.last_ns
-                                       for r in resolved):
-                    continue   # reported already, and resolved: the same episode still in the detector's window
+                if not confirm:
+                    past = resolved() if past is None else past
+                    if any(r.key == key and r.onset_ns <= f.last_ns and f.onset_ns <= r.last_ns for r in past):
+                        continue   # reported already, and resolved: the same episode still in the detector's window
                 if opens:
                     changes.append(Change("resolved", replace(new, status="resolved", resolved_ns=until_ns)))
                 continue
