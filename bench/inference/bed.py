@@ -143,8 +143,9 @@ def match(iters: list[dict], batches: list[dict], offset_ns: int) -> list[tuple[
     return out
 
 
-def dive_of(rd, f, hit: list, kind: str) -> dict:
-    """The deep dive a fault's finding started (or, in the cool-down, the one of its job that covered it)."""
+def dive_of(rd, f, hit: list, kind: str, w: dict) -> dict:
+    """The deep dive a fault's finding started (or, in the cool-down, the one of its job that covered it); in_fault:
+    its window began while the fault was on (a dive a false alarm started before the fault saw none of it)."""
     dives = rd.deep_dives(finding_ids=[x.id for x in hit]) or [rd.deep_dives_for([f]).get(f.id)]
     dd = next((x for x in dives if x), None)
     if dd is None:
@@ -154,13 +155,15 @@ def dive_of(rd, f, hit: list, kind: str) -> dict:
     return {"status": dd["status"], "command_id": dd["command_id"], "start_after_onset_s":
             round((dd["start_ns"] - f.onset_ns) / 1e9, 2), "nodes": dd["nodes"],
             "top": [(c["kind"], c["id"], c["cause"], c["score"]) for c in causes[:3]],
-            "top1_right": top.get("cause") == EXPECTED_CAUSE[kind], "note": dd.get("note", "")}
+            "top1_right": top.get("cause") == EXPECTED_CAUSE[kind], "note": dd.get("note", ""),
+            "in_fault": w["start_ns"] <= dd["start_ns"] < w["end_ns"]}
 
 
 def write_traces(db: str, listen: str, state: str) -> dict:
     """finding id -> `steplens trace JOB --finding ID`'s counts for each finding whose dive is done, and what Perfetto's
     own trace processor finds in the file (tests/perfettotp: its tracks of a process, deep windows, stack slices)."""
     from steplens.collector.store.queries import Reader
+    sys.path.insert(0, os.path.join(REPO, "tests"))   # perfettotp
     rd = Reader(db)
     out = {}
     for f in rd.findings():
@@ -174,7 +177,6 @@ def write_traces(db: str, listen: str, state: str) -> dict:
             out[f.id] = {"error": res.stderr.strip()[-500:]}
             continue
         rec = {"counts": json.loads(res.stdout)["counts"], "path": path}
-        sys.path.insert(0, os.path.join(REPO, "tests"))
         from perfettotp import TraceProcessorWasm, unavailable
         why = unavailable()
         if why:
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
                      severity=f.severity, suspect=f"{top.kind}:{top.id}" if top else "", cause=top.cause if top else "",
                      cause_right=(top.cause if top else "") == EXPECTED_CAUSE[w["kind"]], summary=f.summary)
             if a.deep:
-                d["deep"] = dive_of(rd, f, hit, w["kind"])
+                d["deep"] = dive_of(rd, f, hit, w["kind"], w)
                 tr = next((traces[x.id] for x in hit if x.id in traces), None)
                 if tr is not None:
                     d["deep"]["trace"] = {k: v for k, v in tr.items() if k != "path"}
@@ -365,8 +367,11 @@ def main(argv=None) -> int:
     if a.deep:
         res["deep_done"] = sum(d.get("deep", {}).get("status") == "done" for d in per_fault.values())
         res["deep_top1_right"] = sum(bool(d.get("deep", {}).get("top1_right")) for d in per_fault.values())
+        inside = [d["deep"] for d in per_fault.values() if d.get("deep", {}).get("in_fault")]
+        res["deep_in_fault"], res["deep_in_fault_top1_right"] = len(inside), sum(x["top1_right"] for x in inside)
         print(f"deep dives: {res['deep_done']}/{len(faults)} done, top-1 cause right {res['deep_top1_right']}/"
-              f"{len(faults)}; the sentinel finding's own cause right {res['cause_right']}/{len(faults)}")
+              f"{len(faults)} ({res['deep_in_fault_top1_right']}/{len(inside)} of the dives that began inside their "
+              f"fault); the sentinel finding's own cause right {res['cause_right']}/{len(faults)}")
     print(json.dumps(res))
     return 0
 
