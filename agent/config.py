@@ -48,7 +48,7 @@ class AgentSettings:
     log_level: str = "info"
     governor: bool = True                   # the overhead governor (agent/governor.py) stretches the intervals of
     cpu_budget_fraction: float = 0.0        # ... governed sources to keep the agent's CPU under this share of the
-    deep_cpu_budget_fraction: float = 0.03  # host's CPUs (sentinel: 0 = not governed; deep mode: 3 %)
+    deep_cpu_budget_fraction: float = 0.01  # host's CPUs (sentinel: 0 = not governed; deep mode: 1 %)
 
     def validate(self) -> None:
         if not 0 <= self.cpu_budget_fraction <= 1 or not 0 <= self.deep_cpu_budget_fraction <= 1:

@@ -4,7 +4,9 @@ Measured every `period` seconds: each source's CPU time (its thread's CPU clock,
 source itself burns), and the agent process's whole CPU time (every thread: sources, batcher, transport, gRPC).
 On a host whose cores the job keeps busy, the agent's CPU is time the job's ranks do not get, so the budget is a
 share of the host's CPUs: `budget_fraction` in sentinel mode (0 by default: not governed), `deep_budget_fraction`
-while deep mode is on (3 % of the host: the deep-dive goal of <= 3 % of step time).
+while deep mode is on (1 % of the host: the deep-dive goal is <= 3 % of step time, and a job whose threads fill
+the cores it runs on loses more than the agent's share: on the inference bed 3 % of the host's CPUs cost a vLLM
+engine 5-11 % of its batch time, 1 % cost it ~1.8 %, bench/README.md).
 Over the budget, the sources that can wait (governed: pystacks, host, procs, gpu, tcpinfo, ...; never the ones
 that drain kernel buffers or rings that would wrap, nor the iteration rings) have their intervals stretched in
 proportion (scale < 1: a 1 kHz stack sampler at scale 0.3 samples at 300 Hz), at most 4x per period, down to
@@ -39,7 +41,7 @@ class GovernorSettings:
     enabled: bool = True
     budget_fraction: float = 0.0         # sentinel mode: the agent's CPU at most this share of the host's CPUs
                                          # (0: not governed; sentinel rates are the configured ones)
-    deep_budget_fraction: float = 0.03   # deep mode
+    deep_budget_fraction: float = 0.01   # deep mode (bench/README.md, inference/bed.py --dive-cost)
     period_seconds: float = 1.0
     min_scale: float = 0.05
 
@@ -64,6 +66,7 @@ class Governor:
         self.over_periods = 0
         self._lock = threading.Lock()
         self._last = (time.monotonic(), time.process_time())
+        self._deep_scales: dict[str, float] = {}   # each source's scale when the last deep window ended
 
     def register(self, name: str, governed: bool) -> None:
         self.costs.setdefault(name, SourceCost(governed=governed))
@@ -84,11 +87,16 @@ class Governor:
         return c.scale if c is not None and self.settings.enabled else 1.0
 
     def set_deep(self, deep: bool) -> None:
+        """A mode switch: sentinel mode starts from the configured rates; deep mode from the scales the last deep
+        window ended with (a new budget, but the same sources on the same processes: starting at 1 kHz, the
+        sampler overshot the budget for the first 1-2 s of every 6 s window while the scale came down 4x a period)."""
         with self._lock:
             if deep != self.deep:
+                if self.deep:
+                    self._deep_scales = {n: c.scale for n, c in self.costs.items()}
                 self.deep = deep
-                for c in self.costs.values():
-                    c.scale = 1.0
+                for n, c in self.costs.items():
+                    c.scale = self._deep_scales.get(n, 1.0) if deep and self.settings.enabled else 1.0
 
     def tick(self, now: float | None = None, process_cpu: float | None = None) -> None:
         """One period: the figures, then the scales."""

@@ -47,8 +47,8 @@ def main(argv=None) -> int:
     ap.add_argument("--deep-seconds", type=float, default=6.0)
     ap.add_argument("--no-governor", action="store_true")
     ap.add_argument("--budget-fraction", type=float, default=0.0,
-                    help="the agents' deep_cpu_budget_fraction (default: theirs, 0.03 of the CPUs they see); the bed's "
-                         "4 hosts share this VM's 2 cores, so a host's own share is 0.03 / 4 = 0.0075")
+                    help="the agents' deep_cpu_budget_fraction (default: theirs, 0.01 of the CPUs they see); the bed's "
+                         "4 hosts share this VM's 2 cores, so a host's own share is 0.01 / 4 = 0.0025")
     ap.add_argument("--state-dir", default="/tmp/steplens-deepcost")
     a = ap.parse_args(argv)
     if a.no_governor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -93,10 +94,110 @@ def test_admission_cooldown_rate_limit_and_budget():
     assert d.admission("n", 10 * S, now + 3600 * S, 2) == ""   # the hour moved on: old dives leave the count
 
 
+class _Procs:
+    def procs(self):
+        return [{"job_key": "j", "alive": True, "node_id": n, "rank": r} for r, n in enumerate(("h0", "h1"))]
+
+
+def _cause(kind: str, score: float) -> dict:
+    return {"kind": kind, "id": "runqueue" if kind == "resource" else "step (train.py)", "rank": 1,
+            "cause": "cpu-contention" if kind == "resource" else "compute", "score": score}
+
+
+class _Unrun(DeepDives):
+    """The trigger alone: nothing stored, no window waited for."""
+    async def _write(self, dd) -> None:
+        self.written.append((dd.command_id, dd.trigger, dd.note))
+
+    async def _finish(self, dd) -> None:
+        pass
+
+
+def test_a_finding_that_escalates_dives_again_past_the_cool_down():
+    """A false alarm's dive (1.5x) then the fault in the same finding (5x): a second dive past the cool-down, once the
+    first is over and blamed no resource; a milder rise none, nor a rise after a dive that found the cause; another
+    finding past the cool-down only as an escalation of the job's last dive; at most max_dives_per_finding per
+    finding; a finding opened before the watch dives only once it escalates from there; one refused for the
+    cool-down once that lifts, while it is still going on."""
+    cfg = DeepDiveConfig(cooldown_seconds=600, duration_seconds=2.0, settle_seconds=1.0, max_dives_per_finding=3)
+    d = _Unrun(_Ingest(["h0", "h1"]), _Procs(), None, _Clock(), None, cfg)
+    d.written = []
+    f = _finding(severity=1.5, fid="F")
+
+    def over():   # the job's last dive window (and its settle) ended
+        end, sev, cid = d.last_dive["j"]
+        d.last_dive["j"] = (time.time_ns() - 1, sev, cid)
+
+    async def run():
+        first = await d.on_finding(f, "opened")
+        assert first is not None and first.trigger == "finding"
+        assert await d.on_finding(replace(f, severity=2.0), "updated") is None        # < 1.5 x 1.5
+        assert await d.on_finding(replace(f, severity=5.0), "updated") is None        # its first dive still runs
+        over()
+        assert await d.on_finding(replace(f, severity=5.0), "updated") is None        # not analysed yet
+        first.status, first.result = "done", {"causes": [_cause("function", 40.0)]}  # it blamed no resource
+        second = await d.on_finding(replace(f, severity=5.0), "updated")
+        assert second is not None and second.trigger == "escalation" and first.command_id in second.note
+        assert second.reference_until_ns == first.reference_until_ns   # the job before the finding began
+        over()
+        g = _finding(severity=6.0, fid="G", kind="network")
+        assert await d.on_finding(g, "opened") is None and d.skipped["cooldown"] == 1   # 6 < 1.5 x 5
+        assert await d.on_finding(replace(g, severity=7.0), "updated") is None
+        third = await d.on_finding(replace(g, severity=9.5), "updated")
+        assert third is not None and third.trigger == "finding" and third.finding_id == "G"
+        over()
+        second.status, second.result = "done", {"causes": [_cause("resource", 50.0)]}
+        assert await d.on_finding(replace(f, severity=20.0), "updated") is None   # it found the cause: not redone
+        second.result = {"causes": [_cause("resource", 3.0)]}                    # too weak to say
+        fourth = await d.on_finding(replace(f, severity=20.0), "updated")   # F's third
+        fourth.status = "done"
+        over()
+        assert fourth is not None and await d.on_finding(replace(f, severity=100.0), "updated") is None
+        h = _finding(severity=3.0, fid="H", kind="stall")
+        assert await d.on_finding(h, "updated") is None and d.refused["H"] == (3.0, "earlier", 0)
+        assert await d.on_finding(replace(h, severity=4.0), "updated") is None
+        assert await d.on_finding(replace(h, severity=150.0), "updated") is not None
+        over()
+        # refused for the cool-down: tried again once it lifts, while the finding is still going on
+        k = _finding(severity=2.0, fid="K", kind="memory")
+        assert await d.on_finding(k, "opened") is None and d.refused["K"][1] == "cooldown"
+        assert d.refused["K"][2] == d.last_by_job["j"] + 600 * S
+        assert await d.on_finding(k, "updated") is None          # not yet
+        d.last_by_job["j"] -= 600 * S
+        d.refused["K"] = (*d.refused["K"][:2], time.time_ns() - 1)
+        stale = replace(k, last_ns=time.time_ns() - 60 * S)      # over a minute ago: a dive would see none of it
+        assert await d.on_finding(stale, "updated") is None
+        later = await d.on_finding(k, "updated")
+        assert later is not None and later.finding_id == "K" and "K" not in d.refused
+    asyncio.run(run())
+    assert [t for _, t, _ in d.written] == ["finding", "escalation", "escalation", "finding", "escalation",
+                                            "escalation", "finding", "finding"]   # an escalation's row twice: its note
+    assert d.by_finding["F"][0] == 3 and d.by_finding["G"][0] == 1
+
+
+def test_operator_dives_set_a_cool_down_no_finding_escalates_past():
+    d = _dives(DeepDiveConfig(cooldown_seconds=600))
+    now = 10_000 * S
+    d.last_by_job["j"], d.last_dive["j"] = now - 100 * S, (now - 50 * S, float("inf"), "dd-op")
+    assert d.admission("j", 10 * S, now, 2, severity=50.0).startswith("cooldown")
+    d.last_dive["j"] = (now - 50 * S, 2.0, "dd-1")
+    assert d.admission("j", 10 * S, now, 2, severity=2.9).startswith("cooldown")
+    assert d.admission("j", 10 * S, now, 2, severity=3.0) == ""
+    d.last_dive["j"] = (now + S, 2.0, "dd-1")
+    assert d.admission("j", 10 * S, now, 2, severity=30.0).startswith("busy")
+    d.last_dive["j"] = (now - S, 0.0, "dd-hang")          # a hang's dive (severity 0): nothing escalates past it
+    assert d.admission("j", 10 * S, now, 2, severity=30.0).startswith("cooldown")
+    d.cfg.escalation_factor = 0
+    d.last_dive["j"] = (now - S, 2.0, "dd-1")
+    assert d.admission("j", 10 * S, now, 2, severity=30.0).startswith("cooldown")
+
+
 @pytest.mark.parametrize("table, why", [({"kinds": "slowdown"}, "kinds must be a list"),
                                         ({"duration_seconds": 0}, "duration_seconds"),
                                         ({"bogus": 1}, "unknown key"), ({"max_deep_fraction": 2}, "max_deep_fraction"),
-                                        ({"enabled": "yes"}, "enabled")])
+                                        ({"enabled": "yes"}, "enabled"), ({"escalation_factor": 1}, "escalation"),
+                                        ({"max_dives_per_finding": 0}, "max_dives_per_finding"),
+                                        ({"conclusive_score": -1}, "conclusive_score")])
 def test_config_errors_are_clear(table, why):
     with pytest.raises(ConfigError, match=why):
         build_config(DeepDiveConfig, table, "[deep_dive]")
@@ -152,8 +253,8 @@ def test_a_finding_starts_one_synchronized_dive_and_gets_its_ranked_causes(tmp_p
                 conn.close()
                 run.modes = True
             await asyncio.sleep(0.05)
-        # the same finding opened again within the cool-down starts nothing more
-        hub.publish([Change("opened", f)])
+        # the same finding again starts nothing more; another one of the job, no more severe, is in the cool-down
+        hub.publish([Change("updated", f), Change("opened", replace(f, id="f-2", kind="stall"))])
         await asyncio.sleep(0.2)
         await dives.stop()
         return dives

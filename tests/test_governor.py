@@ -45,11 +45,15 @@ def test_mode_switch_resets_and_sentinel_is_ungoverned_by_default():
     g.add_cpu("pystacks", 0.5)
     g.tick(now=1.0, process_cpu=0.5)
     assert g.scale("pystacks") < 1
+    left = g.scale("pystacks")
     g.set_deep(False)
     assert g.scale("pystacks") == 1.0 and g.budget_cores == 0.0
     g.add_cpu("pystacks", 0.9)
     g.tick(now=2.0, process_cpu=1.4)
     assert g.scale("pystacks") == 1.0          # budget 0: not governed
+    g.set_deep(True)                           # the next deep window starts where the last one ended
+    assert g.scale("pystacks") == left and g.scale("sched") == 1.0
+    g.set_deep(False)
     off = _gov(enabled=False)
     off.set_deep(True)
     off.add_cpu("pystacks", 0.9)

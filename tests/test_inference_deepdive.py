@@ -4,9 +4,9 @@ record.py's kinds (noisy, cpu, mem, slow), each 15 s with 30 s between them, fro
 first fit on (the bed waits for 1,500 stored decode batches) -> a sentinel finding on the engine process -> a deep
 dive on its node (the engine has no rank: the dive ranks its own process against its own reference window) ->
 ranked causes on the finding, top-1 the fault's (bed.EXPECTED_CAUSE) for every dive that began inside its fault,
-and at least two such dives (a false alarm of the sentinel just before a fault can start one that sees none of it,
-or hold the cool-down through it) -> the dive's merged trace loads in Perfetto's trace processor with the engine's
-process track, the deep window and Python stacks.
+and at least three such dives (a false alarm of the sentinel just before a fault can start one that sees none of
+it; the fault's own comes from the escalation rules, later) -> the dive's merged trace loads in Perfetto's trace
+processor with the engine's process track, the deep window and Python stacks.
 
 Needs root (the agent reads the engine's /proc) and .venv-vllm (`make inference-env`); ~6-8 minutes."""
 
@@ -49,8 +49,8 @@ def test_faults_of_a_serving_engine_are_found_and_a_dive_that_sees_one_names_its
             inside += 1
             assert deep["top1_right"], (kind, deep)
             assert d["cause_right"], (kind, d["summary"])   # and the finding's own cause (causes.py) agrees
-    # the sentinel's own false alarms on this shared VM (1.2-2.4x, issue 16) can start a dive just before a fault,
-    # which then sees none of it, or hold the 20 s cool-down through it (bench/README.md, inference/bed.py): at
-    # least half of the faults get a dive of their own
-    assert inside >= 2, res["per_fault"]
+    # the sentinel's own false alarms on this shared VM (1.2-2.4x, issue 16) can start a dive just before a fault;
+    # the fault then gets one as the finding's escalation, or past the cool-down as a more severe finding, or when
+    # the cool-down lifts (analysis/deepdive.py); 4/4 in three runs, 3/4 in two (bench/README.md, inference/bed.py)
+    assert inside >= 3, res["per_fault"]
     assert res["iterations_matched"] == res["engine_batches"]

@@ -22,10 +22,18 @@ Scored at the end, from the collector's store and its findings:
               (from 1 s before its start), with the onset lag in decode batches and seconds (negative: the finding
               began before the fault), the cause its top suspect got (collector/analysis/causes.py); a finding
               outside every fault is false.
+With --dive-cost N (the deep dive's cost to the serving engine, issue "Closing the loop"): pystacks on, no faults, no
+dive started by a finding; once the engine has run `--warmup` seconds, N operator dives (`steplens deep start --job`,
+6 s each, the collector's fetch and ranking after each) every 20 s. Each decode batch's time over what its workload
+predicts (a least-squares fit of batch size and KV tokens on the batches outside the dives and the 10 s after them):
+the median of that ratio inside each window (its first 0.5 s left out: the switch) against the 6 s before it, then
+the median over rounds; the quiet noise is the same between the two 3 s halves before it (what the VM does on its
+own), and `after` the 8 s after the window (the agent serving the fetch, the collector's ranking on this host).
 Last line: one JSON object. Run as root (the agent reads other processes' /proc):
 
     .venv/bin/python bench/inference/bed.py --seconds 150 --fault noisy:70:90 --fault cpu:110:125
     .venv/bin/python bench/inference/bed.py --deep     # noisy, cpu, mem, slow 45 s apart once the sentinel judges
+    .venv/bin/python bench/inference/bed.py --dive-cost 8
 """
 
 from __future__ import annotations
@@ -65,7 +73,7 @@ resolve_after_seconds = 6.0
 """
 
 AGENT_TOML = """[agent]
-node_id = "bed"
+{budget}node_id = "bed"
 collector = "{listen}"
 state_dir = "{state}"
 insecure = true
@@ -146,7 +154,8 @@ def match(iters: list[dict], batches: list[dict], offset_ns: int) -> list[tuple[
 def dive_of(rd, f, hit: list, kind: str, w: dict) -> dict:
     """The deep dive a fault's finding started (or, in the cool-down, the one of its job that covered it); in_fault:
     its window began while the fault was on (a dive a false alarm started before the fault saw none of it)."""
-    dives = rd.deep_dives(finding_ids=[x.id for x in hit]) or [rd.deep_dives_for([f]).get(f.id)]
+    own = rd.deep_dives(finding_ids=[x.id for x in hit])   # newest first: what the finding shows as its deep_dive
+    dives = own or [rd.deep_dives_for([f]).get(f.id)]
     dd = next((x for x in dives if x), None)
     if dd is None:
         return {"status": "none"}
@@ -156,7 +165,8 @@ def dive_of(rd, f, hit: list, kind: str, w: dict) -> dict:
             round((dd["start_ns"] - f.onset_ns) / 1e9, 2), "nodes": dd["nodes"],
             "top": [(c["kind"], c["id"], c["cause"], c["score"]) for c in causes[:3]],
             "top1_right": top.get("cause") == EXPECTED_CAUSE[kind], "note": dd.get("note", ""),
-            "in_fault": w["start_ns"] <= dd["start_ns"] < w["end_ns"]}
+            "in_fault": w["start_ns"] <= dd["start_ns"] < w["end_ns"], "trigger": dd["trigger"],
+            "dives_of_finding": len(own)}
 
 
 def write_traces(db: str, listen: str, state: str) -> dict:
@@ -193,6 +203,118 @@ def write_traces(db: str, listen: str, state: str) -> dict:
     return out
 
 
+def _cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds of a process ("") and of its threads by name (/proc: nothing is started to read them)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            f = fh.read().rsplit(")", 1)[1].split()
+        out[""] = (int(f[11]) + int(f[12])) / tick
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
+                head, _, rest = fh.read().partition(" (")
+                name, _, rest = rest.rpartition(") ")
+                f = rest.split()
+                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def _dive_rounds(listen: str, db: str, agent_pid: int, rounds: int, warmup_s: float, every_s: float, deep_s: float,
+                 out: list, stop: threading.Event) -> None:
+    """--dive-cost: once the store has held the engine's Iterations for warmup_s, an operator's dive of its job every
+    every_s (each: command id, cluster start ns, duration ns, the agent's CPU in the window). The dives are asked
+    for over gRPC from this process and the agent's CPU read from /proc: a CLI started beside the engine would
+    cost it ~0.5 s of CPU in the segments compared."""
+    import sqlite3
+
+    import grpc
+
+    from steplens.v1 import control_pb2 as cpb
+    from steplens.v1 import control_pb2_grpc as cgrpc
+    job, since = "", 0.0
+    while not stop.is_set() and not job:
+        stop.wait(2.0)
+        try:
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+            try:
+                row = con.execute("SELECT job_key FROM iterations GROUP BY job_key ORDER BY COUNT(*) DESC").fetchone()
+            finally:
+                con.close()
+        except sqlite3.Error:
+            continue
+        if row:
+            job, since = row[0], time.monotonic()
+    stop.wait(max(0.0, warmup_s - (time.monotonic() - since)))
+    with grpc.insecure_channel(listen) as channel:
+        stub = cgrpc.ControlStub(channel)
+        for _ in range(rounds):
+            if stop.wait(every_s - deep_s):
+                return
+            try:
+                reply = stub.SetDeepMode(cpb.DeepRequest(job_key=job, enable=True, duration_ns=int(deep_s * 1e9),
+                                                         lead_ms=1000), timeout=30)
+            except grpc.RpcError as exc:
+                print(f"bed: deep start failed: {exc.details()}", file=sys.stderr)
+                stop.wait(deep_s + 1.3)
+                continue
+            rec = {"command_id": reply.command_id, "start_ns": reply.start_ns, "duration_ns": int(deep_s * 1e9)}
+            out.append(rec)
+            stop.wait(max(0.0, (reply.start_ns - time.time_ns()) / 1e9) + 0.5)
+            c0, t0 = _cpu_s(agent_pid), time.monotonic()
+            stop.wait(max(0.0, (reply.start_ns + int(deep_s * 1e9) - time.time_ns()) / 1e9))
+            c1, dt = _cpu_s(agent_pid), time.monotonic() - t0
+            if c0 and c1:
+                rec["agent_cpu_cores"] = round((c1[""] - c0[""]) / dt, 4)
+                rec["pystacks_cores"] = round((c1.get("sl-pystacks", 0) - c0.get("sl-pystacks", 0)) / dt, 4)
+            stop.wait(0.3)
+
+
+def dive_cost(batches: list[dict], dives: list[dict], offset_ns: int) -> dict:
+    """The engine's decode batches inside each dive against the 6 s before it (module docstring, --dive-cost)."""
+    import numpy as np
+    S = 10**9
+    dec = [b for b in batches if b["mode"] == 2]
+    t = np.array([b["t0_real_ns"] + offset_ns for b in dec], dtype=np.int64)
+    dur = np.array([b["dur_ns"] for b in dec], dtype=float)
+    x = np.array([[1.0, b["batch_size"], b["kv_tokens"]] for b in dec])
+    dives = [d for d in dives if "start_ns" in d]
+    busy = np.zeros(len(t), bool)
+    for d in dives:
+        busy |= (t >= d["start_ns"]) & (t < d["start_ns"] + d["duration_ns"] + 10 * S)
+    coef, *_ = np.linalg.lstsq(x[~busy], dur[~busy], rcond=None)
+    ratio = dur / np.maximum(x @ coef, 1.0)
+
+    def med(a: int, b: int):
+        m = (t >= a) & (t < b)
+        return float(np.median(ratio[m])) if m.sum() >= 10 else None
+    rounds, slow, noise, after = [], [], [], []
+    for d in dives:
+        a, b = d["start_ns"], d["start_ns"] + d["duration_ns"]
+        q, q1, q2 = med(a - 6 * S, a), med(a - 6 * S, a - 3 * S), med(a - 3 * S, a)
+        inside, post = med(a + S // 2, b), med(b, b + 8 * S)
+        r = {"command_id": d["command_id"], "quiet": q, "deep": inside, "after": post,
+             **{k: d[k] for k in ("agent_cpu_cores", "pystacks_cores") if k in d}}
+        if q and inside:
+            slow.append(inside / q - 1)
+        if q1 and q2:
+            noise.append(abs(q2 / q1 - 1))
+        if q and post:
+            after.append(post / q - 1)
+        rounds.append({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()})
+
+    def pct(xs):
+        return round(100 * statistics.median(xs), 2) if xs else None
+    cpu = [d["agent_cpu_cores"] for d in dives if d.get("agent_cpu_cores") is not None]
+    return {"rounds": rounds, "dives": len(dives), "deep_slowdown_pct_median": pct(slow),
+            "agent_cpu_cores_deep_median": round(statistics.median(cpu), 4) if cpu else None,
+            "deep_slowdown_pct_mean": round(100 * statistics.fmean(slow), 2) if slow else None,
+            "quiet_noise_abs_pct_median": pct(noise), "after_slowdown_pct_median": pct(after),
+            "fit_batches": int((~busy).sum())}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=0.0, help="the engine's run (default 150 s; with --deep at most "
@@ -203,14 +325,22 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--state-dir", default="", help="keep everything here (default: a temporary directory)")
     ap.add_argument("--deep", action="store_true", help="pystacks on, and a deep dive for each sentinel finding")
+    ap.add_argument("--dive-cost", type=int, default=0, metavar="N",
+                    help="no faults: N operator dives, the engine's batches inside them against before them")
+    ap.add_argument("--warmup", type=float, default=40.0, help="--dive-cost: seconds of the engine before the first")
+    ap.add_argument("--budget-fraction", type=float, default=0.0,
+                    help="the agent's deep_cpu_budget_fraction (default: its own)")
     a = ap.parse_args(argv)
+    if a.dive_cost and (a.deep or a.fault):
+        ap.error("--dive-cost runs no faults and no finding's dives: leave out --deep and --fault")
+    every_s, deep_s = 20.0, 6.0
     # --deep: the faults' times count from when the sentinel can judge the engine (its first fit takes 1,500
     # decode batches, sentinel.py fit_iterations: ~80 s here on one day, ~175 s on a slower one, when the load
     # saturated the engine) plus a minute of judging, so that no fault lands in what it learns as normal; the
     # engine stops 30 s after the last fault
     faults = a.fault or (["noisy:0:15", "cpu:45:60", "mem:90:105", "slow:135:150"] if a.deep else
-                         ["noisy:70:90", "cpu:110:125"])
-    a.seconds = a.seconds or (900.0 if a.deep else 150.0)
+                         [] if a.dive_cost else ["noisy:70:90", "cpu:110:125"])
+    a.seconds = a.seconds or (900.0 if a.deep else a.warmup + 30 + a.dive_cost * every_s if a.dive_cost else 150.0)
     a.rate = a.rate or "1:12:40"
     if not os.path.exists(VLLM_PY):
         print("bed: .venv-vllm is missing (make inference-env)", file=sys.stderr)
@@ -224,7 +354,8 @@ def main(argv=None) -> int:
     with open(os.path.join(state, "collector.toml"), "w") as fh:
         fh.write(COLLECTOR_TOML.format(db=db, listen=listen) + (DEEP_TOML if a.deep else NO_DEEP_TOML))
     with open(os.path.join(state, "agent.toml"), "w") as fh:
-        fh.write(AGENT_TOML.format(listen=listen, state=os.path.join(state, "agent"), rings=rings))
+        fh.write(AGENT_TOML.format(listen=listen, state=os.path.join(state, "agent"), rings=rings, budget=(
+            f"deep_cpu_budget_fraction = {a.budget_fraction}\n" if a.budget_fraction else "")))
     procs: list[subprocess.Popen] = []
     traces: dict = {}
     logs = {n: open(os.path.join(state, f"{n}.log"), "w") for n in ("collector", "agent", "engine")}
@@ -238,7 +369,7 @@ def main(argv=None) -> int:
         time.sleep(2)
         procs.append(subprocess.Popen([os.path.join(BIN, "steplens-agent"), "run", "--config",
                                        os.path.join(state, "agent.toml"),
-                                       *[x for s in DISABLED if not (a.deep and s == "pystacks")
+                                       *[x for s in DISABLED if not ((a.deep or a.dive_cost) and s == "pystacks")
                                          for x in ("--disable", s)]],
                                       stdout=logs["agent"], stderr=subprocess.STDOUT))
         sys.path.insert(0, REPO)
@@ -250,11 +381,17 @@ def main(argv=None) -> int:
         if a.deep:
             gate = threading.Thread(target=_go_when_judged, args=(db, go), daemon=True)
             gate.start()
+        dives: list[dict] = []
+        stop = threading.Event()
+        if a.dive_cost:
+            threading.Thread(target=_dive_rounds, args=(listen, db, procs[-1].pid, a.dive_cost, a.warmup, every_s,
+                                                        deep_s, dives, stop), daemon=True).start()
         eng = subprocess.run([VLLM_PY, os.path.join(REPO, "bench", "inference", "record.py"), "--seconds",
                               str(a.seconds), "--rate", a.rate, "--hidden", str(a.hidden), "--layers",
                               str(a.layers), "--out", steps, *[x for f in faults for x in ("--fault", f)],
                               *(["--faults-after", go] if a.deep else [])],
                              env=env, stdout=logs["engine"], stderr=subprocess.STDOUT)
+        stop.set()
         if eng.returncode != 0:
             print(f"bed: the engine failed (rc {eng.returncode}), see {state}/engine.log", file=sys.stderr)
             return 1
@@ -372,6 +509,17 @@ def main(argv=None) -> int:
         print(f"deep dives: {res['deep_done']}/{len(faults)} done, top-1 cause right {res['deep_top1_right']}/"
               f"{len(faults)} ({res['deep_in_fault_top1_right']}/{len(inside)} of the dives that began inside their "
               f"fault); the sentinel finding's own cause right {res['cause_right']}/{len(faults)}")
+    if a.dive_cost:
+        statuses = {d["command_id"]: d["status"] for d in rd.deep_dives(job_key=job, limit=500)}
+        res["dive_cost"] = dive_cost(batches, dives, offset)
+        for r in res["dive_cost"]["rounds"]:
+            r["status"] = statuses.get(r["command_id"], "")
+            print(f"  dive {r}")
+        c = res["dive_cost"]
+        print(f"deep dives' cost to the engine: {c['dives']} dives, decode batches {c['deep_slowdown_pct_median']} % "
+              f"slower inside (median over rounds; mean {c['deep_slowdown_pct_mean']} %), quiet noise "
+              f"{c['quiet_noise_abs_pct_median']} %, {c['after_slowdown_pct_median']} % in the 8 s after; the agent "
+              f"{c['agent_cpu_cores_deep_median']} cores in a window (median)")
     print(json.dumps(res))
     return 0
 

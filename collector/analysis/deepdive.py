@@ -7,7 +7,18 @@ root causes attached to the finding (LatencyPrism §4.7-4.8, with the policy the
              `duration_seconds`. Refused, with the reason counted and logged: a job in its cool-down (one dive per
              job per `cooldown_seconds`), the cluster's rate limit (`max_per_hour`), the overhead budget (a job's
              nodes in deep mode at most `max_deep_fraction` of the last hour, the dive's own duration included),
-             no node of the job connected.
+             no node of the job connected, the job's last dive still running (`busy`).
+  escalation a finding that grows `escalation_factor` times as severe as it was when its dive started, once that
+             dive is analysed and blamed no resource (its top cause not a resource scoring `conclusive_score`),
+             starts another dive past the cool-down (rate limit, budget and busy still apply), at most
+             `max_dives_per_finding` for one finding; trigger "escalation". A false alarm's dive otherwise takes
+             the cool-down from the fault that follows it within the same finding, and sees none of it (the
+             inference bed: a 1.5x episode, then a 6x fault); a dive that found the cause is not redone because
+             the sentinel's ratio kept rising through the same fault (its moving average fills). A finding of its
+             own that is escalation_factor times as severe as the job's last dive's passes the cool-down too. A
+             finding refused earlier is tried again when it escalates, or, refused for `busy` or the cool-down, at
+             its first update after that lifted while it is still going on (its last output within max(10 s,
+             2 x duration) of now). A hang (severity 0) and an operator's dive never escalate.
   reference  the `reference_seconds` that end `reference_gap_seconds` before the finding's onset (the job before it
              went wrong, at sentinel rates), or before the dive's start for an operator's dive without a finding.
   result     after the window (plus `settle_seconds` for the agents' last batches): when each node switched (its
@@ -37,6 +48,7 @@ log = logging.getLogger("steplens.collector.deepdive")
 PROC_SHARES = {"runqueue": "process_runqueue_seconds_total", "throttled": "process_cpu_throttled_seconds_total",
                "gc": "python_gc_seconds_total"}
 NODE_SHARES = {"memory": "pressure_memory_some_seconds_total"}
+MAX_TRACKED = 10_000   # open findings remembered (their dives or refusals) until they resolve
 CPUS_ALLOWED = "process_cpus_allowed"   # the "affinity" resource: the share of its CPUs a process lost (gauge)
 
 
@@ -56,6 +68,9 @@ class DeepDiveConfig:
     max_per_hour: int = 12                          # every job together
     max_deep_fraction: float = 0.05                 # overhead budget: a job's deep time over the last hour
     settle_seconds: float = 3.0
+    escalation_factor: float = 1.5                  # this much more severe: a dive past the cool-down (0: never)
+    max_dives_per_finding: int = 3
+    conclusive_score: float = 10.0                  # a dive whose top cause is a resource this strong: no escalation
     sources: list = field(default_factory=list)     # deep-mode sources ([]: all with a deep mode)
 
     def validate(self) -> None:
@@ -75,6 +90,10 @@ class DeepDiveConfig:
             raise ConfigError("cooldown_seconds >= 0, max_per_hour >= 1 and max_deep_fraction within (0, 1]")
         if not 0 <= self.settle_seconds <= 120:
             raise ConfigError(f"settle_seconds must be within 0..120, got {self.settle_seconds}")
+        if not (self.escalation_factor == 0 or 1 < self.escalation_factor <= 100) or self.max_dives_per_finding < 1:
+            raise ConfigError("escalation_factor must be 0 (never) or within (1, 100], max_dives_per_finding >= 1")
+        if not self.conclusive_score >= 0:
+            raise ConfigError(f"conclusive_score must be >= 0, got {self.conclusive_score}")
 
 
 @dataclass
@@ -82,7 +101,7 @@ class DeepDive:
     command_id: str
     job_key: str
     finding_id: str
-    trigger: str                 # finding | operator
+    trigger: str                 # finding | escalation | operator
     requested_ns: int
     start_ns: int
     duration_ns: int
@@ -109,10 +128,17 @@ class DeepDives:
         self.cfg.validate()
         self.started: collections.deque = collections.deque()   # (cluster ns, job, duration ns) of the last hour
         self.last_by_job: dict[str, int] = {}
+        self.last_dive: dict[str, tuple[int, float, str]] = {}   # job -> (its window's end + settle, severity, id)
+        self.by_finding: dict[str, tuple] = {}   # open finding -> (dives, severity at the last, its id, DeepDive)
+        self.refused: dict[str, tuple] = {}      # open finding -> (severity, reason, when it lifts ns) of its refusal
         self.skipped = collections.Counter()
         self.counts = collections.Counter()
         self._task: asyncio.Task | None = None
         self._pending: set[asyncio.Task] = set()
+        self.last_refusal = ""
+        self.refusal_lifts_ns = 0
+        # a refused finding is tried again once the refusal lifts only while its detector still sees it going on
+        self.fresh_ns = int(max(10.0, 2 * self.cfg.duration_seconds) * 1e9)
 
     # -- the finding stream ---------------------------------------------------------------------------------
     def start(self) -> None:
@@ -130,10 +156,14 @@ class DeepDives:
         try:
             while True:
                 event, finding, _ = await sub.get()
-                if event == "opened":
+                if event == "resolved":
+                    self.by_finding.pop(finding.id, None)
+                    self.refused.pop(finding.id, None)
+                elif event in ("opened", "updated"):
                     try:
-                        await self.on_finding(finding)
+                        await self.on_finding(finding, event)
                     except Exception as exc:   # one bad dive never stops the watch
+                        self._refuse(finding, "error")
                         log.error("deep dive for finding %s failed to start: %s", finding.id, exc)
         finally:
             self.hub.unsubscribe(sub)
@@ -149,22 +179,84 @@ class DeepDives:
             return "severity"
         return ""
 
-    async def on_finding(self, finding) -> DeepDive | None:
+    def _refuse(self, finding, why: str, lifts_ns: int = 0) -> None:
+        """lifts_ns: when a refusal for the job's dive running (busy) or its cool-down lifts (0: never by itself);
+        the finding is tried again at its first update after it, if it is still going on (fresh_ns)."""
+        self.refused.pop(finding.id, None)
+        self.refused[finding.id] = (finding.severity, why, lifts_ns)
+        while len(self.refused) > MAX_TRACKED:   # a finding whose resolution never reached this watch
+            self.refused.pop(next(iter(self.refused)))
+
+    def conclusive(self, result: dict) -> bool:
+        """A dive's ranking blames a resource (its top cause) at least conclusive_score: no escalation redoes it."""
+        causes = result.get("causes") or []
+        return bool(causes) and causes[0].get("kind") == "resource" and \
+            causes[0].get("score", 0) >= self.cfg.conclusive_score
+
+    def escalates(self, severity: float, than: float) -> bool:
+        f = self.cfg.escalation_factor
+        return f > 0 and than > 0 and severity >= f * than
+
+    async def on_finding(self, finding, event: str = "opened") -> DeepDive | None:
+        """A finding opened or updated: its dive, its escalation's, a retry of its refusal, or None (module
+        docstring, trigger and escalation)."""
         why = self.policy(finding)
+        mine, before = self.by_finding.get(finding.id), self.refused.get(finding.id)
         if why:
-            self.skipped[why] += 1
+            if event == "opened":
+                self.skipped[why] += 1
+                self._refuse(finding, why)
             return None
+        trigger = "finding"
+        if mine is not None:
+            if mine[0] >= self.cfg.max_dives_per_finding or not self.escalates(finding.severity, mine[1]):
+                return None
+            last = mine[3]
+            if last.status in ("scheduled", "analysing") or (last.status == "done" and self.conclusive(last.result)):
+                return None   # its result is not in yet (the next update after it), or it named a resource
+            trigger = "escalation"
+        elif event == "updated":
+            if before is None:   # opened before this collector watched: a dive only once it escalates from here
+                self._refuse(finding, "earlier")
+                return None
+            now = self.clock.now_ns()
+            lifted = before[2] and now >= before[2] and now - finding.last_ns <= self.fresh_ns
+            if not (lifted or before[1] == "severity" or self.escalates(finding.severity, before[0])):
+                return None
         ref_until = finding.onset_ns - int(self.cfg.reference_gap_seconds * 1e9)
-        return await self.start_dive(finding.job_key, finding.id, "finding", ref_until)
+        dd = await self.start_dive(finding.job_key, finding.id, trigger, ref_until, severity=finding.severity)
+        if dd is None or dd.status == "failed":
+            if mine is None:
+                self._refuse(finding, self.last_refusal if dd is None else "failed",
+                             self.refusal_lifts_ns if dd is None else 0)
+            return dd
+        self.refused.pop(finding.id, None)
+        self.by_finding[finding.id] = ((mine[0] if mine else 0) + 1, finding.severity, dd.command_id, dd)
+        while len(self.by_finding) > MAX_TRACKED:
+            self.by_finding.pop(next(iter(self.by_finding)))
+        if mine is not None:
+            dd.note = (dd.note + "; " if dd.note else "") + \
+                f"the finding escalated from {mine[1]:.2f} to {finding.severity:.2f} after dive {mine[2]}"
+            await self._write(dd)
+        return dd
 
     # -- starting one ---------------------------------------------------------------------------------------
-    def admission(self, job_key: str, duration_ns: int, now: int, nodes: int) -> str:
+    def admission(self, job_key: str, duration_ns: int, now: int, nodes: int, severity: float = 0.0) -> str:
+        """Why a dive of the job may not start now ('' when it may); severity: the finding's (0: an operator's),
+        which escalates past the cool-down when it is escalation_factor times the last dive's."""
         c = self.cfg
         hour = 3600 * 10**9
         while self.started and self.started[0][0] < now - hour:
             self.started.popleft()
+        prev = self.last_dive.get(job_key)
+        self.refusal_lifts_ns = 0
+        if prev is not None and now < prev[0]:
+            self.refusal_lifts_ns = prev[0]
+            return f"busy: this job's dive {prev[2]} runs until {(prev[0] - now) / 1e9:.1f} s from now"
         last = self.last_by_job.get(job_key)
-        if last is not None and now - last < c.cooldown_seconds * 1e9:
+        if last is not None and now - last < c.cooldown_seconds * 1e9 and \
+                not (prev is not None and self.escalates(severity, prev[1])):
+            self.refusal_lifts_ns = last + int(c.cooldown_seconds * 1e9)
             return f"cooldown: this job's last dive started {(now - last) / 1e9:.0f} s ago " \
                    f"(cooldown_seconds {c.cooldown_seconds:.0f})"
         if len(self.started) >= c.max_per_hour:
@@ -178,9 +270,11 @@ class DeepDives:
         return ""
 
     async def start_dive(self, job_key: str, finding_id: str, trigger: str, ref_until_ns: int = 0,
-                         duration_ns: int = 0, lead_ms: int = 0, force: bool = False) -> DeepDive | None:
-        """Start one dive on the job's nodes; None when the policy refuses it (counted in `skipped`, logged), or
-        raises LookupError for a job with no live process."""
+                         duration_ns: int = 0, lead_ms: int = 0, force: bool = False,
+                         severity: float = float("inf")) -> DeepDive | None:
+        """Start one dive on the job's nodes; None when the policy refuses it (counted in `skipped`, logged; the
+        reason in `last_refusal`), or raises LookupError for a job with no live process. severity: the finding's
+        (an operator's dive: infinite, so no finding escalates past the cool-down it sets)."""
         from steplens.collector.control.trigger import start_deep_mode
         from steplens.v1 import control_pb2 as cpb
         c = self.cfg
@@ -192,9 +286,10 @@ class DeepDives:
         connected = [n for n in nodes if n in reachable]
         duration = duration_ns or int(c.duration_seconds * 1e9)
         now = self.clock.now_ns()
-        why = self.admission(job_key, duration, now, len(connected))
+        why = self.admission(job_key, duration, now, len(connected), 0.0 if severity == float("inf") else severity)
         if why and not (force and connected):
-            self.skipped[why.split(":")[0]] += 1
+            self.last_refusal = why.split(":")[0]
+            self.skipped[self.last_refusal] += 1
             log.info("no deep dive for job %s (%s): %s", job_key, finding_id or trigger, why)
             return None
         command_id = "dd-" + uuid.uuid4().hex[:10]
@@ -213,6 +308,8 @@ class DeepDives:
         else:
             self.started.append((now, job_key, duration))
             self.last_by_job[job_key] = now
+            self.last_dive[job_key] = (reply.start_ns + duration + int(c.settle_seconds * 1e9), severity,
+                                       command_id)
             if reply.offline:
                 dd.note = "not on: " + "; ".join(f"{n} ({messages.get(n, 'offline')})" for n in reply.offline)
         self.counts[dd.status] += 1
