@@ -43,7 +43,7 @@ import tempfile
 import threading
 import time
 
-from benchutil import Children
+from benchutil import Children, cpu_ticks, threads
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(REPO, ".venv", "bin")
@@ -94,26 +94,6 @@ def agent_pid(launcher: int, timeout: float = 30) -> int:
                 pass
         time.sleep(0.1)
     raise RuntimeError(f"no agent process below {launcher}")
-
-
-def cpu_ticks(pid: int, task: str = "") -> int:
-    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
-    with open(path) as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
-def threads(pid: int) -> dict[str, int]:
-    """CPU ticks per thread name (summed over threads of one name)."""
-    out: dict[str, int] = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
-                name = fh.read().strip()
-            out[name] = out.get(name, 0) + cpu_ticks(pid, tid)
-        except OSError:
-            pass
-    return out
 
 
 def rss(pid: int) -> dict[str, float]:

@@ -2,8 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+
+
+def cpu_ticks(pid: int, task: str = "") -> int:
+    """utime + stime of a process (or one of its threads) in clock ticks, from /proc."""
+    path = f"/proc/{pid}/task/{task}/stat" if task else f"/proc/{pid}/stat"
+    with open(path) as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+def threads(pid: int) -> dict[str, int]:
+    """CPU ticks per thread name (summed over threads of one name)."""
+    out: dict[str, int] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/comm") as fh:
+                name = fh.read().strip()
+            out[name] = out.get(name, 0) + cpu_ticks(pid, tid)
+        except OSError:
+            pass
+    return out
 
 
 class Children:

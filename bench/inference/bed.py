@@ -23,12 +23,13 @@ Scored at the end, from the collector's store and its findings:
               began before the fault), the cause its top suspect got (collector/analysis/causes.py); a finding
               outside every fault is false.
 With --dive-cost N (the deep dive's cost to the serving engine, issue "Closing the loop"): pystacks on, no faults, no
-dive started by a finding; once the engine has run `--warmup` seconds, N operator dives (`steplens deep start --job`,
-6 s each, the collector's fetch and ranking after each) every 20 s. Each decode batch's time over what its workload
-predicts (a least-squares fit of batch size and KV tokens on the batches outside the dives and the 10 s after them):
-the median of that ratio inside each window (its first 0.5 s left out: the switch) against the 6 s before it, then
-the median over rounds; the quiet noise is the same between the two 3 s halves before it (what the VM does on its
-own), and `after` the 8 s after the window (the agent serving the fetch, the collector's ranking on this host).
+dive started by a finding; once the engine has run `--warmup` seconds, N operator dives (the RPC of `steplens deep
+start --job`, asked from the bed's own process; 6 s each, the collector's fetch and ranking after each) every 20 s.
+Each decode batch's time over what its workload predicts (a least-squares fit of batch size and KV tokens on the
+batches outside the dives and the 10 s after them): the median of that ratio inside each window (its first 0.5 s left
+out: the switch) against the 6 s before it, then the median over rounds; the quiet noise is the same between the two
+3 s halves before it (what the VM does on its own), and `after` the 8 s after the window (the agent serving the
+fetch, the collector's ranking on this host).
 Last line: one JSON object. Run as root (the agent reads other processes' /proc):
 
     .venv/bin/python bench/inference/bed.py --seconds 150 --fault noisy:70:90 --fault cpu:110:125
@@ -203,23 +204,9 @@ def write_traces(db: str, listen: str, state: str) -> dict:
     return out
 
 
-def _cpu_s(pid: int) -> dict[str, float]:
-    """CPU seconds of a process ("") and of its threads by name (/proc: nothing is started to read them)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out: dict[str, float] = {}
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            f = fh.read().rsplit(")", 1)[1].split()
-        out[""] = (int(f[11]) + int(f[12])) / tick
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/stat") as fh:
-                head, _, rest = fh.read().partition(" (")
-                name, _, rest = rest.rpartition(") ")
-                f = rest.split()
-                out[name] = out.get(name, 0.0) + (int(f[11]) + int(f[12])) / tick
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
+def job_keys(con) -> list[str]:
+    """The jobs with stored Iterations, the most first (the engine's)."""
+    return [k for (k,) in con.execute("SELECT job_key FROM iterations GROUP BY job_key ORDER BY COUNT(*) DESC")]
 
 
 def _dive_rounds(listen: str, db: str, agent_pid: int, rounds: int, warmup_s: float, every_s: float, deep_s: float,
@@ -232,6 +219,8 @@ def _dive_rounds(listen: str, db: str, agent_pid: int, rounds: int, warmup_s: fl
 
     import grpc
 
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    from benchutil import cpu_ticks, threads
     from steplens.v1 import control_pb2 as cpb
     from steplens.v1 import control_pb2_grpc as cgrpc
     job, since = "", 0.0
@@ -240,13 +229,12 @@ def _dive_rounds(listen: str, db: str, agent_pid: int, rounds: int, warmup_s: fl
         try:
             con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
             try:
-                row = con.execute("SELECT job_key FROM iterations GROUP BY job_key ORDER BY COUNT(*) DESC").fetchone()
+                job = (job_keys(con) or [""])[0]
             finally:
                 con.close()
         except sqlite3.Error:
             continue
-        if row:
-            job, since = row[0], time.monotonic()
+        since = time.monotonic()
     stop.wait(max(0.0, warmup_s - (time.monotonic() - since)))
     with grpc.insecure_channel(listen) as channel:
         stub = cgrpc.ControlStub(channel)
@@ -263,12 +251,15 @@ def _dive_rounds(listen: str, db: str, agent_pid: int, rounds: int, warmup_s: fl
             rec = {"command_id": reply.command_id, "start_ns": reply.start_ns, "duration_ns": int(deep_s * 1e9)}
             out.append(rec)
             stop.wait(max(0.0, (reply.start_ns - time.time_ns()) / 1e9) + 0.5)
-            c0, t0 = _cpu_s(agent_pid), time.monotonic()
-            stop.wait(max(0.0, (reply.start_ns + int(deep_s * 1e9) - time.time_ns()) / 1e9))
-            c1, dt = _cpu_s(agent_pid), time.monotonic() - t0
-            if c0 and c1:
-                rec["agent_cpu_cores"] = round((c1[""] - c0[""]) / dt, 4)
-                rec["pystacks_cores"] = round((c1.get("sl-pystacks", 0) - c0.get("sl-pystacks", 0)) / dt, 4)
+            try:
+                c0, th0, t0 = cpu_ticks(agent_pid), threads(agent_pid), time.monotonic()
+                stop.wait(max(0.0, (reply.start_ns + int(deep_s * 1e9) - time.time_ns()) / 1e9))
+                c1, th1, dt = cpu_ticks(agent_pid), threads(agent_pid), time.monotonic() - t0
+            except OSError:   # the agent is gone: the run's end says why
+                continue
+            tick = os.sysconf("SC_CLK_TCK")
+            rec["agent_cpu_cores"] = round((c1 - c0) / tick / dt, 4)
+            rec["pystacks_cores"] = round((th1.get("sl-pystacks", 0) - th0.get("sl-pystacks", 0)) / tick / dt, 4)
             stop.wait(0.3)
 
 
@@ -415,7 +406,7 @@ def main(argv=None) -> int:
         batches = [json.loads(line) for line in fh if line.strip()]
     import sqlite3
     con = sqlite3.connect(db)
-    keys = [k for (k,) in con.execute("SELECT job_key FROM iterations GROUP BY job_key ORDER BY COUNT(*) DESC")]
+    keys = job_keys(con)
     con.close()
     if not keys:
         print(f"bed: no Iteration reached the store (see {state}/agent.log)", file=sys.stderr)
