@@ -170,8 +170,8 @@ def test_a_finding_that_escalates_dives_again_past_the_cool_down():
         later = await d.on_finding(k, "updated")
         assert later is not None and later.finding_id == "K" and "K" not in d.refused
     asyncio.run(run())
-    assert [t for _, t, _ in d.written] == ["finding", "escalation", "escalation", "finding", "escalation",
-                                            "escalation", "finding", "finding"]   # an escalation's row twice: its note
+    assert [t for _, t, _ in d.written] == ["finding", "escalation", "finding", "escalation", "finding", "finding"]
+    assert [n for _, t, n in d.written if t == "escalation"][0].startswith("the finding escalated from 1.50 to 5.00")
     assert d.by_finding["F"][0] == 3 and d.by_finding["G"][0] == 1
 
 

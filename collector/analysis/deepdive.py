@@ -224,7 +224,10 @@ class DeepDives:
             if not (lifted or before[1] == "severity" or self.escalates(finding.severity, before[0])):
                 return None
         ref_until = finding.onset_ns - int(self.cfg.reference_gap_seconds * 1e9)
-        dd = await self.start_dive(finding.job_key, finding.id, trigger, ref_until, severity=finding.severity)
+        note = f"the finding escalated from {mine[1]:.2f} to {finding.severity:.2f} after dive {mine[2]}" \
+            if mine is not None else ""
+        dd = await self.start_dive(finding.job_key, finding.id, trigger, ref_until, severity=finding.severity,
+                                   note=note)
         if dd is None or dd.status == "failed":
             if mine is None:
                 self._refuse(finding, self.last_refusal if dd is None else "failed",
@@ -234,10 +237,6 @@ class DeepDives:
         self.by_finding[finding.id] = ((mine[0] if mine else 0) + 1, finding.severity, dd.command_id, dd)
         while len(self.by_finding) > MAX_TRACKED:
             self.by_finding.pop(next(iter(self.by_finding)))
-        if mine is not None:
-            dd.note = (dd.note + "; " if dd.note else "") + \
-                f"the finding escalated from {mine[1]:.2f} to {finding.severity:.2f} after dive {mine[2]}"
-            await self._write(dd)
         return dd
 
     # -- starting one ---------------------------------------------------------------------------------------
@@ -271,10 +270,10 @@ class DeepDives:
 
     async def start_dive(self, job_key: str, finding_id: str, trigger: str, ref_until_ns: int = 0,
                          duration_ns: int = 0, lead_ms: int = 0, force: bool = False,
-                         severity: float = float("inf")) -> DeepDive | None:
+                         severity: float = 0.0, note: str = "") -> DeepDive | None:
         """Start one dive on the job's nodes; None when the policy refuses it (counted in `skipped`, logged; the
         reason in `last_refusal`), or raises LookupError for a job with no live process. severity: the finding's
-        (an operator's dive: infinite, so no finding escalates past the cool-down it sets)."""
+        (0: an operator's dive, which no finding escalates past: its cool-down holds)."""
         from steplens.collector.control.trigger import start_deep_mode
         from steplens.v1 import control_pb2 as cpb
         c = self.cfg
@@ -286,7 +285,7 @@ class DeepDives:
         connected = [n for n in nodes if n in reachable]
         duration = duration_ns or int(c.duration_seconds * 1e9)
         now = self.clock.now_ns()
-        why = self.admission(job_key, duration, now, len(connected), 0.0 if severity == float("inf") else severity)
+        why = self.admission(job_key, duration, now, len(connected), severity)
         if why and not (force and connected):
             self.last_refusal = why.split(":")[0]
             self.skipped[self.last_refusal] += 1
@@ -308,10 +307,11 @@ class DeepDives:
         else:
             self.started.append((now, job_key, duration))
             self.last_by_job[job_key] = now
-            self.last_dive[job_key] = (reply.start_ns + duration + int(c.settle_seconds * 1e9), severity,
-                                       command_id)
+            self.last_dive[job_key] = (reply.start_ns + duration + int(c.settle_seconds * 1e9),
+                                       severity or float("inf"), command_id)   # 0: nothing escalates past it
             if reply.offline:
                 dd.note = "not on: " + "; ".join(f"{n} ({messages.get(n, 'offline')})" for n in reply.offline)
+        dd.note = "; ".join(x for x in (note, dd.note) if x)
         self.counts[dd.status] += 1
         await self._write(dd)
         log.info("deep dive %s for job %s (%s): %d node(s) from %d for %.1f s%s", command_id, job_key,
