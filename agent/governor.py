@@ -10,7 +10,9 @@ engine 5-11 % of its batch time, 1 % cost it ~1.8 %, bench/README.md).
 Over the budget, the sources that can wait (governed: pystacks, host, procs, gpu, tcpinfo, ...; never the ones
 that drain kernel buffers or rings that would wrap, nor the iteration rings) have their intervals stretched in
 proportion (scale < 1: a 1 kHz stack sampler at scale 0.3 samples at 300 Hz), at most 4x per period, down to
-`min_scale`; under 70 % of it the scales recover by 1.25x per period. A mode switch resets them (a new budget).
+`min_scale`, and in deep mode never past the source's sentinel interval (agent/runner.py: a dive ranks causes by
+the host's counters, which the 1 % budget had stretched from 4 per second to one per 5 s, a single interval in a
+6 s window); under 70 % of it the scales recover by 1.25x per period. A mode switch resets them (a new budget).
 What it did is in the agent's status: per source its CPU (cores) and scale, the agent's CPU and its budget
 (`steplens nodes`).
 """

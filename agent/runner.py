@@ -293,10 +293,13 @@ class Runner:
                 if recs:
                     state.records += len(recs)
                     self.queue.put_many(name, recs)
-                interval = cfg.deep_interval_seconds if (self._mode is Mode.DEEP and cfg.deep_interval_seconds) \
-                    else cfg.interval_seconds
-                interval *= max(1.0, inst.pace())       # the source's own stretch (pystacks: its sample budget)
+                deep = self._mode is Mode.DEEP and cfg.deep_interval_seconds
+                pace = max(1.0, inst.pace())            # the source's own stretch (pystacks: its sample budget)
+                interval = (cfg.deep_interval_seconds if deep else cfg.interval_seconds) * pace
                 interval /= self.governor.scale(name)   # stretched over the CPU budget (agent/governor.py)
+                if deep:   # ... but deep mode never reads a source less often than sentinel mode does: a dive
+                    # ranks causes by the host's counters, which a 1 % budget had stretched to one per 5 s
+                    interval = min(interval, cfg.interval_seconds * pace)
                 next_at += interval
                 now = time.monotonic()
                 if next_at < now:  # overran: skip the missed ticks rather than bursting

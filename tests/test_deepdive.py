@@ -310,3 +310,69 @@ def test_a_serving_engine_of_no_rank_is_ranked_on_its_own_past(tmp_path, fault, 
     assert (top["rank"], top["pid"], top["node"], top["kind"], top["cause"]) == (-1, 4242, "n0", "resource", cause), \
         res["causes"]
     assert res["data"]["ranks"] == 1 and list(res["rank_scores"]) == ["n0:4242"]
+
+
+def test_the_reference_is_moved_back_past_other_episodes_and_dives():
+    """The window before the onset held a false alarm's episode and the end of an earlier dive (the inference bed's
+    noisy-neighbour dive): the reference is the latest quiet 10 s before them; none quiet within the lookback (a job
+    always busy): the window at the onset as before."""
+    from steplens.collector.analysis.deepdive import quiet_reference
+    until, ten, gap, look = 1000 * S, 10 * S, S, 120 * S
+    assert quiet_reference([], until, ten, gap, look) == (990 * S, until)
+    assert quiet_reference([(1000 * S, 1010 * S), (900 * S, 950 * S)], until, ten, gap, look) == (990 * S, until)
+    # a dive's window + settle ending 4 s before, a false-alarm episode 11..9 s before: 10 s ending 12 s before
+    assert quiet_reference([(991 * S, 996 * S), (989 * S, 991 * S)], until, ten, gap, look) == (978 * S, 988 * S)
+    # a gap too short between two spans is skipped too
+    assert quiet_reference([(995 * S, 999 * S), (980 * S, 987 * S)], until, ten, gap, look) == (969 * S, 979 * S)
+    busy = [(t * S, t * S + 9 * S) for t in range(850, 1000, 9)]   # back to back: nothing quiet in reach
+    assert quiet_reference(busy, until, ten, gap, look) == (990 * S, until)
+
+
+class _StoreOf:
+    def __init__(self, findings, dives, broken=False) -> None:
+        self.f, self.d, self.broken, self.asked = findings, dives, broken, []
+
+    def findings(self, job_key, since_ns):
+        if self.broken:
+            raise sqlite3.OperationalError("no such table: findings")
+        self.asked.append((job_key, since_ns))
+        return self.f
+
+    def deep_dives(self, job_key, finding_ids, command_id, limit):
+        return self.d
+
+
+def test_a_dive_s_reference_avoids_the_job_s_stored_episodes_and_dives():
+    cfg = DeepDiveConfig(reference_seconds=10.0, settle_seconds=3.0)
+    until = 1000 * S
+    old = replace(_finding(), onset_ns=989 * S, last_ns=991 * S)
+    dive = {"start_ns": 985 * S, "duration_ns": 6 * S}      # + 3 s settle: busy until 994 s
+    d = DeepDives(_Ingest(["h0"]), _StoreOf([old], [dive]), None, _Clock(), None, cfg)
+    assert asyncio.run(d.reference("j", until)) == (974 * S, 984 * S)
+    assert d.reader.asked == [("j", until - 130 * S)]
+    d.reader = _StoreOf([], [], broken=True)
+    assert asyncio.run(d.reference("j", until)) == (990 * S, until)
+
+
+def test_a_finding_escalates_by_its_recent_severity():
+    """A sentinel finding that a 2x false alarm opened averages the fault's batches with the alarm's: its severity
+    moves slowly, its recent_severity (the last 5 s of alarms) at once. The escalation goes by the more of them."""
+    from steplens.collector.analysis.deepdive import current_severity
+    d = _Unrun(_Ingest(["h0"]), _Procs(), None, _Clock(), None,
+               DeepDiveConfig(cooldown_seconds=600, duration_seconds=2.0, settle_seconds=1.0))
+    d.written = []
+    f = replace(_finding(severity=2.0, fid="S", detector="sentinel"), evidence={"recent_severity": 2.0})
+
+    async def run():
+        first = await d.on_finding(f, "opened")
+        first.status, first.result = "done", {"causes": [_cause("function", 40.0)]}
+        end, sev, cid = d.last_dive["j"]
+        d.last_dive["j"] = (time.time_ns() - 1, sev, cid)
+        assert await d.on_finding(replace(f, severity=2.3, evidence={"recent_severity": 2.6}), "updated") is None
+        again = await d.on_finding(replace(f, severity=2.3, evidence={"recent_severity": 5.0}), "updated")
+        assert again is not None and again.trigger == "escalation" and "from 2.00 to 5.00" in again.note
+    asyncio.run(run())
+    assert d.by_finding["S"][1] == 5.0
+    for ev, want in (({}, 2.0), ({"recent_severity": 1.2}, 2.0), ({"recent_severity": float("nan")}, 2.0),
+                     ({"recent_severity": True}, 2.0), ({"recent_severity": "9"}, 2.0), ({"recent_severity": 3}, 3.0)):
+        assert current_severity(replace(f, evidence=ev)) == want, ev

@@ -154,9 +154,14 @@ def match(iters: list[dict], batches: list[dict], offset_ns: int) -> list[tuple[
 
 def dive_of(rd, f, hit: list, kind: str, w: dict) -> dict:
     """The deep dive a fault's finding started (or, in the cool-down, the one of its job that covered it); in_fault:
-    its window began while the fault was on (a dive a false alarm started before the fault saw none of it)."""
+    its window began while the fault was on (a dive a false alarm started before the fault saw none of it). Of a
+    finding's several dives (escalations), the first that began inside the fault, else the newest that began
+    before its end: one finding can span two faults (a memory hog's slow tail running into the next fault), and
+    its newest dive is then the later fault's."""
     own = rd.deep_dives(finding_ids=[x.id for x in hit])   # newest first: what the finding shows as its deep_dive
-    dives = own or [rd.deep_dives_for([f]).get(f.id)]
+    inside = [x for x in own if w["start_ns"] <= x["start_ns"] < w["end_ns"]]
+    before = [x for x in own if x["start_ns"] < w["end_ns"]]
+    dives = inside[-1:] or before[:1] or own or [rd.deep_dives_for([f]).get(f.id)]
     dd = next((x for x in dives if x), None)
     if dd is None:
         return {"status": "none"}

@@ -3,6 +3,12 @@ agents already send, each cause judged on the suspect's own figures during the e
 before it (its own baseline), and the GPU's against its peers'. Not a detector: the engine calls `attach` on the
 detectors' output of each pass, before the findings are merged, so the cause is part of what is stored and shown.
 
+A share of the episode's time (throttled, GC, run-queue wait, memory pressure) is its busiest `stretch_seconds`
+(15 s) where the episode is longer (worst_rate): a fault is rarely all of its episode, which can begin with a false
+alarm before it and run on through its slower tail after it (the inference bed's memory hog: run-queue wait 0.33
+of its own 15 s against 0.19 before; under the rule's floor over its finding, which ran on 11 s after it). The
+baseline stays a mean.
+
 Causes, in the order they win (the first whose rule holds is the suspect's cause; all that hold are evidence):
   stopped          a process_stopped Event (procs: state T/t) of the rank's process in or around the episode
   cpu-throttled    the process's cgroup throttled it (host: process_cpu_throttled_seconds_total) for at least
@@ -95,6 +101,7 @@ class CausesConfig:
     suspects: int = 3                     # leading suspects examined per finding
     baseline_seconds: float = 60.0        # the suspect's own "before" ends at the onset
     margin_seconds: float = 2.0           # around the episode: events, and samples that cover it
+    stretch_seconds: float = 15.0         # a longer episode is judged on its worst stretch this long as well
     throttled_fraction: float = 0.05
     gc_fraction: float = 0.05
     runqueue_fraction: float = 0.10
@@ -147,6 +154,26 @@ def counter_rise(points: list[tuple[int, float]], a: int, b: int) -> tuple[float
         inc += v2 - v1 if v2 >= v1 else v2
     dt = (points[hi][0] - points[lo][0]) / 1e9
     return (inc, dt) if dt > 0 else None
+
+
+def worst_rate(points: list[tuple[int, float]], a: int, b: int, width: int) -> tuple[float, int] | None:
+    """(rate, start) of the counter's busiest stretch `width` long inside [a, b] (counter_rate over each stretch
+    that starts at a sample); the whole of [a, b] where it is no longer than width. A fault is rarely the whole of
+    the episode that holds it (a false alarm before it that the episode began with, the slow tail after it): its
+    share of the whole is diluted by the rest. None: fewer than two samples."""
+    whole = counter_rate(points, a, b)
+    if whole is None or b - a <= width:
+        return None if whole is None else (whole, a)
+    best = (whole, a)
+    for t, _ in points:
+        if t < a:
+            continue
+        if t + width > b:
+            break
+        r = counter_rate(points, t, t + width)
+        if r is not None and r > best[0]:
+            best = (r, t)
+    return best
 
 
 def gauge_median(points: list[tuple[int, float]], a: int, b: int) -> float | None:
@@ -250,17 +277,24 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
     entity = f"pid:{pid}:{ticks}"
     pm = ps.metrics(node, b0, b + m, PROC_METRICS, [entity])
 
-    def rate(name: str, lo: int, hi: int) -> float | None:
-        return counter_rate(pm.get((name, entity), []), lo, hi)
+    width = int(cfg.stretch_seconds * 1e9)
+
+    def share(points: list, key: str) -> tuple[float | None, float | None]:
+        """(during, before) of a counter of seconds per second: during the episode's busiest stretch (worst_rate),
+        before over the baseline; both into ev[key]."""
+        worst, before = worst_rate(points, a, b, width), counter_rate(points, b0, a - m)
+        if worst is None:
+            return None, before
+        ev[key] = {"during": round(worst[0], 4), "before": None if before is None else round(before, 4)}
+        if b - a > width:
+            ev[key]["stretch"] = {"offset_s": round((worst[1] - a) / 1e9, 1),
+                                  "seconds": round(min(width, b - a) / 1e9, 1)}
+        return worst[0], before
 
     for name, cause, floor in (("process_cpu_throttled_seconds_total", "cpu-throttled", cfg.throttled_fraction),
                                ("python_gc_seconds_total", "gc", cfg.gc_fraction),
                                ("process_runqueue_seconds_total", "cpu-contention", cfg.runqueue_fraction)):
-        during, before = rate(name, a, b), rate(name, b0, a - m)
-        if during is None:
-            continue
-        ev[name.removesuffix("_seconds_total") + "_fraction"] = {"during": round(during, 4),
-                                                                 "before": None if before is None else round(before, 4)}
+        during, before = share(pm.get((name, entity), []), name.removesuffix("_seconds_total") + "_fraction")
         if _rise(during, before, floor, cfg.rise):
             found.append(cause)
     quota = gauge_median(pm.get(("process_cpu_quota_cores", entity), []), a, b + m)
@@ -292,11 +326,12 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
 
     # the node: memory pressure, the network
     hm = ps.metrics(node, b0, b + m, HOST_METRICS, [""])
-    mem = counter_rate(hm.get(("pressure_memory_some_seconds_total", ""), []), a, b)
-    mem0 = counter_rate(hm.get(("pressure_memory_some_seconds_total", ""), []), b0, a - m)
+    mem, mem0 = share(hm.get(("pressure_memory_some_seconds_total", ""), []), "memory")
+    mem_ev = ev.pop("memory", {})
     swap = counter_rate(hm.get(("swap_in_bytes_total", ""), []), a, b)
     if mem is not None or swap is not None:
-        ev["memory"] = {"pressure_some_fraction": mem, "before": mem0, "swap_in_bytes_per_s": swap}
+        ev["memory"] = {"pressure_some_fraction": mem, "before": mem0, "swap_in_bytes_per_s": swap,
+                        **({"stretch": mem_ev["stretch"]} if "stretch" in mem_ev else {})}
     if _rise(mem, mem0, cfg.pressure_fraction, cfg.rise) or (swap or 0) >= cfg.swap_in_bytes_per_s:
         found.append("memory-pressure")
     cpu_psi = counter_rate(hm.get(("pressure_cpu_some_seconds_total", ""), []), a, b)

@@ -18,9 +18,15 @@ root causes attached to the finding (LatencyPrism §4.7-4.8, with the policy the
              own that is escalation_factor times as severe as the job's last dive's passes the cool-down too. A
              finding refused earlier is tried again when it escalates, or, refused for `busy` or the cool-down, at
              its first update after that lifted while it is still going on (its last output within max(10 s,
-             2 x duration) of now). A hang (severity 0) and an operator's dive never escalate.
+             2 x duration) of now). A hang (severity 0) and an operator's dive never escalate. Severity here is
+             the finding's own or, where more, its recent part's (current_severity: the sentinel's last 5 s).
   reference  the `reference_seconds` that end `reference_gap_seconds` before the finding's onset (the job before it
-             went wrong, at sentinel rates), or before the dive's start for an operator's dive without a finding.
+             went wrong, at sentinel rates), or before the dive's start for an operator's dive without a finding;
+             moved back past the job's other findings' episodes and its earlier dives' windows (quiet_reference,
+             at most `reference_lookback_seconds`): a false alarm's spike or a deep window's own sampling in the
+             reference is a rise the dive's own window no longer shows (the inference bed: a 6 s dive 4 s into a
+             noisy neighbour ranked the engine's functions over its run-queue wait, 0.40 of the window, against a
+             reference holding a false alarm's 0.18 and the end of another dive).
   result     after the window (plus `settle_seconds` for the agents' last batches): when each node switched (its
              ModeChange record, cluster time) and the spread; the ranks' raw Python stacks of both windows fetched
              from the agents (node-local detail), their steps, process and node counters, stop events and
@@ -36,6 +42,7 @@ import asyncio
 import collections
 import json
 import logging
+import math
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -64,6 +71,7 @@ class DeepDiveConfig:
     lead_ms: int = 500                              # the start instant this far ahead: every agent gets it in time
     reference_seconds: float = 10.0
     reference_gap_seconds: float = 1.0
+    reference_lookback_seconds: float = 120.0       # how far back a quiet reference is looked for
     cooldown_seconds: float = 600.0                 # per job
     max_per_hour: int = 12                          # every job together
     max_deep_fraction: float = 0.05                 # overhead budget: a job's deep time over the last hour
@@ -86,6 +94,9 @@ class DeepDiveConfig:
             raise ConfigError(f"lead_ms must be within 50..60000, got {self.lead_ms}")
         if not 0 <= self.reference_seconds <= 3600 or self.reference_gap_seconds < 0:
             raise ConfigError("reference_seconds must be within 0..3600 and reference_gap_seconds >= 0")
+        if not 0 <= self.reference_lookback_seconds <= 86400:
+            raise ConfigError(f"reference_lookback_seconds must be within 0..86400, got "
+                              f"{self.reference_lookback_seconds}")
         if self.cooldown_seconds < 0 or self.max_per_hour < 1 or not 0 < self.max_deep_fraction <= 1:
             raise ConfigError("cooldown_seconds >= 0, max_per_hour >= 1 and max_deep_fraction within (0, 1]")
         if not 0 <= self.settle_seconds <= 120:
@@ -183,7 +194,7 @@ class DeepDives:
         """lifts_ns: when a refusal for the job's dive running (busy) or its cool-down lifts (0: never by itself);
         the finding is tried again at its first update after it, if it is still going on (fresh_ns)."""
         self.refused.pop(finding.id, None)
-        self.refused[finding.id] = (finding.severity, why, lifts_ns)
+        self.refused[finding.id] = (current_severity(finding), why, lifts_ns)
         while len(self.refused) > MAX_TRACKED:   # a finding whose resolution never reached this watch
             self.refused.pop(next(iter(self.refused)))
 
@@ -207,9 +218,9 @@ class DeepDives:
                 self.skipped[why] += 1
                 self._refuse(finding, why)
             return None
-        trigger = "finding"
+        trigger, sev = "finding", current_severity(finding)
         if mine is not None:
-            if mine[0] >= self.cfg.max_dives_per_finding or not self.escalates(finding.severity, mine[1]):
+            if mine[0] >= self.cfg.max_dives_per_finding or not self.escalates(sev, mine[1]):
                 return None
             last = mine[3]
             if last.status in ("scheduled", "analysing") or (last.status == "done" and self.conclusive(last.result)):
@@ -221,12 +232,12 @@ class DeepDives:
                 return None
             now = self.clock.now_ns()
             lifted = before[2] and now >= before[2] and now - finding.last_ns <= self.fresh_ns
-            if not (lifted or before[1] == "severity" or self.escalates(finding.severity, before[0])):
+            if not (lifted or before[1] == "severity" or self.escalates(sev, before[0])):
                 return None
         ref_until = finding.onset_ns - int(self.cfg.reference_gap_seconds * 1e9)
-        note = f"the finding escalated from {mine[1]:.2f} to {finding.severity:.2f} after dive {mine[2]}" \
+        note = f"the finding escalated from {mine[1]:.2f} to {sev:.2f} after dive {mine[2]}" \
             if mine is not None else ""
-        dd = await self.start_dive(finding.job_key, finding.id, trigger, ref_until, severity=finding.severity,
+        dd = await self.start_dive(finding.job_key, finding.id, trigger, ref_until, severity=sev,
                                    note=note)
         if dd is None or dd.status == "failed":
             if mine is None:
@@ -234,7 +245,7 @@ class DeepDives:
                              self.refusal_lifts_ns if dd is None else 0)
             return dd
         self.refused.pop(finding.id, None)
-        self.by_finding[finding.id] = ((mine[0] if mine else 0) + 1, finding.severity, dd.command_id, dd)
+        self.by_finding[finding.id] = ((mine[0] if mine else 0) + 1, sev, dd.command_id, dd)
         while len(self.by_finding) > MAX_TRACKED:
             self.by_finding.pop(next(iter(self.by_finding)))
         return dd
@@ -295,10 +306,10 @@ class DeepDives:
         reply = await start_deep_mode(self.ingest, self.clock, cpb.DeepRequest(
             node_ids=nodes, enable=True, duration_ns=duration, lead_ms=lead_ms or c.lead_ms, sources=c.sources),
             command_id)
-        ref_until = ref_until_ns or reply.start_ns - int(c.reference_gap_seconds * 1e9)
-        dd = DeepDive(command_id, job_key, finding_id, trigger, now, reply.start_ns, duration,
-                      ref_until - int(c.reference_seconds * 1e9), ref_until, nodes,
-                      sorted({p["rank"] for p in procs if p["rank"] is not None and p["rank"] >= 0}))
+        ref_since, ref_until = await self.reference(job_key, ref_until_ns or
+                                                    reply.start_ns - int(c.reference_gap_seconds * 1e9))
+        dd = DeepDive(command_id, job_key, finding_id, trigger, now, reply.start_ns, duration, ref_since, ref_until,
+                      nodes, sorted({p["rank"] for p in procs if p["rank"] is not None and p["rank"] >= 0}))
         messages = dict(reply.messages)
         dd.delivered, dd.messages = list(reply.delivered), messages
         if not reply.delivered:
@@ -322,6 +333,23 @@ class DeepDives:
             self._pending.add(task)
             task.add_done_callback(self._pending.discard)
         return dd
+
+    async def reference(self, job_key: str, until_ns: int) -> tuple[int, int]:
+        """The dive's reference window, ending at or before until_ns: quiet_reference over the job's findings'
+        episodes and its dives' windows (+ settle) from the store. The store unreadable: the window at until_ns."""
+        c = self.cfg
+        length, gap = int(c.reference_seconds * 1e9), int(c.reference_gap_seconds * 1e9)
+        lookback = int(c.reference_lookback_seconds * 1e9)
+        settle = int(c.settle_seconds * 1e9)
+        try:
+            fs = await asyncio.to_thread(self.reader.findings, job_key, until_ns - lookback - length)
+            dives = await asyncio.to_thread(self.reader.deep_dives, job_key, None, "", 200)
+        except Exception as exc:   # an old or busy store: the plain window, said once per dive in the log
+            log.warning("deep dive reference for job %s: the store's findings and dives unread (%s)", job_key, exc)
+            return until_ns - length, until_ns
+        busy = [(f.onset_ns, f.last_ns) for f in fs] + \
+            [(d["start_ns"], d["start_ns"] + d["duration_ns"] + settle) for d in dives]
+        return quiet_reference(busy, until_ns, length, gap, lookback)
 
     async def _write(self, dd: DeepDive) -> None:
         from steplens.collector.store import diagnosis as store
@@ -377,6 +405,34 @@ def mode_switches(reader, dd: DeepDive) -> dict[str, int]:
                 out[node] = e["ts_ns"]
                 break
     return out
+
+
+def current_severity(finding) -> float:
+    """How severe a finding is now, for escalation and the cool-down's bypass: its severity, or its detector's figure
+    for its recent part where that is more (the sentinel's recent_severity, its alarms of the last 5 s). A
+    sentinel episode that a false alarm opened averages the fault's batches with the alarm's: on the inference bed
+    a 2.05x false alarm's finding reached 3.16x only as a 5x noisy neighbour ended, 15 s in, and the escalation's
+    dive saw none of it."""
+    ev = finding.evidence if isinstance(finding.evidence, dict) else {}
+    r = ev.get("recent_severity")
+    if isinstance(r, (int, float)) and not isinstance(r, bool) and math.isfinite(r):
+        return max(finding.severity, float(r))
+    return finding.severity
+
+
+def quiet_reference(busy: list[tuple[int, int]], until_ns: int, length_ns: int, gap_ns: int,
+                    lookback_ns: int) -> tuple[int, int]:
+    """(since, until) of the latest window length_ns long that ends at or before until_ns and overlaps none of the
+    busy spans (each moved past ends gap_ns before the span that it overlapped); the window at until_ns where none
+    is quiet within lookback_ns of it (a job always busy: the reference as it was)."""
+    end = until_ns
+    while True:
+        hit = [a for a, b in busy if a < end and b > end - length_ns]
+        if not hit:
+            return end - length_ns, end
+        end = min(hit) - gap_ns
+        if end - length_ns < until_ns - lookback_ns:
+            return until_ns - length_ns, until_ns
 
 
 def analyse_dive(reader, dd: DeepDive, deep_samples: list[dict], ref_samples: list[dict],

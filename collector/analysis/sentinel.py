@@ -217,6 +217,7 @@ class SentinelDetectorConfig(DetectorConfig):
     min_alarms: int = 3              # an episode is a finding with at least this many alarmed iterations
     min_episode_seconds: float = 1.0  # ... lasting at least this long (first to last alarm)
     merge_gap_iterations: int = 10   # alarms this many judged iterations apart or closer are one episode
+    recent_seconds: float = 5.0      # an episode's evidence also says how slow its alarms of this long were
     window: int = 10                 # the model's (SentinelConfig) moving average, serving engines
     window_training: int = 10        # ... training steps
     min_ucl: float = 0.15            # the UCL's floor for serving engines (a shared host's batch jitter)
@@ -239,6 +240,8 @@ class SentinelDetectorConfig(DetectorConfig):
                               "min_ucl_training <= tau_max <= 10")
         if self.min_episode_seconds < 0:
             raise ConfigError("min_episode_seconds must be >= 0")
+        if not 0 < self.recent_seconds <= 3600:
+            raise ConfigError(f"recent_seconds must be within (0, 3600], got {self.recent_seconds}")
         if self.refit_every < 10 or self.idle_series_seconds <= 0:
             raise ConfigError("refit_every must be >= 10 and idle_series_seconds > 0")
 
@@ -253,6 +256,8 @@ class _Episode:
     actual_ns: float = 0.0           # sums over the alarmed iterations
     predicted_ns: float = 0.0
     peak_ma: float = 0.0
+    recent: deque = field(default_factory=deque)   # (end ns, actual, predicted) of the alarms in its last
+                                                   # recent_seconds
 
 
 @dataclass
@@ -362,6 +367,7 @@ class SentinelDetector:
         X = features([iteration_row(r) for r in rows])
         y = np.array([r["end_ns"] - r["start_ns"] for r in rows], dtype=np.float64)
         judged = X[:, RAW.index("mode")] == 2 if s.decode_only else np.ones(len(rows), dtype=bool)
+        recent_ns = int(cfg.recent_seconds * 1e9)
         for i in np.flatnonzero(judged & (y > 0)):
             r = rows[i]
             if s.model is None:
@@ -390,6 +396,9 @@ class SentinelDetector:
             ep.actual_ns += y[i]
             ep.predicted_ns += max(pred, 1.0)
             ep.peak_ma = max(ep.peak_ma, ma)
+            ep.recent.append((r["end_ns"], y[i], max(pred, 1.0)))
+            while ep.recent[0][0] < r["end_ns"] - recent_ns:
+                ep.recent.popleft()
         s.last_end_ns = max(s.last_end_ns, rows[-1]["end_ns"])
 
     def _findings(self, s: _Series, window: Window, cfg: SentinelDetectorConfig) -> list[Finding]:
@@ -400,6 +409,7 @@ class SentinelDetector:
                     or ep.last_ns < window.since_ns or ep.onset_ns > window.until_ns):
                 continue
             sev = ep.actual_ns / ep.predicted_ns
+            recent = sum(x[1] for x in ep.recent) / sum(x[2] for x in ep.recent) if ep.recent else sev
             ongoing = s.judged - ep.last_i <= cfg.merge_gap_iterations
             who = f"rank {s.rank}" if s.rank >= 0 else f"process {pid} on {node}"
             what = "batches" if s.decode_only else "steps"
@@ -416,6 +426,7 @@ class SentinelDetector:
                           "iterations_span": ep.last_i - ep.first_i + 1,
                           "actual_mean_ns": int(ep.actual_ns / ep.alarms),
                           "predicted_mean_ns": int(ep.predicted_ns / ep.alarms), "peak_ppe_ma": round(ep.peak_ma, 4),
+                          "recent_severity": round(recent, 4),
                           "ucl": round(m.ucl, 4) if m else None, "fit_r2": round(m.fit_r2, 4) if m else None,
                           "fit_mape": round(m.fit_mape, 4) if m else None, "refits": m.refits if m else 0,
                           "judged": "decode iterations" if s.decode_only else "every iteration"}))
