@@ -142,3 +142,25 @@ def test_network_links_name_both_ends_most_limited_first():
     got = sp.network_links(rows, 0, 2 * S, {"10.0.0.2"})
     assert got == [{"a": "10.0.0.1", "b": "10.0.0.2", "net_limited_share": 0.7},
                    {"a": "10.0.0.2", "b": "10.0.0.4", "net_limited_share": 0.01}]
+
+
+def test_a_resource_that_fell_lifts_no_function():
+    """The training testbed's shaped link (h0-h1): every rank's compute takes more of each slower step, and rank 3,
+    the PP stage that had waited for a CPU before (run-queue 0.40 of its reference), now waits for none (0.01):
+    a fall of ~40 sigma of its own log1p. With LatencyPrism's |Z_logmu| that fall lifted rank 3's compute function
+    (S ~232) over the network both ends of the link show (~118); only a rise counts for a function's resource too."""
+    rng = random.Random(13)
+    ranks = _bed(rng, 1, network=0.45)
+    ranks[0].resources["network"] = [0.43 + rng.gauss(0, 0.02) for _ in range(20)]   # the link's other end
+    for d in ranks.values():
+        d.cycles, d.ref_cycles = _cycles(rng, 0.8), _cycles(rng, 0.3)
+        for c in d.ref_cycles + d.cycles:
+            for k in c:
+                c[k] = max(0.0, min(1.0, c[k] + rng.gauss(0, 0.08)))
+        d.ref_resources["network"] = [max(0.0, 0.08 + rng.gauss(0, 0.06)) for _ in range(30)]   # a shared host
+    ranks[3].ref_resources["runqueue"] = [0.4 + rng.gauss(0, 0.01) for _ in range(30)]
+    ranks[3].resources["runqueue"] = [0.01 + rng.gauss(0, 0.002) for _ in range(20)]
+    causes = sp.rank_causes(ranks)["causes"]
+    assert (causes[0]["rank"], causes[0]["cause"]) == (1, "network"), causes[:3]
+    r3 = [c for c in causes if c["rank"] == 3 and c["kind"] == "function"]
+    assert all(c["score"] < causes[0]["score"] / 2 and c["evidence"]["own"]["z_logmu"] >= 0 for c in r3), r3

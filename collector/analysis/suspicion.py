@@ -6,7 +6,7 @@ Candidates, each scored against two references:
             steps inside the window; 1 s bins without steps) whose stack holds the function (inclusive time);
             mu = the resource its class maps to (compute -> run queue, cgroup throttling, GC, stop, memory
             pressure; comm -> the connections held back by the network; data loading -> run queue, memory), the
-            one whose log1p deviates most. The process's own CPU is not one: it falls whenever the rank waits,
+            one whose log1p rose most (a fall is none: |Z_logmu| counts only rises). The process's own CPU is not one: it falls whenever the rank waits,
             whatever made it wait.
   resource  a resource of one rank or its node (run-queue wait, cgroup throttling, GC, stopped, memory pressure:
             shares of wall time; affinity: the share of its CPUs the process may no longer run on; the
@@ -289,10 +289,15 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             if max(x, mean_of(pref), mean_of(oref)) < cfg.min_beta:
                 continue
             cls = function_class(key_file(k))
+            # its resource: the one whose share rose most (only a rise: every resource here is time lost to
+            # something, a run-queue wait, a network hold-up, a GC pause; one that fell explains no function, and
+            # LatencyPrism's |Z_logmu| of a utilisation would let a slowed PP stage's run-queue wait, down 15 sigma
+            # while its link was shaped, lift its forward function over the network itself)
             best, bz = None, (0.0, 0.0)
             for n in CLASS_RESOURCES[cls]:
-                if (r, n) in mu and abs(mu[(r, n)][0]) + abs(mu[(r, n)][1]) > abs(bz[0]) + abs(bz[1]):
-                    best, bz = n, mu[(r, n)][:2]
+                z = (max(0.0, mu[(r, n)][0]), max(0.0, mu[(r, n)][1])) if (r, n) in mu else (0.0, 0.0)
+                if sum(z) > sum(bz):
+                    best, bz = n, z
             s, ev = _score(x, pref, oref, (bz[0], bz[1], 0.0), cfg)
             cause = CLASS_CAUSE[cls]
             if best and max(bz) >= cfg.mu_z_significant:
