@@ -133,6 +133,10 @@ def _collector_priority() -> None:
         pass
 
 
+def _agent_priority() -> None:
+    os.nice(5)   # as its systemd unit runs it (systemd/steplens-agent.service: Nice=5)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -367,7 +371,7 @@ def main(argv=None) -> int:
                                        os.path.join(state, "agent.toml"),
                                        *[x for s in DISABLED if not ((a.deep or a.dive_cost) and s == "pystacks")
                                          for x in ("--disable", s)]],
-                                      stdout=logs["agent"], stderr=subprocess.STDOUT))
+                                      stdout=logs["agent"], stderr=subprocess.STDOUT, preexec_fn=_agent_priority))
         sys.path.insert(0, REPO)
         from steplens.agent.bootstrap import site_dir
         env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=rings)
