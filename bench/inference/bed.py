@@ -493,9 +493,6 @@ def main(argv=None) -> int:
            "false_findings": len(false), "per_fault": per_fault,
            "false": [(round((f.onset_ns - t_first) / 1e9, 1), f.severity) for f in false],
            "state_dir": state, "engine_started_ns": t_engine}
-    if not a.state_dir:
-        shutil.rmtree(state, ignore_errors=True)
-        res["state_dir"] = "(removed)"
     print(f"inference bed: {len(pairs)}/{len(batches)} batches matched to stored Iterations; boundaries median "
           f"{res['start_error_median_pct']} % (start) / {res['end_error_median_pct']} % (end) of the batch time; "
           f"faults found {res['faults_found']}/{len(faults)}, false findings {len(false)}")
@@ -520,6 +517,9 @@ def main(argv=None) -> int:
               f"slower inside (median over rounds; mean {c['deep_slowdown_pct_mean']} %), quiet noise "
               f"{c['quiet_noise_abs_pct_median']} %, {c['after_slowdown_pct_median']} % in the 8 s after; the agent "
               f"{c['agent_cpu_cores_deep_median']} cores in a window (median)")
+    if not a.state_dir:   # after the last read of its store (the dives' statuses above read it)
+        shutil.rmtree(state, ignore_errors=True)
+        res["state_dir"] = "(removed)"
     print(json.dumps(res))
     return 0
 
