@@ -328,29 +328,29 @@ def test_the_reference_is_moved_back_past_other_episodes_and_dives():
     assert quiet_reference(busy, until, ten, gap, look) == (990 * S, until)
 
 
-class _StoreOf:
-    def __init__(self, findings, dives, broken=False) -> None:
-        self.f, self.d, self.broken, self.asked = findings, dives, broken, []
-
-    def findings(self, job_key, since_ns):
-        if self.broken:
-            raise sqlite3.OperationalError("no such table: findings")
-        self.asked.append((job_key, since_ns))
-        return self.f
-
-    def deep_dives(self, job_key, finding_ids, command_id, limit):
-        return self.d
-
-
-def test_a_dive_s_reference_avoids_the_job_s_stored_episodes_and_dives():
-    cfg = DeepDiveConfig(reference_seconds=10.0, settle_seconds=3.0)
+def test_a_dive_s_reference_avoids_the_job_s_stored_episodes_and_dives(tmp_path):
+    """Through the real store: a finding of the job (another job's is no obstacle) and an earlier dive (+ its 3 s
+    settle) in the 10 s before the onset push the reference back; a store that cannot be read leaves it there."""
+    from steplens.collector.analysis.deepdive import DeepDive
+    from steplens.collector.store import diagnosis as store
+    db = str(tmp_path / "c.db")
+    w = StoreWriter(db)
+    w.start()
+    w.stop()   # the schema
     until = 1000 * S
-    old = replace(_finding(), onset_ns=989 * S, last_ns=991 * S)
-    dive = {"start_ns": 985 * S, "duration_ns": 6 * S}      # + 3 s settle: busy until 994 s
-    d = DeepDives(_Ingest(["h0"]), _StoreOf([old], [dive]), None, _Clock(), None, cfg)
-    assert asyncio.run(d.reference("j", until)) == (974 * S, 984 * S)
-    assert d.reader.asked == [("j", until - 130 * S)]
-    d.reader = _StoreOf([], [], broken=True)
+    conn = sqlite3.connect(db)
+    store.write_changes(conn, [Change("opened", replace(_finding(), onset_ns=989 * S, last_ns=991 * S)),
+                               Change("opened", replace(_finding(fid="o", job="other"), onset_ns=976 * S,
+                                                        last_ns=980 * S))], until)
+    store.write_deep_dive(conn, DeepDive("dd-1", "j", "f1", "finding", 0, 985 * S, 6 * S, 0, 0, ["h0"], []).row(),
+                          until)
+    conn.commit()
+    conn.close()
+    cfg = DeepDiveConfig(reference_seconds=10.0, settle_seconds=3.0)
+    d = DeepDives(_Ingest(["h0"]), Reader(db), None, _Clock(), None, cfg)
+    assert asyncio.run(d.reference("j", until)) == (974 * S, 984 * S)     # busy 985..994 and 989..991
+    assert asyncio.run(d.reference("other", until)) == (990 * S, until)   # j's finding and dive are not its
+    d.reader = Reader(str(tmp_path / "none" / "c.db"))
     assert asyncio.run(d.reference("j", until)) == (990 * S, until)
 
 
