@@ -6,8 +6,8 @@ Candidates, each scored against two references:
             steps inside the window; 1 s bins without steps) whose stack holds the function (inclusive time);
             mu = the resource its class maps to (compute -> run queue, cgroup throttling, GC, stop, memory
             pressure; comm -> the connections held back by the network; data loading -> run queue, memory), the
-            one whose log1p rose most (a fall is none: |Z_logmu| counts only rises). The process's own CPU is not one: it falls whenever the rank waits,
-            whatever made it wait.
+            one whose log1p rose most (a fall is none: |Z_logmu| counts only rises). The process's own CPU is not
+            one: it falls whenever the rank waits, whatever made it wait.
   resource  a resource of one rank or its node (run-queue wait, cgroup throttling, GC, stopped, memory pressure:
             shares of wall time; affinity: the share of its CPUs the process may no longer run on; the
             network-limited share of the connections with the node's address at either end, its own and its
