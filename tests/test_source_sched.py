@@ -38,8 +38,7 @@ SPIN_SLEEP = textwrap.dedent(r"""
         while time.thread_time() - t < spin:
             pass
         time.sleep(sleep)
-    t1, c1 = time.monotonic_ns(), time.thread_time_ns()
-    print(t1 - t0, c1 - c0, flush=True)
+    print(t0, c0, flush=True)
     sys.stdin.readline()
 """)
 
@@ -125,8 +124,17 @@ def _register(src: SchedSource, *procs: subprocess.Popen) -> dict[int, str]:
     return {pid: f"pid:{pid}:{start}:tid:{pid}" for pid, start in keys}
 
 
+def _sum_exec_ns(pid: int) -> int:
+    """The kernel's on-CPU ns of a thread (sum_exec_runtime, the base of CLOCK_THREAD_CPUTIME_ID)."""
+    with open(f"/proc/{pid}/schedstat") as fh:
+        return int(fh.read().split()[0])
+
+
 @needs_ebpf
 def test_on_and_off_cpu_match_known_proportions(source):
+    """Read while the child sleeps, however long after its loop: its truth runs from its loop's start to the
+    read (the metric's timestamp), on-CPU from the kernel's sum_exec_runtime; the source's off-CPU includes the
+    sleep still open at the read."""
     # 40 ms spin / 60 ms sleep, 30 cycles (3 s), pinned to one CPU
     child = subprocess.Popen([sys.executable, "-c", SPIN_SLEEP, str(CPU), "0.04", "0.06", "30"],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -140,21 +148,61 @@ def test_on_and_off_cpu_match_known_proportions(source):
         before = _values(source.step(), entity)
         child.stdin.write("go\n")
         child.stdin.flush()
-        wall_ns, cpu_ns = (int(x) for x in child.stdout.readline().split())
-        time.sleep(0.05)  # the child is blocked again on stdin: every interval of the loop is closed
-        after = _values(source.step(), entity)
+        t0, c0 = (int(x) for x in child.stdout.readline().split())
+        _wait_sleeping(child.pid)  # blocked on stdin again, for some tens of ms already
+        records = source.step()
+        cpu_ns = _sum_exec_ns(child.pid) - c0
     finally:
         child.kill()
         child.wait()
+    after = _values(records, entity)
+    read_ns = next(m.mono_ns for m in records if isinstance(m, Metric) and m.entity == entity)
     on = after["sched_on_cpu_seconds_total"] - before.get("sched_on_cpu_seconds_total", 0.0)
     off = after["sched_off_cpu_seconds_total"] - before.get("sched_off_cpu_seconds_total", 0.0)
-    true_on, true_off = cpu_ns / 1e9, (wall_ns - cpu_ns) / 1e9
+    true_on, true_off = cpu_ns / 1e9, (read_ns - t0 - cpu_ns) / 1e9
     print(f"on {on:.4f}s (truth {true_on:.4f}s), off {off:.4f}s (truth {true_off:.4f}s)")
     assert true_on == pytest.approx(1.2, rel=0.25)  # the pattern really ran
     assert on == pytest.approx(true_on, rel=0.05)
     assert off == pytest.approx(true_off, rel=0.05)
     switches = after["sched_switches_total"] - before.get("sched_switches_total", 0.0)
     assert switches >= 30  # at least one voluntary switch per sleep
+
+
+@needs_ebpf
+def test_open_intervals_count_as_they_happen(source):
+    """A thread spinning alone on a CPU may not switch out for seconds, and a blocked one (a hung collective)
+    for minutes: between two reads of either, the counters move by the time that passed, not at the switch."""
+    spinner = subprocess.Popen([sys.executable, "-c", BUSY, str(CPU)])
+    sleeper = subprocess.Popen([sys.executable, "-c", SPIN_SLEEP, str(CPU), "0.001", "0.001", "1"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "ready"
+        entities = _register(source, spinner, sleeper)
+        source.step()
+        sleeper.stdin.write("go\n")  # one short cycle while watched, so its switch-out is seen
+        sleeper.stdin.flush()
+        sleeper.stdout.readline()
+        time.sleep(0.2)
+        _wait_sleeping(sleeper.pid)
+        first = source.step()
+        cpu0 = _sum_exec_ns(spinner.pid)
+        time.sleep(1.0)
+        second = source.step()
+        cpu1 = _sum_exec_ns(spinner.pid)
+    finally:
+        for p in (spinner, sleeper):
+            p.kill()
+            p.wait()
+    elapsed = (max(m.mono_ns for m in second) - max(m.mono_ns for m in first)) / 1e9
+    a, b = _values(first, entities[spinner.pid]), _values(second, entities[spinner.pid])
+    on = b["sched_on_cpu_seconds_total"] - a["sched_on_cpu_seconds_total"]
+    print(f"spinner: on {on:.3f}s over {elapsed:.3f}s (kernel {(cpu1 - cpu0) / 1e9:.3f}s)")
+    assert on == pytest.approx((cpu1 - cpu0) / 1e9, rel=0.05, abs=0.02)
+    a, b = _values(first, entities[sleeper.pid]), _values(second, entities[sleeper.pid])
+    off = b["sched_off_cpu_seconds_total"] - a["sched_off_cpu_seconds_total"]
+    print(f"sleeper: off {off:.3f}s over {elapsed:.3f}s")
+    assert off == pytest.approx(elapsed, rel=0.02)
+    assert b["sched_on_cpu_seconds_total"] == a["sched_on_cpu_seconds_total"]
 
 
 @needs_ebpf

@@ -145,6 +145,28 @@ _BPF_LINK_CREATE, _BPF_ITER_CREATE = 28, 33
 _BPF_TRACE_ITER = 28
 
 
+@functools.lru_cache(maxsize=1)
+def _timens_monotonic_offset_ns() -> int:
+    """This process's time-namespace shift of CLOCK_MONOTONIC (0 outside one, or before 5.6 had them)."""
+    try:
+        with open("/proc/self/timens_offsets") as fh:
+            for line in fh:
+                name, sec, nsec = line.split()
+                if name in ("monotonic", "1"):
+                    return int(sec) * 1_000_000_000 + int(nsec)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def ktime_now_ns() -> int:
+    """The clock of bpf_ktime_get_ns() read from user space: CLOCK_MONOTONIC less the time namespace's shift
+    (BPF helpers read the host's clock, unshifted)."""
+    import time
+
+    return time.monotonic_ns() - _timens_monotonic_offset_ns()
+
+
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 

@@ -13,8 +13,12 @@ cumulative counters that are never cleared while the thread lives (clearing afte
 made in between): on-CPU ns (switch-in → switch-out), off-CPU ns (switch-out → switch-in, run-queue wait
 included), run-queue ns (wakeup, or involuntary switch-out, → switch-in), switches, and involuntary switches
 (preempted or still TASK_RUNNING at switch-out: the kernel's own nivcsw rule, so it matches
-/proc/PID/task/TID/status nonvoluntary_ctxt_switches). Entries of exited threads/processes are emitted one
-last time and then deleted.
+/proc/PID/task/TID/status nonvoluntary_ctxt_switches). A read adds each live thread's interval still open
+(on CPU since, off CPU since, runnable since; bpf_ktime_get_ns's clock from user space, ebpf.ktime_now_ns), so a
+thread spinning alone on a CPU or blocked for minutes in a hung collective shows it between two reads, not at
+its next switch; what is emitted never goes below what was emitted before (a copy taken while another CPU is
+half-way through a switch can hold an interval twice or not at all). Entries of exited threads/processes are
+emitted one last time (closed intervals only) and then deleted.
 
 Emitted (entity `pid:<pid>:<start_ticks>:tid:<tid>`), all cumulative, Prometheus style:
   sched_on_cpu_seconds_total, sched_off_cpu_seconds_total, sched_runqueue_seconds_total,
@@ -122,6 +126,7 @@ class SchedSource(Source):
         self._deep = False
         self._overflow_reported = 0
         self._prev_stacks: dict[tuple[int, int], int] = {}  # (tid, stack_id) -> ns at the previous step
+        self._emitted: dict[int, tuple[int, int, int]] = {}    # tid -> (on, off, runq) ns last emitted
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -155,6 +160,7 @@ class SchedSource(Source):
         self._watched = {}
         self._overflow_reported = 0
         self._prev_stacks = {}
+        self._emitted = {}
         self._apply_deep(self._deep)
 
     def stop(self) -> None:
@@ -163,6 +169,7 @@ class SchedSource(Source):
             ebpf.cleanup(b)
         self._watched = {}
         self._prev_stacks = {}
+        self._emitted = {}
 
     def set_mode(self, mode: Mode) -> None:
         self._deep = mode == Mode.DEEP
@@ -206,27 +213,38 @@ class SchedSource(Source):
         out: list = []
         live_tasks: dict[int, set[int] | None] = {}
         stale = []
+        # bpf_ktime_get_ns's clock (whatever ctx.mono_ns is), read before the walk: an interval opened after it
+        # counts nothing now and all of itself at its close.
+        kernel_now = ebpf.ktime_now_ns()
         for key, s in stats.items():
             tid, tgid = key.value, s.tgid
             start = previous.get(tgid) if tgid in gone_tgids else current.get(tgid)
             if start is None:
                 stale.append(key)
                 continue
+            live = False
+            if tgid not in gone_tgids:
+                if tgid not in live_tasks:
+                    live_tasks[tgid] = self._tasks(tgid)
+                tasks = live_tasks[tgid]
+                live = tasks is not None and tid in tasks
+            times = _with_open_intervals(s, kernel_now) if live else (s.on_cpu_ns, s.off_cpu_ns, s.runq_ns)
+            # A copy taken while a switch on another CPU is half written may hold an interval both closed and
+            # open, or neither: the counters never go back below what was already emitted.
+            on, off, runq = times = tuple(map(max, times, self._emitted.get(tid, (0, 0, 0))))
+            self._emitted[tid] = times
             entity = f"pid:{tgid}:{start}:tid:{tid}"
-            out.append(Metric(now, "sched_on_cpu_seconds_total", entity, s.on_cpu_ns / 1e9))
-            out.append(Metric(now, "sched_off_cpu_seconds_total", entity, s.off_cpu_ns / 1e9))
-            out.append(Metric(now, "sched_runqueue_seconds_total", entity, s.runq_ns / 1e9))
+            out.append(Metric(now, "sched_on_cpu_seconds_total", entity, on / 1e9))
+            out.append(Metric(now, "sched_off_cpu_seconds_total", entity, off / 1e9))
+            out.append(Metric(now, "sched_runqueue_seconds_total", entity, runq / 1e9))
             out.append(Metric(now, "sched_switches_total", entity, float(s.switches)))
             out.append(Metric(now, "sched_involuntary_switches_total", entity, float(s.involuntary)))
             if tgid in gone_tgids:
                 stale.append(key)  # emitted a last time; the process is gone
-                continue
-            if tgid not in live_tasks:
-                live_tasks[tgid] = self._tasks(tgid)
-            tasks = live_tasks[tgid]
-            if tasks is not None and tid not in tasks:
-                stale.append(key)
+            elif live_tasks[tgid] is not None and not live:
+                stale.append(key)  # the thread is gone
         for key in stale:
+            self._emitted.pop(key.value, None)
             try:
                 del stats[key]
             except KeyError:
@@ -281,6 +299,20 @@ class SchedSource(Source):
                 out.append(Event(now, "offcpu_stack", entity, ";".join(frames) or f"[stack {sid} unavailable]",
                                  delta / 1e9))
         return out
+
+
+def _with_open_intervals(s, now_ns: int) -> tuple[int, int, int]:
+    """A live thread's on-CPU, off-CPU and run-queue ns with the interval still open at `now_ns` added: a thread
+    that spins without ever switching out, or blocks for minutes (a hung collective), shows it as it happens,
+    not at its next switch."""
+    on, off, runq = s.on_cpu_ns, s.off_cpu_ns, s.runq_ns
+    if s.last_in_ns:
+        on += max(0, now_ns - s.last_in_ns)
+    if s.last_out_ns:
+        off += max(0, now_ns - s.last_out_ns)
+    if s.enqueued_ns:
+        runq += max(0, now_ns - s.enqueued_ns)
+    return on, off, runq
 
 
 def _symbol(b, addr: int, pid: int) -> str:
