@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -185,7 +186,15 @@ def test_torch_detected_from_maps_once_library_is_mapped(tmp_path, children):
         while not os.path.exists({str(go)!r}):
             time.sleep(0.01)
         f = open({str(lib)!r}, "rb")
-        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        # read only first (a symbolizer's view of the file: not loaded), then as the loader maps a library's text
+        r = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        open({str(mapped)!r} + ".read", "w").close()
+        while not os.path.exists({str(go)!r} + ".exec"):
+            time.sleep(0.01)
+        try:
+            x = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_EXEC)
+        except OSError as exc:  # a noexec mount
+            open({str(mapped)!r} + ".noexec", "w").write(str(exc))
         open({str(mapped)!r}, "w").close()
         time.sleep(60)
     """)
@@ -197,13 +206,36 @@ def test_torch_detected_from_maps_once_library_is_mapped(tmp_path, children):
     src.start()
     assert child.pid not in _infos(src.step())  # plain python, nothing mapped yet
     go.touch()
+    _wait_file(str(mapped) + ".read")
+    clock.advance(1.1)
+    assert child.pid not in _infos(src.step())  # libtorch mapped r--s: read, not loaded
+    (tmp_path / "go.exec").touch()
     _wait_file(str(mapped))
-    assert child.pid not in _infos(src.step())  # re-check waits (back-off), maps not re-read yet
+    if (tmp_path / "mapped.noexec").exists():
+        pytest.skip(f"{tmp_path} refuses PROT_EXEC mappings: {(tmp_path / 'mapped.noexec').read_text()}")
+    clock.advance(1.1)
+    assert child.pid not in _infos(src.step())  # re-check waits (back-off: 2 s now), maps not re-read yet
     clock.advance(1.1)
     infos = _infos(src.step())
     assert infos[child.pid].framework == "torch"
     assert infos[child.pid].rank == 0
     assert infos[child.pid].job_key == f"pid:{child.pid}"  # no job env: the process is its own job
+
+
+def test_the_agent_itself_is_never_a_workload(children):
+    """A pattern that matches the agent's own command line (here the test process's: it runs the source) names
+    the child that matches it, never the agent."""
+    with open("/proc/self/cmdline", "rb") as fh:
+        own = fh.read().split(b"\0")[0].decode()
+    marker = f"steplens-self-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker, own])
+    children.append(child)
+    _wait_exec(child.pid, marker)
+    src = ProcsSource(HostContext(node_id="t"), ProcsConfig(patterns=[re.escape(own)]))
+    src.start()
+    infos = _infos(src.step())
+    assert child.pid in infos
+    assert os.getpid() not in infos
 
 
 def test_helpers_and_pid_job_key(tmp_path, children):

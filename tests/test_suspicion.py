@@ -164,3 +164,41 @@ def test_a_resource_that_fell_lifts_no_function():
     assert (causes[0]["rank"], causes[0]["cause"]) == (1, "network"), causes[:3]
     r3 = [c for c in causes if c["rank"] == 3 and c["kind"] == "function"]
     assert all(c["score"] < causes[0]["score"] / 2 and c["evidence"]["own"]["z_logmu"] >= 0 for c in r3), r3
+
+
+def _module_level_straggler(rng, late: int, gc: float = 0.0) -> dict[int, sp.RankData]:
+    """collector/demo.py's shape: every stack holds the loop's <module> frame, the straggler's extra work is a busy
+    loop at module level (no function of its own), so the only function that tells the ranks apart is the
+    all_reduce the others wait in for it (peers ~0.39 of their time, the straggler ~0.10)."""
+    module = f"<module> (job.py)\x00{FILE}"
+    ranks = {}
+    for r in range(4):
+        d = sp.RankData(r, "vm")
+        share = 0.10 if r == late else 0.39
+        d.cycles = [{module: 1.0, f"all_reduce (distributed_c10d.py)\x00{DIST}": max(0.0, share + rng.gauss(0, .02))}
+                    for _ in range(12)]
+        d.ref_cycles = [{module: 1.0, f"all_reduce (distributed_c10d.py)\x00{DIST}": max(0.0, .10 + rng.gauss(0, .02))}
+                        for _ in range(10)]
+        for name in ("runqueue", "gc", "network"):
+            base = {"network": 0.05}.get(name, 0.01)
+            rise = gc if (name == "gc" and r == late) else 0.0
+            d.resources[name] = [max(0.0, base + rise + rng.gauss(0, 0.005)) for _ in range(20)]
+            d.ref_resources[name] = [max(0.0, base + rng.gauss(0, 0.005)) for _ in range(30)]
+        ranks[r] = d
+    return ranks
+
+
+def test_a_collective_the_others_wait_in_names_the_late_rank_and_its_own_work():
+    """Seen live in `make run`'s demo (rank 1 computing 50 % longer in a loop at module level): the deep dive named
+    `rank 1 function all_reduce (waiting)`, the right rank with the wrong reason (rank 1 waits least there). A
+    collective a rank spends less time in than its peers marks it late; the cause is its own work's."""
+    rng = random.Random(13)
+    top = sp.rank_causes(_module_level_straggler(rng, 1))["causes"][0]
+    assert (top["rank"], top["id"], top["cause"]) == (1, "all_reduce (distributed_c10d.py)", "compute")
+    assert top["evidence"]["late"] is True and top["evidence"]["peers"]["d_beta_pp"] < -20
+    waiting = [c for c in sp.rank_causes(_module_level_straggler(rng, 1))["causes"]
+               if c["rank"] != 1 and c["id"].startswith("all_reduce")]
+    assert waiting and all(c["cause"] == "waiting" and "late" not in c["evidence"] for c in waiting)
+    # what slowed its work, where a compute resource of its own rose: named instead of `compute`
+    top = sp.rank_causes(_module_level_straggler(rng, 1, gc=0.3))["causes"][0]
+    assert (top["rank"], top["cause"]) == (1, "gc")

@@ -7,8 +7,11 @@ setproctitle change comm) it reads cmdline, the exe link, environ, cgroup and, f
 cmdline does not classify, /proc/PID/maps. A process is a workload when
   * it is Python (exe basename or argv[0] matches python*) and its cmdline names a framework launcher or
     module (torchrun, torch.distributed.run, vllm, sglang, megatron, deepspeed, VLLM::* process titles), or
-    /proc/PID/maps shows the framework's native libraries (libtorch*.so, vllm/_C, sgl_kernel, ...); or
+    /proc/PID/maps shows the framework's native libraries loaded (an executable mapping of libtorch*.so,
+    vllm/_C, sgl_kernel, ...; a file only mmap'd for reading, as a symbolizer does, is not loaded); or
   * its joined cmdline matches one of the configured `patterns` (framework "pattern:<regex>").
+The agent itself (proc_root's `self`) is never a workload: its off-CPU stack symbolizer maps the libraries it
+reads, and a pattern may match its own command line.
 A Python process that has not imported torch yet maps nothing telling, so its maps are re-read with a
 doubling back-off (1 s, 2 s, 4 s ... up to maps_recheck_max_seconds) instead of once; a classified process
 is never re-read.
@@ -200,6 +203,7 @@ class ProcsSource(Source):
         self._last_pid_path = ""   # /proc/loadavg where it speaks for proc_root's PID namespace, else ""
         self._last_pid = b""       # its last field at the previous full scan
         self._due_ns = 0           # the earliest re-read a full scan set (a non-workload's recheck, a maps read)
+        self._own_pid = -1         # this agent as proc_root shows it: never a workload
         self.scans_skipped = 0
 
     @classmethod
@@ -224,6 +228,7 @@ class ProcsSource(Source):
         self._last_pid_path = _last_pid_source(self.ctx.proc_root)
         self._last_pid = b""
         self._due_ns = 0
+        self._own_pid = _own_pid(self.ctx.proc_root)
 
     def _fork_free(self, now: int) -> bool:
         """True when this scan can be skipped: no workload to follow, no re-read due, and no process created since
@@ -297,7 +302,7 @@ class ProcsSource(Source):
             ppids[pid] = ppid
             letters[key] = state
             seen = self._seen.get(key)
-            if flags & _PF_KTHREAD:
+            if flags & _PF_KTHREAD or pid == self._own_pid:
                 seen = seen if seen is not None else _Seen(comm, None)
             elif seen is None or seen.comm != comm:
                 seen = self._classify(pid, start_ticks, comm, ppid, now, previous=seen)
@@ -530,6 +535,14 @@ def _who(info: ProcessInfo) -> str:
     return f"pid {info.pid} (no rank) of job {info.job_key}"
 
 
+def _own_pid(proc_root: str) -> int:
+    """This process's PID in proc_root's PID namespace (its `self` link), -1 where it has none (a fixture tree)."""
+    try:
+        return int(os.readlink(os.path.join(proc_root, "self")))
+    except (OSError, ValueError):
+        return -1
+
+
 def _last_pid_source(proc_root: str) -> str:
     """/proc/loadavg, whose last field is the last PID handed out in the reader's PID namespace, where that is the
     namespace proc_root shows: this process's NSpid there has one entry (a PID namespace nested below the mount's
@@ -609,14 +622,23 @@ def _framework_from_argv(argv: list[str]) -> str:
 
 
 def _framework_from_maps(base: str) -> str:
+    """The framework whose native code the process has loaded: a marker on a line of /proc/PID/maps whose
+    mapping is executable (the loader maps a library's text r-xp). A file only read through mmap (r--s, r--p: a
+    symbolizer, this agent's own ELF reader for off-CPU stacks, a backup tool) does not make a workload."""
     try:
         with open(os.path.join(base, "maps"), "rb") as f:
             maps = f.read()
     except OSError:
         return ""
     for marker, framework in _MAPS_MARKERS:
-        if marker in maps:
-            return framework
+        at = maps.find(marker)
+        while at >= 0:
+            line = maps.rfind(b"\n", 0, at) + 1
+            perms = maps[line:line + 64].split(None, 2)
+            if len(perms) > 1 and perms[1][2:3] == b"x":
+                return framework
+            end = maps.find(b"\n", at)
+            at = maps.find(marker, end + 1) if end >= 0 else -1
     return ""
 
 

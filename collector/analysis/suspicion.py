@@ -26,10 +26,14 @@ resource that appears on one rank only (gc on the faulty rank, zero on its peers
 `z_floor_pp` percentage points instead, and Z capped at `z_cap`, so one degenerate reference cannot dominate.
 Resources only count when they rise (more waiting is bad; less is not a cause); functions count both ways (a
 stopped rank's compute share falls). A comm function no resource explains ("waiting") is a symptom, the others'
-slowness showing on this rank: its score is weighed down (`waiting_weight`). The cause a candidate names: a
-resource's own (runqueue -> cpu-contention, throttled -> cpu-throttled, gc -> gc, stopped -> stopped, memory ->
-memory-pressure, network -> network, affinity -> cpu-affinity); a function's is its mu resource's where that deviates
-(|Z| >= `mu_z_significant`), else compute / waiting (comm) / data-loading by its class.
+slowness showing on this rank: its score is weighed down (`waiting_weight`). One whose share fell below its peers'
+(or, with no peers, its own past) says the opposite: the others wait for this rank there, it is late (evidence
+`late`), and what it names is its own work's: compute, or the compute resource that rose (a straggler whose extra
+time is in no function of its own, a loop at module level, a GPU wait inside a C call, shows only there).
+The cause a candidate names: a resource's own (runqueue -> cpu-contention, throttled -> cpu-throttled, gc -> gc,
+stopped -> stopped, memory -> memory-pressure, network -> network, affinity -> cpu-affinity); a function's is its
+mu resource's where that deviates (|Z| >= `mu_z_significant`), else compute / waiting (comm) / data-loading by its
+class.
 A process of no rank (a serving engine: LatencyPrism's own setting) is a candidate like a rank, keyed < 0; with no
 peers only its own reference scores it.
 Output: causes best first {kind, id, rank (-1: none), node, pid, cause, score, evidence}, and per rank (or
@@ -289,24 +293,28 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             if max(x, mean_of(pref), mean_of(oref)) < cfg.min_beta:
                 continue
             cls = function_class(key_file(k))
+            # a collective this rank spends less of its time in than its peers (or than before, with no peers):
+            # the others wait for it there, so it is late, and what made it late is its own work's
+            late = cls == "comm" and (pref and mean_of(pref) > x or not pref and oref and mean_of(oref) > x)
             # its resource: the one whose share rose most (only a rise: every resource here is time lost to
             # something, a run-queue wait, a network hold-up, a GC pause; one that fell explains no function, and
             # LatencyPrism's |Z_logmu| of a utilisation would let a slowed PP stage's run-queue wait, down 15 sigma
             # while its link was shaped, lift its forward function over the network itself)
             best, bz = None, (0.0, 0.0)
-            for n in CLASS_RESOURCES[cls]:
+            for n in CLASS_RESOURCES["compute" if late else cls]:
                 z = (max(0.0, mu[(r, n)][0]), max(0.0, mu[(r, n)][1])) if (r, n) in mu else (0.0, 0.0)
                 if sum(z) > sum(bz):
                     best, bz = n, z
             s, ev = _score(x, pref, oref, (bz[0], bz[1], 0.0), cfg)
-            cause = CLASS_CAUSE[cls]
+            cause = CLASS_CAUSE["compute" if late else cls]
             if best and max(bz) >= cfg.mu_z_significant:
                 cause = RESOURCE_CAUSE[best]
             if cause == "waiting":
                 s *= cfg.waiting_weight
             causes.append({"kind": "function", "id": label(k), **who(r, d), "cause": cause,
                            "score": round(s, 1), "evidence": {"beta": round(x, 4), "class": cls, "mu": best,
-                                                              "file": key_file(k), **ev}})
+                                                              "file": key_file(k), **({"late": True} if late else {}),
+                                                              **ev}})
     causes.sort(key=lambda c: -c["score"])
     by_rank: dict[str, float] = {}
     for c in causes:
