@@ -202,3 +202,33 @@ def test_a_collective_the_others_wait_in_names_the_late_rank_and_its_own_work():
     # what slowed its work, where a compute resource of its own rose: named instead of `compute`
     top = sp.rank_causes(_module_level_straggler(rng, 1, gc=0.3))["causes"][0]
     assert (top["rank"], top["cause"]) == (1, "gc")
+
+
+def test_of_a_wrapper_and_what_it_wraps_the_inner_function_is_named():
+    """torch wraps every c10d collective in _exception_logger's wrapper: the two always share every sample, so
+    they scored alike and the deep dive of `make run`'s demo named the wrapper. Only the deeper one is a
+    candidate."""
+    rng = random.Random(17)
+    ranks = _module_level_straggler(rng, 1)
+    wrapper = f"_exception_logger.<locals>.wrapper (c10d_logger.py)\x00/venv/torch/distributed/c10d_logger.py"
+    inner = f"all_reduce (distributed_c10d.py)\x00{DIST}"
+    for d in ranks.values():
+        for c in d.cycles + d.ref_cycles:
+            c[wrapper] = c[inner]
+        d.depth = {f"<module> (job.py)\x00{FILE}": 0.0, wrapper: 1.0, inner: 2.0}
+    out = sp.rank_causes(ranks)["causes"]
+    assert out[0]["rank"] == 1 and out[0]["id"] == "all_reduce (distributed_c10d.py)"
+    assert not [c for c in out if c["id"].startswith("_exception_logger")]
+    for d in ranks.values():   # the other way round: the wrapper is the deeper one
+        d.depth = {wrapper: 2.0, inner: 1.0}
+    out = sp.rank_causes(ranks)["causes"]
+    assert out[0]["id"].startswith("_exception_logger") and not [c for c in out if c["id"].startswith("all_reduce")]
+
+
+def test_frame_depths_are_mean_positions_from_the_outermost():
+    smp = [{"frames": _frames(("main", FILE), ("wrapper", FILE), ("all_reduce", DIST))},
+           {"frames": _frames(("main", FILE), ("all_reduce", DIST))}]
+    dep = sp.frame_depths(smp, 48)
+    assert dep[f"main (train.py)\x00{FILE}"] == 0.0
+    assert dep[f"wrapper (train.py)\x00{FILE}"] == 1.0
+    assert dep[f"all_reduce (distributed_c10d.py)\x00{DIST}"] == 1.5

@@ -82,6 +82,7 @@ class RankData:
     samples: int = 0
     ref_samples: int = 0
     pid: int = 0
+    depth: dict = field(default_factory=dict)        # function -> its mean position in the stacks (0 outermost)
 
 
 def function_class(file: str) -> str:
@@ -133,6 +134,22 @@ def cycle_shares(samples: list[dict], bounds: list[tuple[int, int]], max_frames:
         if n:
             out.append({k: c / n for k, c in counts.items()})
     return out
+
+
+def frame_depths(samples: list[dict], max_frames: int) -> dict[str, float]:
+    """{function key: its mean position in the stacks that hold it, 0 the outermost frame}: of two functions that
+    always run together (a wrapper and what it wraps) the deeper is the one that does the work."""
+    sums: dict[str, list] = {}
+    for smp in samples:
+        seen = set()
+        for i, fr in enumerate(list(reversed(smp["frames"]))[:max_frames]):
+            k = frame_key(fr)
+            if k not in seen:
+                seen.add(k)
+                acc = sums.setdefault(k, [0, 0])
+                acc[0] += i
+                acc[1] += 1
+    return {k: t / n for k, (t, n) in sums.items()}
 
 
 def bins(a: int, b: int, width_ns: int = 10**9) -> list[tuple[int, int]]:
@@ -281,11 +298,17 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             extra = {"links": d.links} if n == "network" and d.links else {}
             causes.append({"kind": "resource", "id": n, **who(r, d), "cause": RESOURCE_CAUSE[n],
                            "score": round(s, 1), "evidence": {"share": round(x, 4), **ev, **extra}})
-        # functions
+        # functions; of those that always run together (the same share in every cycle of both windows: a wrapper
+        # such as torch's _exception_logger around the collective it wraps) only the deepest, which does the work
         if not d.cycles:
             continue
-        keys = {k for c in d.cycles for k in c}
-        for k in keys:
+        together: dict[tuple, str] = {}
+        for k in sorted({k for c in d.cycles for k in c}):
+            sig = (tuple(round(c.get(k, 0.0), 9) for c in d.cycles),
+                   tuple(round(c.get(k, 0.0), 9) for c in d.ref_cycles))
+            if sig not in together or d.depth.get(k, 0.0) > d.depth.get(together[sig], 0.0):
+                together[sig] = k
+        for k in together.values():
             xs = [c.get(k, 0.0) for c in d.cycles]
             x = mean_of(xs)
             pref = [c.get(k, 0.0) for p in peers[r] for c in ranks[p].cycles]
