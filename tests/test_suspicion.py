@@ -215,20 +215,29 @@ def test_of_a_wrapper_and_what_it_wraps_the_inner_function_is_named():
     for d in ranks.values():
         for c in d.cycles + d.ref_cycles:
             c[wrapper] = c[inner]
-        d.depth = {f"<module> (job.py)\x00{FILE}": 0.0, wrapper: 1.0, inner: 2.0}
+        # within 2 pp of each other: the wrapper's own code shows in a few samples
+        for c in d.cycles:
+            c[wrapper] = min(1.0, c[wrapper] + 0.01)
+        module = f"<module> (job.py)\x00{FILE}"
+        d.depth = {module: 0.0, wrapper: 1.0, inner: 2.0}
+        d.within = {module: frozenset(), wrapper: frozenset({module}), inner: frozenset({module, wrapper})}
     out = sp.rank_causes(ranks)["causes"]
     assert out[0]["rank"] == 1 and out[0]["id"] == "all_reduce (distributed_c10d.py)"
     assert not [c for c in out if c["id"].startswith("_exception_logger")]
-    for d in ranks.values():   # the other way round: the wrapper is the deeper one
-        d.depth = {wrapper: 2.0, inner: 1.0}
+    for d in ranks.values():   # two functions alike in share but not nested (siblings): both stay candidates
+        d.within = {}
     out = sp.rank_causes(ranks)["causes"]
-    assert out[0]["id"].startswith("_exception_logger") and not [c for c in out if c["id"].startswith("all_reduce")]
+    assert [c for c in out if c["id"].startswith("_exception_logger")]
 
 
-def test_frame_depths_are_mean_positions_from_the_outermost():
+def test_frame_nesting_depths_and_what_encloses_a_function_in_every_stack():
+    main, wrapper = f"main (train.py)\x00{FILE}", f"wrapper (train.py)\x00{FILE}"
+    ar, fwd = f"all_reduce (distributed_c10d.py)\x00{DIST}", f"forward (train.py)\x00{FILE}"
     smp = [{"frames": _frames(("main", FILE), ("wrapper", FILE), ("all_reduce", DIST))},
-           {"frames": _frames(("main", FILE), ("all_reduce", DIST))}]
-    dep = sp.frame_depths(smp, 48)
-    assert dep[f"main (train.py)\x00{FILE}"] == 0.0
-    assert dep[f"wrapper (train.py)\x00{FILE}"] == 1.0
-    assert dep[f"all_reduce (distributed_c10d.py)\x00{DIST}"] == 1.5
+           {"frames": _frames(("main", FILE), ("wrapper", FILE), ("all_reduce", DIST))},
+           {"frames": _frames(("main", FILE), ("forward", FILE), ("forward", FILE))}]
+    depth, within = sp.frame_nesting(smp, 48)
+    assert depth == {main: 0.0, wrapper: 1.0, ar: 2.0, fwd: 1.0}   # recursion: its outermost position
+    assert within[ar] == {main, wrapper} and within[wrapper] == {main} and within[fwd] == {main}
+    smp.append({"frames": _frames(("main", FILE), ("all_reduce", DIST))})   # once called without the wrapper
+    assert sp.frame_nesting(smp, 48)[1][ar] == {main}

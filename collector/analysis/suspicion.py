@@ -64,6 +64,8 @@ class SuspicionConfig:
     top: int = 10                   # causes kept
     own_weight: float = 0.1         # the own-reference term's weight: every rank of a slowed job departs from its
                                     # own past alike, so it says what changed more than who (peers say who)
+    together_pp: float = 2.0        # a function within this of a deeper one's share in every cycle runs with it
+                                    # (a wrapper): only the deeper is a candidate
     waiting_weight: float = 0.5     # a comm function no resource explains ("waiting") is the others' slowness
                                     # showing on this rank: a symptom, its score weighed down
 
@@ -83,6 +85,7 @@ class RankData:
     ref_samples: int = 0
     pid: int = 0
     depth: dict = field(default_factory=dict)        # function -> its mean position in the stacks (0 outermost)
+    within: dict = field(default_factory=dict)       # function -> the functions above it in every stack holding it
 
 
 def function_class(file: str) -> str:
@@ -136,20 +139,27 @@ def cycle_shares(samples: list[dict], bounds: list[tuple[int, int]], max_frames:
     return out
 
 
-def frame_depths(samples: list[dict], max_frames: int) -> dict[str, float]:
-    """{function key: its mean position in the stacks that hold it, 0 the outermost frame}: of two functions that
-    always run together (a wrapper and what it wraps) the deeper is the one that does the work."""
+def frame_nesting(samples: list[dict], max_frames: int) -> tuple[dict[str, float], dict[str, frozenset]]:
+    """({function key: its mean position in the stacks that hold it, 0 the outermost frame}, {function key: the
+    functions above it in every stack that holds it}): a wrapper is above what it wraps in every stack, and of the
+    two the deeper is the one that does the work."""
+    stacks: dict[tuple, int] = {}
+    for smp in samples:   # each distinct stack once (a deep window holds thousands of samples of a few stacks)
+        key = tuple(frame_key(fr) for fr in list(reversed(smp["frames"]))[:max_frames])
+        stacks[key] = stacks.get(key, 0) + 1
     sums: dict[str, list] = {}
-    for smp in samples:
-        seen = set()
-        for i, fr in enumerate(list(reversed(smp["frames"]))[:max_frames]):
-            k = frame_key(fr)
-            if k not in seen:
-                seen.add(k)
-                acc = sums.setdefault(k, [0, 0])
-                acc[0] += i
-                acc[1] += 1
-    return {k: t / n for k, (t, n) in sums.items()}
+    within: dict[str, frozenset] = {}
+    for stack, n in stacks.items():
+        above: set[str] = set()
+        for i, k in enumerate(stack):
+            if k in above:
+                continue   # recursion: its first (outermost) position
+            acc = sums.setdefault(k, [0, 0])
+            acc[0] += i * n
+            acc[1] += n
+            within[k] = within[k] & above if k in within else frozenset(above)
+            above.add(k)
+    return {k: t / n for k, (t, n) in sums.items()}, within
 
 
 def bins(a: int, b: int, width_ns: int = 10**9) -> list[tuple[int, int]]:
@@ -238,6 +248,21 @@ def roles(ranks: dict[int, RankData], cosine: float) -> dict[int, list[int]]:
     return out
 
 
+def _innermost_of_together(d: RankData, tol: float) -> list[str]:
+    """The rank's functions less the wrappers: a function above a deeper one in every stack that holds the deeper
+    (RankData.within) and within `tol` of its share in every cycle of both windows. torch's _exception_logger
+    wraps every c10d collective and shares nearly all its samples with it, so the two scored alike and the deep
+    dive of `make run`'s demo named the wrapper; the deeper one does the work. Deepest first."""
+    keys = sorted({k for c in d.cycles for k in c}, key=lambda k: (-d.depth.get(k, 0.0), k))
+    kept: list[tuple[str, list[float]]] = []
+    for k in keys:
+        vec = [c.get(k, 0.0) for c in d.cycles] + [c.get(k, 0.0) for c in d.ref_cycles]
+        if not any(k in d.within.get(inner, ()) and all(abs(a - b) <= tol for a, b in zip(vec, other))
+                   for inner, other in kept):
+            kept.append((k, vec))
+    return [k for k, _ in kept]
+
+
 def _score(x: float, peer_ref: list[float], own_ref: list[float], mu: tuple[float, float, float],
            cfg: SuspicionConfig) -> tuple[float, dict]:
     """S against the peers plus S against the rank's own reference; x and the references are shares (0..1)."""
@@ -298,17 +323,10 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             extra = {"links": d.links} if n == "network" and d.links else {}
             causes.append({"kind": "resource", "id": n, **who(r, d), "cause": RESOURCE_CAUSE[n],
                            "score": round(s, 1), "evidence": {"share": round(x, 4), **ev, **extra}})
-        # functions; of those that always run together (the same share in every cycle of both windows: a wrapper
-        # such as torch's _exception_logger around the collective it wraps) only the deepest, which does the work
+        # functions
         if not d.cycles:
             continue
-        together: dict[tuple, str] = {}
-        for k in sorted({k for c in d.cycles for k in c}):
-            sig = (tuple(round(c.get(k, 0.0), 9) for c in d.cycles),
-                   tuple(round(c.get(k, 0.0), 9) for c in d.ref_cycles))
-            if sig not in together or d.depth.get(k, 0.0) > d.depth.get(together[sig], 0.0):
-                together[sig] = k
-        for k in together.values():
+        for k in _innermost_of_together(d, cfg.together_pp / 100):
             xs = [c.get(k, 0.0) for c in d.cycles]
             x = mean_of(xs)
             pref = [c.get(k, 0.0) for p in peers[r] for c in ranks[p].cycles]
