@@ -6,7 +6,8 @@ Candidates, each scored against two references:
             steps inside the window; 1 s bins without steps) whose stack holds the function (inclusive time);
             mu = the resource its class maps to (compute -> run queue, cgroup throttling, GC, stop, memory
             pressure; comm -> the connections held back by the network; data loading -> run queue, memory), the
-            one whose log1p rose most (a fall is none: |Z_logmu| counts only rises). The process's own CPU is not
+            one whose log1p rose most (a fall is none: |Z_logmu| counts only rises; nor a rise under `mu_min_pp`
+            percentage points of its share, however many sigma of a quiet reference). The process's own CPU is not
             one: it falls whenever the rank waits, whatever made it wait.
   resource  a resource of one rank or its node (run-queue wait, cgroup throttling, GC, stopped, memory pressure:
             shares of wall time; affinity: the share of its CPUs the process may no longer run on; the
@@ -58,6 +59,9 @@ class SuspicionConfig:
     z_floor_pp: float = 1.0         # reference std floor, percentage points
     z_cap: float = 50.0
     mu_z_significant: float = 3.0
+    mu_min_pp: float = 2.0          # a resource explains a function only where its share rose at least this many
+                                    # percentage points: a run-queue wait from 0.2 % to 0.7 % of the time is 3.8
+                                    # sigma of a quiet reference and explains nothing of a 30-point shift
     min_beta: float = 0.02          # functions below this share on the rank and on its references are left out
     role_cosine: float = 0.9        # ranks alike in the reference window share a role (peer reference)
     max_frames: int = 48            # frames of a stack considered (outermost first)
@@ -290,8 +294,9 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
     def mean_of(vals):
         return statistics.fmean(vals) if vals else 0.0
 
-    # mu per (rank, resource): Z of log1p(percent) against the peers and against the rank's own reference
-    mu: dict[tuple[int, str], tuple[float, float, float]] = {}
+    # mu per (rank, resource): Z of log1p(percent) against the peers and against the rank's own reference, and
+    # the share's rise over each in percentage points (what a function's cause needs besides its Z)
+    mu: dict[tuple[int, str], tuple[float, float, float, float, float]] = {}
     names = {n for d in ranks.values() for n in d.resources}
     for r, d in ranks.items():
         for n in names:
@@ -303,7 +308,10 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             oref = [math.log1p(100 * v) for v in d.ref_resources.get(n, [])]
             zp = _z(x, pref, math.log1p(cfg.z_floor_pp) / 10, cap)[0] if pref else 0.0
             zo = _z(x, oref, math.log1p(cfg.z_floor_pp) / 10, cap)[0] if oref else 0.0
-            mu[(r, n)] = (zp, zo, mean_of(own))
+            peer_raw = [v for p in ranks if p != r for v in ranks[p].resources.get(n, [])]
+            own_raw = d.ref_resources.get(n, [])
+            mu[(r, n)] = (zp, zo, mean_of(own), 100 * (mean_of(own) - mean_of(peer_raw)) if peer_raw else 0.0,
+                          100 * (mean_of(own) - mean_of(own_raw)) if own_raw else 0.0)
     causes = []
     for r, d in ranks.items():
         # resources: their share is their beta, their own log1p their mu; only a rise counts
@@ -314,7 +322,7 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             x = mean_of(own)
             pref = [v for p in ranks if p != r for v in ranks[p].resources.get(n, [])]   # resources: every rank
             oref = list(d.ref_resources.get(n, []))
-            zp, zo, _ = mu.get((r, n), (0.0, 0.0, 0.0))
+            zp, zo = mu.get((r, n), (0.0, 0.0))[:2]
             s, ev = _score(x, pref, oref, (max(0.0, zp), max(0.0, zo), 0.0), cfg)
             rises = [e["d_beta_pp"] > 0 for e in ev.values()]
             if not any(rises):
@@ -343,7 +351,8 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
             # while its link was shaped, lift its forward function over the network itself)
             best, bz = None, (0.0, 0.0)
             for n in CLASS_RESOURCES["compute" if late else cls]:
-                z = (max(0.0, mu[(r, n)][0]), max(0.0, mu[(r, n)][1])) if (r, n) in mu else (0.0, 0.0)
+                zp, zo, _, rise_p, rise_o = mu.get((r, n), (0.0, 0.0, 0.0, 0.0, 0.0))
+                z = (max(0.0, zp) if rise_p >= cfg.mu_min_pp else 0.0, max(0.0, zo) if rise_o >= cfg.mu_min_pp else 0.0)
                 if sum(z) > sum(bz):
                     best, bz = n, z
             s, ev = _score(x, pref, oref, (bz[0], bz[1], 0.0), cfg)
