@@ -492,7 +492,7 @@ def gather(reader, job_key: str, deep: tuple[int, int], ref: tuple[int, int], de
         d.samples = len(main)
         d.cycles = suspicion.cycle_shares(main, in_deep if len(in_deep) >= 3 else suspicion.bins(a, b),
                                           cfg.max_frames)
-        d.depth, d.within = suspicion.frame_nesting(main, cfg.max_frames)
+        d.depth, d.within, d.held = suspicion.frame_nesting(main, cfg.max_frames)
         rmain = suspicion.main_thread(rs.get(r, []))
         d.ref_samples = len(rmain)
         d.profile = suspicion.leaf_profile(rmain if len(rmain) >= 20 else main)

@@ -68,8 +68,8 @@ class SuspicionConfig:
     top: int = 10                   # causes kept
     own_weight: float = 0.1         # the own-reference term's weight: every rank of a slowed job departs from its
                                     # own past alike, so it says what changed more than who (peers say who)
-    together_pp: float = 2.0        # a function within this of a deeper one's share in every cycle runs with it
-                                    # (a wrapper): only the deeper is a candidate
+    together_share: float = 0.95    # a function above a deeper one wherever that runs, with this share of its
+                                    # samples in it, is its wrapper: only the deeper is a candidate
     waiting_weight: float = 0.5     # a comm function no resource explains ("waiting") is the others' slowness
                                     # showing on this rank: a symptom, its score weighed down
 
@@ -90,6 +90,7 @@ class RankData:
     pid: int = 0
     depth: dict = field(default_factory=dict)        # function -> its mean position in the stacks (0 outermost)
     within: dict = field(default_factory=dict)       # function -> the functions above it in every stack holding it
+    held: dict = field(default_factory=dict)         # function -> samples of the deep window holding it
 
 
 def function_class(file: str) -> str:
@@ -143,10 +144,11 @@ def cycle_shares(samples: list[dict], bounds: list[tuple[int, int]], max_frames:
     return out
 
 
-def frame_nesting(samples: list[dict], max_frames: int) -> tuple[dict[str, float], dict[str, frozenset]]:
+def frame_nesting(samples: list[dict], max_frames: int) -> tuple[dict[str, float], dict[str, frozenset],
+                                                                  dict[str, int]]:
     """({function key: its mean position in the stacks that hold it, 0 the outermost frame}, {function key: the
-    functions above it in every stack that holds it}): a wrapper is above what it wraps in every stack, and of the
-    two the deeper is the one that does the work."""
+    functions above it in every stack that holds it}, {function key: samples holding it}): a wrapper is above what
+    it wraps in every stack, and of the two the deeper is the one that does the work."""
     stacks: dict[tuple, int] = {}
     for smp in samples:   # each distinct stack once (a deep window holds thousands of samples of a few stacks)
         key = tuple(frame_key(fr) for fr in list(reversed(smp["frames"]))[:max_frames])
@@ -163,7 +165,7 @@ def frame_nesting(samples: list[dict], max_frames: int) -> tuple[dict[str, float
             acc[1] += n
             within[k] = within[k] & above if k in within else frozenset(above)
             above.add(k)
-    return {k: t / n for k, (t, n) in sums.items()}, within
+    return {k: t / n for k, (t, n) in sums.items()}, within, {k: n for k, (_, n) in sums.items()}
 
 
 def bins(a: int, b: int, width_ns: int = 10**9) -> list[tuple[int, int]]:
@@ -252,23 +254,20 @@ def roles(ranks: dict[int, RankData], cosine: float) -> dict[int, list[int]]:
     return out
 
 
-def _innermost_of_together(d: RankData, tol: float) -> list[str]:
-    """The rank's functions less the wrappers: a function above a deeper one in every stack that holds the deeper
-    (RankData.within) whose mean share is within `tol` of the deeper one's in both windows (the deeper one's
-    samples are then nearly all of its own). torch's _exception_logger wraps every c10d collective, so the two
-    scored alike and the deep dive of `make run`'s demo named the wrapper; the deeper one does the work. Means,
-    not cycle by cycle: at the governed 50 Hz a 100 ms step's cycle holds five samples, one of them 20 points.
-    Deepest first."""
-    def mean(vals):
-        return sum(vals) / len(vals) if vals else 0.0
+def _innermost_of_together(d: RankData, share: float) -> list[str]:
+    """The rank's functions less the wrappers: a function above a deeper one in every deep-window stack that holds
+    the deeper (RankData.within) and with at least `share` of its own samples in the deeper one's (RankData.held).
+    torch's _exception_logger wraps every c10d collective, so the two scored alike and the deep dive of `make
+    run`'s demo named the wrapper; the deeper one does the work. Counted in samples of the deep window, not as
+    shares per cycle: the reference, sampled at the sentinel rate, holds a couple of samples a second, where one
+    sample of the wrapper's own code is tens of points of a cycle. Deepest first."""
     keys = sorted({k for c in d.cycles for k in c}, key=lambda k: (-d.depth.get(k, 0.0), k))
-    kept: list[tuple[str, float, float]] = []
+    kept: list[str] = []
     for k in keys:
-        deep, ref = mean([c.get(k, 0.0) for c in d.cycles]), mean([c.get(k, 0.0) for c in d.ref_cycles])
-        if not any(k in d.within.get(inner, ()) and abs(deep - i_deep) <= tol and abs(ref - i_ref) <= tol
-                   for inner, i_deep, i_ref in kept):
-            kept.append((k, deep, ref))
-    return [k for k, _, _ in kept]
+        n = d.held.get(k, 0)
+        if not (n and any(k in d.within.get(inner, ()) and d.held.get(inner, 0) >= share * n for inner in kept)):
+            kept.append(k)
+    return kept
 
 
 def _score(x: float, peer_ref: list[float], own_ref: list[float], mu: tuple[float, float, float],
@@ -338,7 +337,7 @@ def rank_causes(ranks: dict[int, RankData], cfg: SuspicionConfig | None = None) 
         # functions
         if not d.cycles:
             continue
-        for k in _innermost_of_together(d, cfg.together_pp / 100):
+        for k in _innermost_of_together(d, cfg.together_share):
             xs = [c.get(k, 0.0) for c in d.cycles]
             x = mean_of(xs)
             pref = [c.get(k, 0.0) for p in peers[r] for c in ranks[p].cycles]
