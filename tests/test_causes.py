@@ -474,3 +474,31 @@ def test_worst_rate_is_the_whole_for_a_short_interval_and_the_busiest_stretch_fo
     assert causes.worst_rate(pts, 0, 9 * S, 9 * S) == (21 / 9, 0)
     assert causes.worst_rate(pts, 0, 9 * S, 2 * S) == (7.0, 3 * S)
     assert causes.worst_rate([], 0, 9 * S, 2 * S) is None
+
+
+def test_lowest_held_is_the_least_a_gauge_kept_for_the_hold():
+    pts = [(t * S, 2.0 if not 10 <= t < 25 else 1.0) for t in range(45)]
+    assert causes.lowest_held(pts, 0, 44 * S, 5 * S) == 1.0                  # 15 s of 45 at 1 CPU
+    assert causes.gauge_median(pts, 0, 44 * S) == 2.0                         # what the median made of it
+    blip = [(t * S, 1.0 if t == 20 else 2.0) for t in range(45)]
+    assert causes.lowest_held(blip, 0, 44 * S, 5 * S) == 2.0                 # one sample is no pin
+    assert causes.lowest_held(pts[:3], 0, 2 * S, 5 * S) == 2.0                # shorter than the hold: the median
+    assert causes.lowest_held([], 0, 2 * S, 5 * S) is None
+
+
+def test_a_pin_that_is_a_third_of_its_episode_is_the_cause(tmp_path):
+    """The inference bed, run G of the thirty-first session: the slowed-decode fault (the engine pinned to one CPU
+    for 15 s) came inside a sentinel finding a false alarm had opened 11.5 s earlier, while the engine waited for a
+    CPU 49 % of the time; the median of its CPUs over the 45 s finding was 2, the finding's cause cpu-contention.
+    The pin it kept for 15 s is the cause (it explains the run-queue wait)."""
+    onset, last = T0 + 70 * S, T0 + 115 * S
+    pin = (onset + 12 * S, onset + 27 * S)
+    rd = _write(str(tmp_path / "a.db"), {"n0": [
+        *_engine(lambda t: 0.49 if onset <= t < last else 0.05)["n0"],
+        *[Metric(t, "process_cpus_allowed", "pid:100:7", 1.0 if pin[0] <= t < pin[1] else 2.0)
+          for t in range(T0, T0 + 141 * S, S)]]})
+    f = replace(_finding(Suspect("process", "n0:100", 1.0, "")), detector="sentinel", onset_ns=onset, last_ns=last)
+    s = causes.attach(rd, JOB, {"sentinel": [f]})["sentinel"][0].suspects[0]
+    assert s.cause == "cpu-affinity", s.evidence
+    assert s.evidence["why"]["cpus_allowed"] == {"during": 1.0, "before": 2.0}
+    assert s.evidence["why"]["causes"] == ["cpu-affinity"]   # the run-queue wait it explains is not contention

@@ -27,7 +27,8 @@ Causes, in the order they win (the first whose rule holds is the suspect's cause
   memory-pressure  the node's memory PSI (pressure_memory_some) at `pressure_fraction` of the episode, `rise` x
                    baseline, or swapping in at >= `swap_in_bytes_per_s`
   cpu-affinity     the process may run on fewer CPUs than before (host: process_cpus_allowed, its main thread's
-                   affinity mask; median over the episode below the baseline's): a pin to fewer cores makes its own
+                   affinity mask; the lowest it kept for `affinity_hold_seconds` in the episode below the baseline's
+                   median): a pin to fewer cores makes its own
                    threads queue for them, which the run-queue rule below would call contention
   cpu-contention   the process waited on a run queue (process_runqueue_seconds_total, /proc/PID/schedstat) for
                    `runqueue_fraction` of the episode and `rise` x its baseline (with no throttling: a quota makes
@@ -103,6 +104,7 @@ class CausesConfig:
     baseline_seconds: float = 60.0        # the suspect's own "before" ends at the onset
     margin_seconds: float = 2.0           # around the episode: events, and samples that cover it
     stretch_seconds: float = 15.0         # a longer episode is judged on its worst stretch this long as well
+    affinity_hold_seconds: float = 5.0    # a pin to fewer CPUs counts where it lasted this long in the episode
     throttled_fraction: float = 0.05
     gc_fraction: float = 0.05
     runqueue_fraction: float = 0.10
@@ -184,6 +186,26 @@ def worst_rate(points: list[tuple[int, float]], a: int, b: int, width: int) -> t
 def gauge_median(points: list[tuple[int, float]], a: int, b: int) -> float | None:
     vals = [v for t, v in points if a <= t <= b]
     return statistics.median(vals) if vals else None
+
+
+def lowest_held(points: list[tuple[int, float]], a: int, b: int, hold: int) -> float | None:
+    """The lowest value the gauge kept for `hold` inside [a, b] (the least of the highest values of each span of
+    consecutive samples `hold` long), its median where no span is that long. A pin to fewer CPUs for 15 s of a
+    45 s episode (the inference bed's: a false alarm opened it 11 s before) is not the episode's median."""
+    pts = [(t, v) for t, v in points if a <= t <= b]
+    best = None
+    j = 0
+    for i, (t, _) in enumerate(pts):
+        j = max(j, i)
+        while j + 1 < len(pts) and pts[j][0] - t < hold:   # the first sample `hold` or more after this one
+            j += 1
+        if pts[j][0] - t < hold:
+            break
+        top = max(v for _, v in pts[i:j + 1])
+        best = top if best is None else min(best, top)
+    if best is None:
+        return statistics.median(v for _, v in pts) if pts else None
+    return best
 
 
 def reasons_seen(points: list[tuple[int, float]], a: int, b: int) -> int:
@@ -308,7 +330,8 @@ def explain_process(ps: _Pass, proc: dict, rank: int, onset: int, last: int) -> 
     if quota is not None:
         ev["cpu_quota_cores"] = quota
     cpus = pm.get(("process_cpus_allowed", entity), [])
-    cpus_now, cpus_before = gauge_median(cpus, a, b + m), gauge_median(cpus, b0, a - m)
+    cpus_now, cpus_before = lowest_held(cpus, a, b + m, int(cfg.affinity_hold_seconds * 1e9)), \
+        gauge_median(cpus, b0, a - m)
     if cpus_now is not None and cpus_before is not None and cpus_now < cpus_before:
         found.append("cpu-affinity")
         ev["cpus_allowed"] = {"during": cpus_now, "before": cpus_before}
