@@ -162,6 +162,31 @@ def test_table_cuts_only_the_free_columns_widest_first():
     assert "a" * 50 in keys and "b" * 50 in keys
 
 
+def test_summaries_without_durations_show_none_and_empty_flows_say_why(capsys):
+    """Seen in `make run`: gloo's Flight Recorder gives each op its enqueue time only (timing cpu_enqueue), and
+    `commops --summary` printed BUSY and MAX as 0µs, which reads as instant; and `flows` said "is the netflows
+    source up?" while it was, its ranks talking over lo, which it leaves out by default."""
+    from types import SimpleNamespace
+
+    from steplens.collector.cli import ops
+    row = {"rank": 0, "comm_id": "pg:0", "op": "all_reduce", "step": -1, "calls": 208, "bytes": 14540032,
+           "busy_ns": 0, "max_ns": 0, "seq_first": 1, "seq_last": 208, "issue_latency_ns_sum": 0, "kernels": 0,
+           "source": "flightrec", "end_ns": 0, "timing": "cpu_enqueue"}
+    timed = dict(row, rank=1, timing="gpu_kernel", busy_ns=2_000_000, max_ns=40_000)
+    stub = SimpleNamespace(ListCommSummaries=lambda req, timeout: SimpleNamespace(rows_json=json.dumps([row, timed])),
+                           ListFlows=lambda req, timeout: SimpleNamespace(flows=[]))
+    args = SimpleNamespace(job="demo", rank=None, limit=100, timeout=5, json=False, show=50, since="", by="pair",
+                           node="")
+    assert ops._cmd_comm_summaries(stub, args, 0) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[0].split()
+    busy, mx = head.index("BUSY"), head.index("MAX")
+    assert [lines[1].split()[busy], lines[1].split()[mx]] == ["-", "-"]
+    assert lines[2].split()[busy] != "-" and lines[2].split()[mx] != "-"
+    assert ops.cmd_flows(stub, args) == 0
+    assert "include_loopback" in capsys.readouterr().out
+
+
 def test_tables_fit_the_terminal_and_piped_rows_stay_whole(cluster):
     base = cluster["base"]
     wait_for(lambda: subprocess.run(base + ["nodes"], capture_output=True, text=True).stdout.count("\n") >= 2, 30,

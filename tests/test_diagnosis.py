@@ -253,6 +253,28 @@ def _write(writer: StoreWriter, seq: int, records: list) -> None:
     assert done.wait(10)
 
 
+def test_ops_of_no_group_are_not_another_communicator_where_a_named_one_has_them(tmp_path):
+    """`make run`'s demo listed two communicators, pg:0 and pg:?: the deep dive's Kineto window of a gloo job names
+    no group (agent/kineto/trace.py). Where a named communicator of the job holds their ranks and ops they are its;
+    elsewhere (other ranks, other ops, or no named one) pg:? stays."""
+    path = str(tmp_path / "c.db")
+    writer = StoreWriter(path)
+    writer.start()
+    try:
+        t = time.monotonic_ns() - 10**9
+
+        def summ(job, comm, rank, op="allreduce"):
+            return r.CommSummary(t, 1 + rank, comm, op, t, 1, 1, 1, 1, job_key=job, rank=rank, step=0)
+        _write(writer, 1, [summ("a", "pg:0", k) for k in range(4)] + [summ("a", "pg:?", k) for k in range(4)]
+               + [summ("b", "pg:0", k) for k in range(2)] + [summ("b", "pg:?", k) for k in range(4)]
+               + [summ("c", "pg:?", k) for k in range(2)]
+               + [summ("d", "pg:0", k) for k in range(2)] + [summ("d", "pg:?", k, "broadcast") for k in range(2)])
+        jobs = {j["job_key"]: [c["comm_id"] for c in j["comms"]] for j in Reader(path).jobs()}
+    finally:
+        writer.stop()
+    assert jobs == {"a": ["pg:0"], "b": ["pg:?", "pg:0"], "c": ["pg:?"], "d": ["pg:0", "pg:?"]}
+
+
 def test_a_slow_analysis_of_a_job_is_logged_with_what_it_spent(tmp_path, monkeypatch, caplog):
     """A job's analysis that holds the loop up (SLOW_PASS_SECONDS, wall) is said in the log with its CPU and its
     slowest detectors: a finding that came late can be traced to it."""

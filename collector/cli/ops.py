@@ -228,7 +228,8 @@ def cmd_flows(stub, args) -> int:
         print(json.dumps(rows, indent=2))
         return 0
     if not rows:
-        print("no flows (is the netflows source up on the agents? see `steplens nodes`)")
+        print("no flows (is the netflows source up on the agents? see `steplens nodes`; it leaves out loopback "
+              "traffic, ranks of one host talking over lo, unless [sources.netflows] include_loopback = true)")
         return 0
     head = ["SRC", "DST"] if args.by == "pair" else ["SRC", "SPORT", "DST", "DPORT"]
     out = []
@@ -668,8 +669,9 @@ def _cmd_comm_summaries(stub, args, since: int) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    # cpu_enqueue: the source has only each op's enqueue time (gloo's Flight Recorder): no duration, not a zero one
     table = [[r["rank"], r["comm_id"] or "-", r["op"], r["step"] if r["step"] >= 0 else "-", r["calls"], r["bytes"],
-              _us(r["busy_ns"]), _us(r["max_ns"]),
+              *(("-", "-") if r.get("timing") == "cpu_enqueue" else (_us(r["busy_ns"]), _us(r["max_ns"]))),
               f"{r['seq_first']}..{r['seq_last']}" if r["seq_first"] >= 0 else "-",
               _us(r["issue_latency_ns_sum"] // r["kernels"]) if r["kernels"] else "-", r["source"], _ago(r["end_ns"])]
              for r in rows[-args.show:]]

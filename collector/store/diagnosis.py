@@ -555,6 +555,12 @@ class DiagnosisQueries:
         out = []
         for key in sorted(jobs):
             j = jobs[key]
+            # "pg:?": ops a trace could not place in a group (a Kineto window of a gloo build has no group names);
+            # where a named communicator of the job has their ranks and ops, they are its, not another one
+            unnamed = j["comms"].get("pg:?")
+            if unnamed and any(k != "pg:?" and unnamed["ranks"] <= c["ranks"] and unnamed["ops"] <= c["ops"]
+                               for k, c in j["comms"].items()):
+                del j["comms"]["pg:?"]
             ranks = sorted(j["ranks"].values(), key=lambda x: (x["rank"] < 0, x["rank"], x["node_id"], x["pid"]))
             for r in ranks:
                 r.pop("_started")
