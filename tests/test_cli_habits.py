@@ -185,6 +185,10 @@ def test_summaries_without_durations_show_none_and_empty_flows_say_why(capsys):
     assert lines[2].split()[busy] != "-" and lines[2].split()[mx] != "-"
     assert ops.cmd_flows(stub, args) == 0
     assert "include_loopback" in capsys.readouterr().out
+    none = SimpleNamespace(ListCommSummaries=lambda req, timeout: SimpleNamespace(rows_json="[]"))
+    assert ops._cmd_comm_summaries(none, SimpleNamespace(**{**vars(args), "since": "20s"}), 1) == 0
+    said = capsys.readouterr().out
+    assert said.startswith("no comm summaries stored for job 'demo' in the last 20s") and "RANK" not in said
 
 
 def test_tables_fit_the_terminal_and_piped_rows_stay_whole(cluster):

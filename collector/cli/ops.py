@@ -675,10 +675,13 @@ def _cmd_comm_summaries(stub, args, since: int) -> int:
               f"{r['seq_first']}..{r['seq_last']}" if r["seq_first"] >= 0 else "-",
               _us(r["issue_latency_ns_sum"] // r["kernels"]) if r["kernels"] else "-", r["source"], _ago(r["end_ns"])]
              for r in rows[-args.show:]]
+    if not rows:
+        print(f"no comm summaries stored for job {args.job!r}" + (f" in the last {args.since}" if since else "") +
+              " (sources: kineto, flightrec; flightrec reads a ring when it is about half full, so its summaries can"
+              " come tens of seconds after the ops)")
+        return 0
     print(_table(table, ["RANK", "COMM", "OP", "STEP", "CALLS", "BYTES", "BUSY", "MAX", "SEQ", "ISSUE_LAT", "SOURCE",
                          "END"]))
-    if not rows:
-        print(f"no comm summaries stored for job {args.job!r} (sources: kineto, flightrec)")
     return 0
 
 
