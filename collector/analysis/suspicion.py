@@ -149,13 +149,14 @@ def frame_nesting(samples: list[dict], max_frames: int) -> tuple[dict[str, float
     """({function key: its mean position in the stacks that hold it, 0 the outermost frame}, {function key: the
     functions above it in every stack that holds it}, {function key: samples holding it}): a wrapper is above what
     it wraps in every stack, and of the two the deeper is the one that does the work."""
-    stacks: dict[tuple, int] = {}
+    raw: dict[tuple, int] = {}
     for smp in samples:   # each distinct stack once (a deep window holds thousands of samples of a few stacks)
-        key = tuple(frame_key(fr) for fr in list(reversed(smp["frames"]))[:max_frames])
-        stacks[key] = stacks.get(key, 0) + 1
+        key = tuple((fr.get("qualname") or fr.get("function"), fr.get("file")) for fr in smp["frames"])
+        raw[key] = raw.get(key, 0) + 1
     sums: dict[str, list] = {}
     within: dict[str, frozenset] = {}
-    for stack, n in stacks.items():
+    for frames, n in raw.items():
+        stack = [frame_key({"qualname": q, "file": f}) for q, f in reversed(frames[-max_frames:])]
         above: set[str] = set()
         for i, k in enumerate(stack):
             if k in above:
