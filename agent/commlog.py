@@ -201,15 +201,18 @@ class CommLog:
         self.segmenter = StepSegmenter()     # per-process step boundaries from the same ops (agent/steps.py)
 
     def add(self, ops: list[CommOp], kernels: list[KernelRec] = (), steps: list[tuple[int, int, int]] = (),
-            final: bool = False) -> list[CommSummary | Step | Event]:
-        """final: the ops are their processes' last (an exit dump; StepSegmenter.add)."""
+            final: bool = False, checked: bool = False) -> list[CommSummary | Step | Event]:
+        """final: the ops are their processes' last (an exit dump; StepSegmenter.add). checked: every field of the
+        ops but their times is known to be in the encoder's ranges (flightrec.OpConverter checks what varies per
+        entry), so the detail store does not check each field again (DetailStore.add_records); the times are
+        checked here either way."""
         if not ops and not kernels:
             return []
         now = self._mono()
         events: list[Event] = []
         ops, kernels = self._valid(ops, now, events), self._valid(kernels, now, events)
         steps = [s for s in steps if all(type(t) is int and 0 <= t <= INT64_MAX for t in s)]
-        refused = self.store.add_records(self.source, ops) + self.store.add_records(self.source, kernels)
+        refused = self.store.add_records(self.source, ops, checked) + self.store.add_records(self.source, kernels)
         self.store.flush()
         if refused:  # another field out of range (a negative size in a crafted dump): the others stay
             gone = {id(rec) for rec, _ in refused}

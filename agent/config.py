@@ -49,10 +49,14 @@ class AgentSettings:
     governor: bool = True                   # the overhead governor (agent/governor.py) stretches the intervals of
     cpu_budget_fraction: float = 0.0        # ... governed sources to keep the agent's CPU under this share of the
     deep_cpu_budget_fraction: float = 0.01  # host's CPUs (sentinel: 0 = not governed; deep mode: 1 %)
+    gc_young_threshold: int = 20_000        # Python's gen-0 GC threshold in `run` (0: Python's own, 700); see cli
 
     def validate(self) -> None:
         if not 0 <= self.cpu_budget_fraction <= 1 or not 0 <= self.deep_cpu_budget_fraction <= 1:
             raise ConfigError("cpu_budget_fraction and deep_cpu_budget_fraction must be within 0..1")
+        if self.gc_young_threshold and not 700 <= self.gc_young_threshold <= 1_000_000:
+            raise ConfigError(f"gc_young_threshold must be 0 (Python's default) or within 700..1000000, got "
+                              f"{self.gc_young_threshold}")
         if not self.node_id or any(c.isspace() for c in self.node_id) or len(self.node_id) > 128:
             raise ConfigError(f"node_id must be 1-128 characters without spaces, got {self.node_id!r}")
         conn.split_addresses(self.collector)

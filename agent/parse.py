@@ -163,7 +163,7 @@ def _kineto(path: str, doc) -> Result:
 
 
 def _flightrec(path: str, doc) -> Result:
-    from steplens.agent.sources.flightrec import FlightrecError, entry_to_op, parse_dump
+    from steplens.agent.sources.flightrec import FlightrecError, OpConverter, parse_dump
     if not isinstance(doc, dict):
         raise ParseError(f"{path}: not a Flight Recorder dump (neither a JSON object nor a plain-data pickle)")
     try:
@@ -172,9 +172,10 @@ def _flightrec(path: str, doc) -> Result:
         raise ParseError(f"{path}: {exc}") from None
     out = Result("flightrec", notes={"version": dump.version, "entries": len(dump.entries)})
     rank = doc.get("rank", -1)
+    conv = OpConverter(dump, _Identity, pid=0, rank=rank if isinstance(rank, int) else -1)
     for e in dump.entries:
         try:
-            out.ops.append(entry_to_op(e, dump, _Identity, pid=0, rank=rank if isinstance(rank, int) else -1))
+            out.ops.append(conv(e))
         except (ValueError, TypeError, OverflowError):
             out.skipped += 1
     out.ops.sort(key=lambda o: (o.comm_id, o.seq, o.issue_mono_ns))

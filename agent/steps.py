@@ -140,6 +140,10 @@ class Pattern:
         return len(self.sigs)
 
 
+def _within_2x(a: float, b: float) -> bool:
+    return a <= 2 * b and b <= 2 * a
+
+
 def _steady(xs: list) -> float:
     """Share of consecutive pairs within a factor 2 of each other (a step change breaks one pair; random
     arrivals, with exponential gaps, about two pairs in three)."""
@@ -202,6 +206,8 @@ class _Proc:
     mismatches: int = 0
     last_cut: int = 0                           # issue time of the last segment's cut op
     cycles: list = field(default_factory=list)  # cut op to cut op of the last steps (ns)
+    unsteady: int = 0                           # consecutive pairs of `cycles` not within 2x (_steady, kept as
+                                                # cycles come and go: it was recomputed over all 16 at each step)
     lost: bool = False                          # the cycles lost their rhythm: learn again
     synced: bool = False                        # buf[0] is a cut op (the start of a cycle)
     profiled: list = field(default_factory=list)  # (start, end) ProfilerStep windows seen, newest last
@@ -302,7 +308,7 @@ class StepSegmenter:
                 st.pattern = self._learn(st.buf, TAIL_TRIM if final else 0, st.max_multiple)
                 if st.pattern is None:
                     return
-                st.mismatches, st.lost, st.cycles, st.last_cut = 0, False, [], 0
+                st.mismatches, st.lost, st.cycles, st.unsteady, st.last_cut = 0, False, [], 0, 0
                 self._align(st)
             if self._segment(st, out):
                 return
@@ -445,9 +451,14 @@ class StepSegmenter:
         if cycle:
             # without sequence numbers a slow step and a lost one look alike: only explicit losses (a dropped
             # segment, ops dropped from the buffer) break the chain of consecutive steps
-            st.cycles.append(cycle)
-            del st.cycles[:-16]
-            if len(st.cycles) == 16 and _steady(st.cycles) < 0.5:
+            cyc = st.cycles
+            if cyc:
+                st.unsteady += not _within_2x(cyc[-1], cycle)
+            cyc.append(cycle)
+            if len(cyc) > 16:
+                st.unsteady -= not _within_2x(cyc[0], cyc[1])
+                del cyc[0]
+            if len(cyc) == 16 and st.unsteady > 7.5:   # _steady(cyc) < 0.5: fewer than 7.5 of the 15 pairs steady
                 st.lost = True  # no rhythm left: learn the pattern again
         contiguous = st.last_step >= 0 and number == st.last_step + 1 and st.last_end
         start = min(st.last_end if contiguous else _issue(seg[0]), end)  # overlapping async ops: never past end

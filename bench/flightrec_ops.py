@@ -2,15 +2,16 @@
 side in one run.
 
 A poll of the sentinel read schedule answers with the whole ring (TORCH_FR_BUFFER_SIZE, 2000 here) of which about
-half is new (ring_fill 0.5). Each new op is then parsed, deduplicated (new_entries), converted (entry_to_op) and
+half is new (ring_fill 0.5). Each new op is then parsed, deduplicated (new_entries), converted (OpConverter) and
 handed to the CommLog (detail store + step summaries + step segmenter): CPU time of the thread (time.thread_time),
-not wall time. Compared, in alternating rounds: parsing the whole answer (before) or only the entries from the
+not wall time. The garbage collector is set as `steplens-agent run` sets it (agent/cli.py tune_gc; `--python-gc`
+leaves Python's own thresholds). Compared, in alternating rounds: parsing the whole answer (before) or only the entries from the
 poll's cursor on (after: parse_dump's from_record_id).
 The answers are laid out as torch 2.13 writes them (compact JSON, sorted keys; the entry of
 tests/fixtures/flightrec-gloo with a gloo step of four all_reduces of different sizes). A fetch of the stored ops
 (FetchDetail's read of the detail store) is timed too.
 
-    .venv/bin/python bench/flightrec_ops.py [--rounds 5] [--ring 2000] [--new 1000] [--polls 12]
+    .venv/bin/python bench/flightrec_ops.py [--rounds 5] [--ring 2000] [--new 1000] [--polls 12] [--python-gc]
 
 Last line: one JSON object, microseconds per new op.
 """
@@ -66,9 +67,10 @@ def run(bodies: list[bytes], cut: bool) -> dict:
         t1 = time.thread_time()
         ents, _ = fr.new_entries(d, cur, now_ns=time.monotonic_ns())
         t2 = time.thread_time()
-        ops = [fr.entry_to_op(e, d, clock, 4242, 7, 0, 2, "bench") for e in ents]
+        conv = fr.OpConverter(d, clock, 4242, 7, 0, 2, "bench")
+        ops = [conv(e) for e in ents]
         t3 = time.thread_time()
-        log.add(ops)
+        log.add(ops, checked=True)
         t4 = time.thread_time()
         if i == 0:  # the first read sets the cursor (the whole ring is new)
             continue
@@ -92,7 +94,12 @@ def main() -> int:
     ap.add_argument("--ring", type=int, default=2000)
     ap.add_argument("--new", type=int, default=1000, help="new ops per poll (ring_fill x ring)")
     ap.add_argument("--polls", type=int, default=12)
+    ap.add_argument("--python-gc", action="store_true", help="Python's GC thresholds, not the agent's")
     args = ap.parse_args()
+    if not args.python_gc:
+        from steplens.agent.cli import tune_gc
+        from steplens.agent.config import AgentSettings
+        tune_gc(AgentSettings().gc_young_threshold)
     bodies = answers(args.ring, args.new, args.polls)
     variants = {"before": False, "after": True}
     got: dict[str, list[dict]] = {k: [] for k in variants}

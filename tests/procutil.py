@@ -92,9 +92,9 @@ def capture_commlog(src) -> tuple[list, list]:
     kernels: list = []
     real_add = src.log.add
 
-    def add(o, k=(), steps=(), final=False):
+    def add(o, k=(), steps=(), final=False, checked=False):
         ops.extend(o)
         kernels.extend(k)
-        return real_add(o, k, steps, final)
+        return real_add(o, k, steps, final, checked)
     src.log.add = add
     return ops, kernels

@@ -24,6 +24,7 @@ def _write(tmp_path, text):
     ("[sources.procs]\npatterns = ['(']\n", "[sources.procs]"),
     ("[agent\n", "not valid TOML"),
     ("[other]\n", "unknown top-level"),
+    ("[agent]\ngc_young_threshold = 10\n", "gc_young_threshold"),
 ])
 def test_bad_config_is_refused(tmp_path, text, message):
     with pytest.raises(ConfigError) as exc:
@@ -73,3 +74,19 @@ def test_print_config_round_trips(tmp_path):
     assert out.returncode == 0
     again = config.load(_write(tmp_path, out.stdout), check_transport=False)
     assert again.agent.node_id == "n9" and again.sources["host"].interval_seconds == 1.0
+
+
+def test_tune_gc_freezes_start_up_and_sets_the_young_threshold():
+    import gc
+
+    from steplens.agent.cli import tune_gc
+    before = gc.get_threshold()
+    try:
+        tune_gc(0)
+        assert gc.get_threshold() == before and gc.get_freeze_count() > 0
+        gc.unfreeze()
+        tune_gc(20_000)
+        assert gc.get_threshold() == (20_000, *before[1:]) and gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)

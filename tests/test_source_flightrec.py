@@ -123,9 +123,9 @@ def _collect(src, steps=1) -> tuple[list[CommOp], list]:
     captured: list[CommOp] = []
     real_add = src.log.add
 
-    def add(ops, kernels=(), steps=(), final=False):
+    def add(ops, kernels=(), steps=(), final=False, checked=False):
         captured.extend(ops)
-        return real_add(ops, kernels, steps, final)
+        return real_add(ops, kernels, steps, final, checked)
     src.log.add = add
     out = []
     for _ in range(steps):

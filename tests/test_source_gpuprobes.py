@@ -24,7 +24,7 @@ from procutil import start_ticks as _start_ticks
 from steplens.agent.records import Event, Metric, Mode, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.gpuprobes import (BPF_FILE, OPS, GpuprobesConfig, GpuprobesSource, render_program,
-                                              _literal_start, scan_maps)
+                                              _literal_start, lib_kb, scan_maps)
 
 FAKE_NCCL = r"""
 #include <stddef.h>
@@ -126,6 +126,8 @@ def test_config_defaults_and_validation():
         build_config(GpuprobesConfig, {"ringbuf_pages": 48}, "sources.gpuprobes")
     with pytest.raises(ConfigError):
         build_config(GpuprobesConfig, {"call_events": "sometimes"}, "sources.gpuprobes")
+    with pytest.raises(ConfigError, match="max_rescan_seconds"):
+        build_config(GpuprobesConfig, {"rescan_seconds": 10, "max_rescan_seconds": 5}, "sources.gpuprobes")
 
 
 def test_scan_maps_finds_libraries_by_inode(fake_libs, tmp_path):
@@ -251,6 +253,69 @@ def test_uprobes_count_exact_calls_and_args(fake_libs):
     while _prog_ids_alive(programs) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _prog_ids_alive(programs) == set()
+
+
+LATE = textwrap.dedent(r"""
+    import ctypes, sys
+    from ctypes import c_void_p, c_size_t, c_int
+    print("ready", flush=True)
+    sys.stdin.readline()
+    big = bytearray(64 << 20)   # the heap grows by a mapping of its own
+    print("grown", flush=True)
+    sys.stdin.readline()
+    nccl = ctypes.CDLL(sys.argv[1])
+    ar = nccl.ncclAllReduce; ar.argtypes = [c_void_p, c_void_p, c_size_t, c_int, c_int, c_void_p, c_void_p]
+    print("loaded", flush=True)
+    sys.stdin.readline()
+    for i in range(5):
+        ar(0x1000, 0x2000, 10, 7, 0, 0xC0FFEE000, 0x5E000)
+    print("done", flush=True)
+    sys.stdin.readline()
+""")
+
+
+@needs_ebpf
+def test_library_loaded_late_is_found_and_an_unchanged_process_is_not_rescanned(fake_libs):
+    """A workload that loads libnccl after the source first scanned it (NCCL comes with the process group, after
+    start-up): its library code grows, so the next check scans its maps again and attaches; while that stays the
+    same, its maps are not read again (max_rescan_seconds), however its heap moves."""
+    nccl, _ = fake_libs
+    p = subprocess.Popen([sys.executable, "-c", LATE, nccl], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    ctx = HostContext(node_id="t")
+    src = GpuprobesSource(ctx, GpuprobesConfig(rescan_seconds=0, max_rescan_seconds=3600))
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        key = (p.pid, _start_ticks(p.pid))
+        ctx.workloads.replace({key: ProcessInfo(0, p.pid, key[1])})
+        src.start()
+        size = lib_kb("/proc", p.pid)
+        assert size > 0 and lib_kb("/proc", 2**22 + 12345) == -1
+        assert src.step() == [] and src.maps_scans == 1 and "no workload maps" in src.reason
+        for _ in range(3):
+            src.step()
+        assert lib_kb("/proc", p.pid) == size and src.maps_scans == 1   # same size: not scanned again
+        vm = open(f"/proc/{p.pid}/statm").read().split()[0]
+        p.stdin.write("grow\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "grown"
+        assert open(f"/proc/{p.pid}/statm").read().split()[0] != vm
+        src.step()
+        assert lib_kb("/proc", p.pid) == size and src.maps_scans == 1   # the heap is not library code
+        p.stdin.write("load\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "loaded"
+        assert lib_kb("/proc", p.pid) > size
+        src.step()
+        assert src.maps_scans == 2 and len(src.attached_libraries) == 1 and src.reason == ""
+        p.stdin.write("go\n")
+        p.stdin.flush()
+        assert p.stdout.readline().strip() == "done"
+        metrics = {(m.name, m.entity): m.value for m in src.step() if isinstance(m, Metric)}
+        assert metrics[("nccl_calls_total", f"pid:{key[0]}:{key[1]}:op:AllReduce")] == 5
+    finally:
+        src.stop()
+        p.kill()
+        p.wait()
 
 
 @needs_ebpf

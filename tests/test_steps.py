@@ -319,6 +319,27 @@ def test_random_traffic_makes_no_steps():
         assert len(feed(StepSegmenter(), ops, rng=rng)) <= 30  # a chance rhythm is dropped again within 16
 
 
+def test_the_running_count_of_unsteady_cycles_is_the_recomputed_one():
+    """_Proc.unsteady is kept as cycles come and go (it was recomputed over all 16 at each step): after every
+    poll it is what _steady over the kept cycles says, on steps whose forward time jumps between 40 and 120 ms
+    at random, so that both steady and unsteady pairs enter and leave the window."""
+    from steplens.agent.steps import _steady
+    rng = random.Random(3)
+    ops, t = [], T0
+    for s in range(400):
+        part, _ = dp_job(1, rng, fwd_ms=rng.choice((40.0, 120.0)), seq0=5 + 3 * s, t0=t)
+        ops += part
+        t = part[-1].end_mono_ns + 2 * MS
+    seg, checked = StepSegmenter(), 0
+    for i in range(0, len(ops), 7):
+        seg.add(ops[i:i + 7])
+        for st in seg.procs.values():
+            if len(st.cycles) >= 2:
+                assert st.unsteady == round((1 - _steady(st.cycles)) * (len(st.cycles) - 1))
+                checked += 1
+    assert checked > 100 and 0 < seg.relearned
+
+
 def test_a_slowdown_keeps_the_steps_coming():
     """A 3x slower forward from step 40 on (a fault the detectors must see): every step is still there."""
     rng = random.Random(10)

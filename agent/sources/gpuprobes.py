@@ -47,7 +47,9 @@ that maps the probed file, workload or not; the watched-tgid check only skips th
 PyTorch, which at these figures would take a large share of the launching thread, so `cuda_launches` is off
 by default. The 64-page ring buffer holds ~4,000 calls between steps; more are dropped and counted.
 User space: one maps scan per workload per `rescan_seconds` (~0.75 ms of CPU for a torch process, cold, half of it
-the kernel formatting the file: only the lines naming a library's literal start are parsed, 1.15 ms before).
+the kernel formatting the file: only the lines naming a library's literal start are parsed, 1.15 ms before) where
+the size of its library code changed since the last scan (VmLib in /proc/PID/status: loading or unloading a library
+always changes it, the heap never does), else one per `max_rescan_seconds` (60).
 """
 
 from __future__ import annotations
@@ -94,7 +96,8 @@ class GpuprobesConfig(SourceConfig):
     cuda_launches: bool = False           # probe libcudart.so* cudaLaunchKernel and libcuda.so* cuLaunchKernel
     call_events: str = "deep"             # per-call nccl_call events: "deep" (deep mode only), "always", "never"
     max_call_events_per_step: int = 10000  # more are dropped and counted
-    rescan_seconds: float = 5.0           # re-read a workload's /proc/PID/maps at most this often
+    rescan_seconds: float = 5.0           # re-read a workload's /proc/PID/maps at most this often, where the size of
+    max_rescan_seconds: float = 60.0      # its library code changed; at least this often where it did not
     ringbuf_pages: int = 64               # BPF ring buffer size in 4 KiB pages (power of two); ~64 B per call
     max_processes: int = 1024             # watched tgids
     max_counters: int = 16384             # (pid, op) counter entries
@@ -111,6 +114,9 @@ class GpuprobesConfig(SourceConfig):
                 raise ConfigError(f"{key} must be within {low}..{high}, got {getattr(self, key)}")
         if self.rescan_seconds < 0:
             raise ConfigError("rescan_seconds must be >= 0")
+        if self.max_rescan_seconds < self.rescan_seconds:
+            raise ConfigError(f"max_rescan_seconds ({self.max_rescan_seconds}) must be >= rescan_seconds "
+                              f"({self.rescan_seconds})")
 
 
 def render_program(template: str, config: GpuprobesConfig) -> str:
@@ -142,6 +148,19 @@ def _literal_start(pattern: str) -> bytes:
     if i < len(pattern) and pattern[i] in "*?{" and out:
         out.pop()  # the last character is optional or repeated
     return "".join(out).encode()
+
+
+def lib_kb(proc_root: str, pid: int) -> int:
+    """The size of the process's executable mappings other than its program's own text, in kB (VmLib in
+    /proc/PID/status: what loading or unloading a shared library always changes, and a heap growing or shrinking
+    never does), -1 where it cannot be read. ~150 us to read cold, a scan of a torch process's maps ~750 us more."""
+    try:
+        with open(f"{proc_root}/{pid}/status", "rb") as fh:
+            text = fh.read(8192)
+        i = text.index(b"VmLib:") + 6
+        return int(text[i:text.index(b"kB", i)])
+    except (OSError, ValueError):
+        return -1
 
 
 def scan_maps(proc_root: str, pid: int, kinds: dict[str, str]) -> dict[tuple[int, int], tuple[str, str]]:
@@ -203,12 +222,14 @@ class GpuprobesSource(Source):
         self._bpf = None
         self._deep = False
         self._watched: dict[int, int] = {}
-        self._maps: dict[tuple[int, int], tuple[int, dict]] = {}  # (pid, start) -> (scanned mono_ns, libs)
+        # (pid, start) -> (scanned mono_ns, libs, its library code's size then (lib_kb), checked mono_ns)
+        self._maps: dict[tuple[int, int], tuple[int, dict, int, int]] = {}
         self._attached: dict[tuple[int, int], tuple[str, str, list[bytes]]] = {}  # inode -> (kind, path, events)
         self._pending: list = []
         self._dropped_cap = 0
         self._drops_reported = 0
         self.reason = "not started"
+        self.maps_scans = 0   # /proc/PID/maps reads (the other checks found its library code's size unchanged)
         self.missing_symbols: dict[str, list[str]] = {}  # path -> optional symbols not found there
 
     @classmethod
@@ -341,15 +362,23 @@ class GpuprobesSource(Source):
     def _sync_probes(self, now: int, snapshot) -> None:
         kinds = self._kinds()
         rescan_ns = int(self.config.rescan_seconds * 1e9)
+        max_ns = int(self.config.max_rescan_seconds * 1e9)
         maps = {}
         for key in snapshot:
             cached = self._maps.get(key)
-            if cached is None or now - cached[0] >= rescan_ns:
-                cached = (now, scan_maps(self.ctx.proc_root, key[0], kinds))
+            if cached is None or now - cached[3] >= rescan_ns:
+                # a library loaded (dlopen) or unloaded changes the size of the process's library code, so where
+                # it is what it was at the last scan the maps are not read again until max_rescan_seconds
+                size = lib_kb(self.ctx.proc_root, key[0])
+                if cached is None or size != cached[2] or size < 0 or now - cached[0] >= max_ns:
+                    cached = (now, scan_maps(self.ctx.proc_root, key[0], kinds), size, now)
+                    self.maps_scans += 1
+                else:
+                    cached = (cached[0], cached[1], size, now)
             maps[key] = cached
         self._maps = maps
         needed: dict[tuple[int, int], tuple[str, str]] = {}
-        for _, libs in maps.values():
+        for _, libs, _, _ in maps.values():
             for inode, lib in libs.items():
                 needed.setdefault(inode, lib)
         for inode in [i for i in self._attached if i not in needed]:
