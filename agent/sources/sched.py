@@ -23,6 +23,11 @@ emitted one last time (closed intervals only) and then deleted.
 Emitted (entity `pid:<pid>:<start_ticks>:tid:<tid>`), all cumulative, Prometheus style:
   sched_on_cpu_seconds_total, sched_off_cpu_seconds_total, sched_runqueue_seconds_total,
   sched_switches_total, sched_involuntary_switches_total.
+  Every 5 s in sentinel mode (`interval_seconds`), every second in deep mode (`deep_interval_seconds`): five
+  series per thread of every workload, and a torch rank has ~15 threads, so at 1 Hz an 8-rank host sent ~600
+  metrics a second, most of what its agent streamed in sentinel mode, which nothing in the collector's sentinel
+  detection reads (its causes take the main thread's run-queue time from the host source, every second); the
+  counters lose nothing between reads, a read only samples them.
   Event kind "sched_map_overflow" (value = failed map inserts since start) whenever that count grows.
 Deep mode (set_mode(Mode.DEEP)): a flag in a BPF array makes switch-out also take the user stack
 (bpf_get_stackid(BPF_F_USER_STACK)); at switch-in the off-CPU interval is added to (tid, stack_id). Each step
@@ -62,6 +67,8 @@ PROGRAMS = (("sched_switch", "steplens_sw"), ("sched_wakeup", "steplens_wk"), ("
 
 @dataclass
 class SchedConfig(SourceConfig):
+    interval_seconds: float = 5.0      # sentinel: the counters accumulate in the kernel; read and sent this often
+    deep_interval_seconds: float = 1.0  # deep mode: every second, with the off-CPU stacks
     max_processes: int = 1024          # watched tgids (BPF hash entries)
     max_threads: int = 65536           # per-thread counter entries; a failed insert counts as overflow
     deep_stack_top: int = 5            # off-CPU stacks per thread per step in deep mode
