@@ -208,13 +208,49 @@ def host_path(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
 
 
+_GLOBS: dict[str, tuple[tuple, list[str]]] = {}   # pattern -> (its parent directory's stat, the directories)
+_GLOBS_LOCK = threading.Lock()
+_SETTLED_NS = 2 * 10**9   # a parent changed this recently may change again within its mtime's granularity
+
+
+def glob_dirs(pattern: str) -> list[str]:
+    """glob.glob(pattern), sorted, for the runtime-directory patterns the sources poll every second
+    ("/tmp/steplens-fr-*"): where only the last component has wildcards, the parent directory is listed again only
+    when it changed (its mtime, inode and device: adding or removing an entry changes the mtime), so a /tmp of
+    thousands of entries is not read every second by every source that polls it (~0.2-0.4 ms a listing of 360
+    entries here). A parent whose mtime is within 2 s of the listing is listed again at the next call (a change
+    within the file system's timestamp granularity leaves the mtime as it was). A pattern without wildcards is
+    itself; one with them above the last component is globbed every time."""
+    if not glob.has_magic(pattern):
+        return [pattern]
+    parent, last = os.path.split(pattern)
+    if glob.has_magic(parent) or not last:
+        return sorted(glob.glob(pattern))
+    try:
+        st = os.stat(parent)
+    except OSError:
+        return []
+    key = (st.st_mtime_ns, st.st_ino, st.st_dev)
+    with _GLOBS_LOCK:
+        cached = _GLOBS.get(pattern)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    found = sorted(glob.glob(pattern))
+    if time.time_ns() - st.st_mtime_ns > _SETTLED_NS:
+        with _GLOBS_LOCK:
+            if len(_GLOBS) > 1024:
+                _GLOBS.clear()
+            _GLOBS[pattern] = (key, found)
+    return found
+
+
 def runtime_files(patterns, extensions: tuple[str, ...]) -> dict[str, dict[int, str]]:
     """The bootstrap's per-process files <pid>.<ext> in the directories the glob patterns match, by extension and
     pid (the first directory, in pattern then name order, wins for a pid); a directory that cannot be listed is
     skipped."""
     found: dict[str, dict[int, str]] = {ext: {} for ext in extensions}
     for pattern in patterns:
-        for d in sorted(glob.glob(pattern)):
+        for d in glob_dirs(pattern):
             try:
                 names = os.listdir(d)
             except OSError:

@@ -124,7 +124,6 @@ per step (read_gc_file: ~2 us on the 2-core VM), and three Metrics.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -141,7 +140,8 @@ from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, Realtim
 from steplens.agent import fastjson
 from steplens.agent.bootstrap import DEFAULT_FR_BUFFER_SIZE
 from steplens.agent.records import CommOp, CommProgress, Event, Metric, Mode, ProcessInfo
-from steplens.agent.sources.base import Availability, ConfigError, Source, SourceConfig, runtime_files
+from steplens.agent.sources.base import (Availability, ConfigError, Source, SourceConfig, glob_dirs,
+                                         runtime_files)
 from steplens.agent.transport.codec import record_problem
 
 ENDPOINTS = ("fr_trace_json", "dump_nccl_trace_json")
@@ -1028,7 +1028,7 @@ class FlightrecSource(Source):
         """CommOps from the exit dumps present (see the module docstring); each file is deleted once read."""
         ops: list[CommOp] = []
         for pattern in self.config.socket_dirs:
-            for d in sorted(glob.glob(pattern)):
+            for d in glob_dirs(pattern):
                 try:
                     names = [n for n in os.listdir(d) if n.endswith(EXIT_SUFFIX)]
                 except OSError:
