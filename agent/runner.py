@@ -73,6 +73,7 @@ class RecordQueue:
         self._max = max_records
         self._cond = threading.Condition()
         self._woken = False
+        self._want = 1   # what the take() waiting now waits for: a put wakes it only once that many are there
         self.dropped_total = 0
 
     def put_many(self, source: str, records: list) -> None:
@@ -85,7 +86,8 @@ class RecordQueue:
                 for _ in range(over):
                     items.popleft()
                 self.dropped_total += over
-            self._cond.notify()
+            if len(items) >= self._want:   # (a wake-up before would only find too few and wait again: every
+                self._cond.notify()        # source's every step woke the batcher, ~40 times a second)
 
     def wake(self) -> None:
         """End every take() waiting now (shutdown: flush what is there)."""
@@ -97,6 +99,7 @@ class RecordQueue:
         """Wait up to wait_seconds for min_items (or a wake()), then take at most max_items."""
         deadline = time.monotonic() + wait_seconds
         with self._cond:
+            self._want = max(1, min_items)
             while len(self._items) < min_items and not self._woken:
                 left = deadline - time.monotonic()
                 if left <= 0:

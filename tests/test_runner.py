@@ -259,3 +259,31 @@ def test_a_source_that_paces_itself_steps_that_much_less_often():
     n = {name: sum(1 for src, _ in spool.records() if src == name) for name in ("ticker", "paced")}
     # 20 ms vs 80 ms: ~50 and ~13 steps in the second (a loaded machine may skip some of either)
     assert n["paced"] >= 5 and 2.5 <= n["ticker"] / n["paced"] <= 6, n
+
+
+def test_queue_wakes_a_waiting_take_only_when_it_has_what_it_waits_for():
+    """A take() waiting for N records is woken once the Nth is put, not by every put before it (each source's
+    every step used to wake the batcher to find too few and wait again); a shorter wait still returns what is
+    there at its deadline."""
+    import threading
+
+    from steplens.agent.runner import RecordQueue
+    q = RecordQueue(1000)
+    notified = []
+    real = q._cond.notify
+    q._cond.notify = lambda *a: (notified.append(len(q)), real(*a))
+    got: list = []
+    t = threading.Thread(target=lambda: got.append((q.take(100, 30.0, 10), time.monotonic())))
+    t.start()
+    time.sleep(0.2)
+    for i in range(9):
+        q.put_many("s", [i])
+    time.sleep(0.2)
+    assert notified == [] and not got
+    put_at = time.monotonic()
+    q.put_many("s", [9])
+    t.join(10)
+    assert notified == [10] and [r for _, r in got[0][0]] == list(range(10))
+    assert got[0][1] - put_at < 5.0                      # woken by the put, far before its 30 s deadline
+    q.put_many("s", [10, 11])
+    assert [r for _, r in q.take(100, 0.05, 10)] == [10, 11]   # the deadline returns what is there
