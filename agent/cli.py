@@ -51,10 +51,10 @@ def _overrides(args) -> dict:
 
 def tune_gc(young_threshold: int) -> None:
     """The agent's cyclic garbage collector, once its sources are up: what start-up made (modules, code, the
-    configuration: ~40,000 tracked objects) is frozen out of every later collection (gc.freeze), and a young collection
-    runs every `young_threshold` container allocations instead of every 700. The comm-op source makes ~15
-    containers per op it parses, and at 700 a young collection ran every ~50 ops and an older one every ~500,
-    each walking what had survived: ~1 us of the ~10 us an op costs (bench/flightrec_ops.py with and without).
+    configuration: ~40,000 tracked objects) is frozen out of every later collection (gc.freeze), and a young
+    collection runs every `young_threshold` container allocations instead of every 700. The comm-op source makes
+    ~15 containers per op it parses, and at 700 a young collection ran every ~50 ops and an older one every ~500,
+    each walking what had survived: ~1.2-1.5 us of the ~7.5 us an op costs (bench/flightrec_ops.py, --python-gc).
     Almost all the agent's objects die by reference count before a collection sees them; the few cycles wait
     longer (a young generation of 20,000 containers is a few MB at most). 0 leaves Python's thresholds."""
     import gc

@@ -5,8 +5,8 @@ A poll of the sentinel read schedule answers with the whole ring (TORCH_FR_BUFFE
 half is new (ring_fill 0.5). Each new op is then parsed, deduplicated (new_entries), converted (OpConverter) and
 handed to the CommLog (detail store + step summaries + step segmenter): CPU time of the thread (time.thread_time),
 not wall time. The garbage collector is set as `steplens-agent run` sets it (agent/cli.py tune_gc; `--python-gc`
-leaves Python's own thresholds). Compared, in alternating rounds: parsing the whole answer (before) or only the entries from the
-poll's cursor on (after: parse_dump's from_record_id).
+leaves Python's own thresholds). Compared, in alternating rounds: parsing the whole answer (before) or only the
+entries from the poll's cursor on (after: parse_dump's from_record_id).
 The answers are laid out as torch 2.13 writes them (compact JSON, sorted keys; the entry of
 tests/fixtures/flightrec-gloo with a gloo step of four all_reduces of different sizes). A fetch of the stored ops
 (FetchDetail's read of the detail store) is timed too.

@@ -85,7 +85,8 @@ def test_values_the_encoder_would_refuse_are_refused_by_the_converter(tmp_path):
     seq = dict(good[0], record_id=101, collective_seq_id=1 << 63)
     neg = dict(good[0], record_id=102, input_sizes=[[-4]])
     other = dict(good[0], record_id=103, process_group=["7", "crafted"])
-    doc["entries"] = good + [huge, seq, neg, other]
+    odd = dict(good[0], record_id=104, process_group={"name": "0"})
+    doc["entries"] = good + [huge, seq, neg, other, odd]
     doc["pg_config"]["7"] = {"desc": "crafted", "name": "7", "ranks": f"[0, {1 << 40}]"}
     dump = parse_dump(json.dumps(doc).encode())
     conv = OpConverter(dump, _clock(), 5, rank=0)
@@ -93,10 +94,10 @@ def test_values_the_encoder_would_refuse_are_refused_by_the_converter(tmp_path):
     for e in dump.entries:
         try:
             ops.append(conv(e))
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             refused.append((e["record_id"], str(exc)))
-    assert [r for r, _ in refused] == [100, 101, 102, 103]
-    assert "members" in refused[-1][1]
+    assert [r for r, _ in refused] == [100, 101, 102, 103, 104]
+    assert "members" in refused[-2][1] and "not a list" in refused[-1][1]
     log = CommLog(str(tmp_path), "flightrec", monotonic_ns=lambda: 1 << 62)
     try:
         log.add(ops, checked=True)

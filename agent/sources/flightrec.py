@@ -67,14 +67,14 @@ Schedule: a dump always holds the whole ring (torch has no "entries since" reque
 proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
 JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~5 us
 per new op to convert, store and summarize it (bench/flightrec_ops.py, 2-core VM, python 3.11, 2026-12-07: convert
-1.6, CommLog 3.2 with the detail store keeping ops unencoded and unchecked, the agent's GC settings; ~30-40 once). Every new op must be read once;
-the rest is waste, and only the entries from the poll's cursor on are parsed (parse_dump's from_record_id: the older ones
-are left out at the byte level, where the answer is laid out as torch writes it: bench/commops.py's per-op figures in
-bench/README.md). With `max_interval_seconds` > 0 (the default, 20 s), the source checks every `interval_seconds` (1 s)
-and reads a process's ring only when it is due (`_due`, sentinel mode). (It was opt-in for a while: a process read
-rarely, or only at its exit, gives its whole run in one poll, ending with the collectives of its shutdown, and the
-step segmenter, which learns the step pattern from the newest ops, found none; it now also learns from the newest
-ops but the last few, StepSegmenter._learn.)
+1.6, CommLog 3.2 with the detail store keeping ops unencoded and unchecked, the agent's GC settings; ~30-40 once).
+Every new op must be read once; the rest is waste, and only the entries from the poll's cursor on are parsed
+(parse_dump's from_record_id: the older ones are left out at the byte level, where the answer is laid out as torch
+writes it: bench/commops.py's per-op figures in bench/README.md). With `max_interval_seconds` > 0 (the default,
+20 s), the source checks every `interval_seconds` (1 s) and reads a process's ring only when it is due (`_due`,
+sentinel mode). (It was opt-in for a while: a process read rarely, or only at its exit, gives its whole run in one
+poll, ending with the collectives of its shutdown, and the step segmenter, which learns the step pattern from the
+newest ops, found none; it now also learns from the newest ops but the last few, StepSegmenter._learn.)
   first          the process was just found (and the next check, for a second read that gives its op rate)
   ring_fill      about `ring_fill` (0.5) of its ring is new: op rate (record ids per second between its last
                  two reads) x time since the last read, or, where the bootstrap's anchor ring says how many
@@ -531,6 +531,8 @@ class OpConverter:
     def _group(self, pg, name: str, dtypes) -> tuple:
         """(comm_id, op, comm_desc, group_rank, nranks, members, dtype, dtype size), checked against the encoder's
         field types once (codec.record_problem on an op made of them): ValueError where it would refuse one."""
+        if not isinstance(pg, (list, tuple)) or not isinstance(dtypes, (list, tuple)):
+            raise TypeError(f"process_group {str(pg)[:40]} or dtypes {str(dtypes)[:40]} is not a list")
         pg_name = str(pg[0]) if pg else ""
         pg_desc = str(pg[1]) if len(pg) > 1 else ""
         dump, rank = self.dump, self.rank
