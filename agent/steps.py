@@ -148,7 +148,7 @@ def _steady(xs: list) -> float:
     """Share of consecutive pairs within a factor 2 of each other (a step change breaks one pair; random
     arrivals, with exponential gaps, about two pairs in three)."""
     pairs = list(zip(xs, xs[1:]))
-    return sum(1 for a, b in pairs if a <= 2 * b and b <= 2 * a) / len(pairs) if pairs else 1.0
+    return sum(1 for a, b in pairs if _within_2x(a, b)) / len(pairs) if pairs else 1.0
 
 
 def learn(ops: list[CommOp], cfg: StepConfig = StepConfig(), max_multiple: int = MAX_MULTIPLE) -> Pattern | None:
