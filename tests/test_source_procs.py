@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,7 @@ import pytest
 
 from procutil import start_ticks as _start_ticks
 
-from steplens.agent.records import ProcessExit, ProcessInfo
+from steplens.agent.records import Event, ProcessExit, ProcessInfo
 from steplens.agent.sources.base import ConfigError, HostContext, build_config
 from steplens.agent.sources.procs import ProcsConfig, ProcsSource, _container_id
 
@@ -501,6 +502,61 @@ def test_scans_without_a_fork_are_skipped_and_a_new_process_is_not_missed(childr
     assert src.scans_skipped == before, "a re-read due is a full scan"
     assert src._due_ns > due
     print(f"skipped {src.scans_skipped} scans ({skipped} before the child's exit)")
+
+
+def test_a_scan_without_a_fork_reads_only_the_workloads_and_still_sees_them_stop_and_exit(children):
+    """With a workload to follow and no process created since the last full scan, a scan reads only the known
+    processes' stat (no listing of /proc): the workload's stop (SIGSTOP) and its exit are still seen there. The
+    no-fork answer is forced after the real first scans (another process of this machine may fork at any time);
+    a fork or a re-read due makes the next scan a full one again."""
+    clock = Clock()
+    marker = f"known-{uuid.uuid4().hex}"
+    src = ProcsSource(HostContext(node_id="t", mono_ns=clock),
+                      build_config(ProcsConfig, {"patterns": [marker]}, "sources.procs"))
+    src.start()
+    if not src._last_pid_path:
+        pytest.skip("this process's PID namespace is not the one /proc shows: every scan is a full one")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
+    children.append(child)
+    _wait_file(f"/proc/{child.pid}/cmdline")
+    deadline = time.monotonic() + 10
+    while child.pid not in _infos(src.step()) and time.monotonic() < deadline:
+        clock.advance(0.1)
+        time.sleep(0.05)
+    assert any(k[0] == child.pid for k in src.ctx.workloads.snapshot())
+    real = src._fork_free
+    src._fork_free = lambda now: True    # no fork since: every scan below reads only the known processes
+    listed = []
+    real_listdir = os.listdir
+    try:
+        os.listdir = lambda path=".": listed.append(path) or real_listdir(path)
+        clock.advance(0.5)
+        assert not src.step()
+        assert src.scans_known_only == 1 and not listed
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not _stat_state(child.pid) == "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        clock.advance(0.5)
+        out = src.step()
+        assert [e.kind for e in out if isinstance(e, Event)] == ["process_stopped"]
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait()
+        clock.advance(0.5)
+        out = src.step()
+        assert any(isinstance(r, ProcessExit) and r.pid == child.pid for r in out)
+        assert not src.ctx.workloads.snapshot() and src.scans_known_only == 3 and not listed
+    finally:
+        os.listdir = real_listdir
+        src._fork_free = real
+    clock.advance(0.5)
+    src.step()   # the real answer again: no workload left, so a scan is skipped or full, never known-only
+    assert src.scans_known_only == 3
+
+
+def _stat_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")

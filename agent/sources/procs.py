@@ -72,9 +72,10 @@ verifications (a stat read every recheck_seconds); a workload one stat read (~7 
 unclassified Python process one maps read (~0.5 ms for a large interpreter) per maps_recheck_max_seconds
 once the back-off has ramped up; a new process one classification (~0.1-1 ms). State tracking adds a dict
 update per workload per scan and one schedstat read (~5 µs) per workload sitting unreported in 't' or 'D'.
-With no workload to follow, a scan is skipped (one read of /proc/loadavg) while no process was created since
-the previous full scan (its last field, the last PID handed out, unchanged) and no re-read is due: an idle host
-costs a full scan every recheck_seconds. Not where the agent's PID namespace is below the one proc_root shows
+While no process was created since the previous full scan (/proc/loadavg's last field, the last PID handed out,
+unchanged) and no re-read is due, a scan is skipped with no workload to follow (one read of /proc/loadavg), and
+with workloads reads only their stat (no listing of /proc: ~0.35 ms of a ~0.7-0.9 ms scan with ~300 processes
+and 8 workloads here): an idle host costs a full scan every recheck_seconds, a host running a job too. Not where the agent's PID namespace is below the one proc_root shows
 (that field is the reader's namespace's).
 """
 
@@ -205,6 +206,7 @@ class ProcsSource(Source):
         self._due_ns = 0           # the earliest re-read a full scan set (a non-workload's recheck, a maps read)
         self._own_pid = -1         # this agent as proc_root shows it: never a workload
         self.scans_skipped = 0
+        self.scans_known_only = 0   # scans that read only the known processes' due stat (no fork since the last)
 
     @classmethod
     def probe(cls, ctx: HostContext) -> Availability:
@@ -231,11 +233,11 @@ class ProcsSource(Source):
         self._own_pid = _own_pid(self.ctx.proc_root)
 
     def _fork_free(self, now: int) -> bool:
-        """True when this scan can be skipped: no workload to follow, no re-read due, and no process created since
-        the previous full scan (the last PID the kernel handed out, /proc/loadavg's last field, is unchanged). A
-        process that execs keeps its PID: it is caught at its recheck (recheck_seconds), as in a full scan.
-        Otherwise the field as read now is kept for the next call (read before the scan's listing: a fork after
-        it is seen next time)."""
+        """True when no process was created since the previous full scan (the last PID the kernel handed out,
+        /proc/loadavg's last field, is unchanged) and no re-read is due: then the scan can be skipped (no
+        workload to follow) or cut to the known processes (see step). A process that execs keeps its PID: it is
+        caught at its recheck (recheck_seconds), as in a full scan. Otherwise the field as read now is kept for
+        the next call (read before the scan's listing: a fork after it is seen next time)."""
         if not self._last_pid_path:
             return False
         try:
@@ -244,7 +246,7 @@ class ProcsSource(Source):
         except (OSError, IndexError):
             self._last_pid = b""
             return False
-        if last == self._last_pid and not self._reported and now < self._due_ns:
+        if last == self._last_pid and now < self._due_ns:
             return True
         self._last_pid = last
         return False
@@ -257,7 +259,8 @@ class ProcsSource(Source):
 
     def step(self) -> list:
         now = self.ctx.mono_ns()
-        if self._fork_free(now):
+        known_only = self._fork_free(now)
+        if known_only and not self._reported:
             self.scans_skipped += 1
             return []
         root = self.ctx.proc_root
@@ -266,15 +269,19 @@ class ProcsSource(Source):
         by_pid: dict[int, tuple[int, int]] = {}
         letters: dict[tuple[int, int], bytes] = {}  # state of every process read this scan
         zombies: list[Event] = []
-        try:
-            entries = os.listdir(root)
-        except OSError:
-            entries = []
+        if known_only:
+            # no process created, no re-read due: the workloads' stat is what there is to read (an exit, a state);
+            # the trusted non-workloads are carried over as a full scan would (~0.35 ms of listing /proc saved
+            # with ~300 processes, and its loop)
+            pids = list(self._by_pid)
+            self.scans_known_only += 1
+        else:
+            try:
+                pids = [int(name) for name in os.listdir(root) if name.isdigit()]
+            except OSError:
+                pids = []
         verify_ns = int(self.config.recheck_seconds * 1e9)
-        for name in entries:
-            if not name.isdigit():
-                continue
-            pid = int(name)
+        for pid in pids:
             key = self._by_pid.get(pid)
             if key is not None:
                 seen = self._seen[key]
