@@ -74,5 +74,37 @@ def test_runtime_files_through_a_settled_parent(tmp_path):
     _age(tmp_path, 3600)
     assert runtime_files([str(tmp_path / "steplens-fr-*")], ("sock", "gc")) == {"sock": {12: str(d / "12.sock")},
                                                                                "gc": {}}
-    (d / "12.gc").touch()   # a file inside an existing directory: the directory is listed every call anyway
+    (d / "12.gc").touch()   # a file added inside an existing directory: that directory changed, listed again
     assert runtime_files([str(tmp_path / "steplens-fr-*")], ("sock", "gc"))["gc"] == {12: str(d / "12.gc")}
+
+
+def test_a_settled_runtime_directory_is_not_listed_again_until_it_changes(tmp_path, monkeypatch):
+    """runtime_files lists each directory again only when it changed (a process's file created or removed); a
+    directory changed within the last 2 s is listed at every call; the first directory still wins for a pid."""
+    first, second = tmp_path / "steplens-fr-a", tmp_path / "steplens-fr-b"
+    for d in (first, second):
+        d.mkdir()
+    (first / "12.sock").touch()
+    (second / "12.sock").touch()
+    (second / "13.gc").touch()
+    (second / "x.sock").touch()          # not a pid: left out
+    for d in (first, second, tmp_path):
+        _age(d, 3600)
+    listed = []
+    real = os.listdir
+    monkeypatch.setattr(base.os, "listdir", lambda d: listed.append(d) or real(d))
+    pattern = [str(tmp_path / "steplens-fr-*")]
+    want = {"sock": {12: str(first / "12.sock")}, "gc": {13: str(second / "13.gc")}}
+    assert runtime_files(pattern, ("sock", "gc")) == want and len(listed) == 2
+    for _ in range(3):
+        assert runtime_files(pattern, ("sock", "gc")) == want
+    assert len(listed) == 2                                    # settled: the listings are reused
+    assert runtime_files(pattern, ("sock",)) == {"sock": want["sock"]} and len(listed) == 4   # other extensions
+    (first / "14.sock").touch()                                # a new process's socket: its directory changed
+    got = runtime_files(pattern, ("sock", "gc"))
+    assert got["sock"] == {12: str(first / "12.sock"), 14: str(first / "14.sock")} and len(listed) == 5
+    runtime_files(pattern, ("sock", "gc"))
+    assert len(listed) == 6                                    # changed within 2 s: listed again
+    os.unlink(first / "14.sock")
+    _age(first, 3600)
+    assert runtime_files(pattern, ("sock", "gc")) == want      # its exit: gone at the next call

@@ -247,16 +247,46 @@ def glob_dirs(pattern: str) -> list[str]:
 def runtime_files(patterns, extensions: tuple[str, ...]) -> dict[str, dict[int, str]]:
     """The bootstrap's per-process files <pid>.<ext> in the directories the glob patterns match, by extension and
     pid (the first directory, in pattern then name order, wins for a pid); a directory that cannot be listed is
-    skipped."""
+    skipped. Each directory's files are listed again only when it changed (the rule of glob_dirs: flightrec and
+    iters ask every second, ~0.1 ms a listing of a job's files)."""
     found: dict[str, dict[int, str]] = {ext: {} for ext in extensions}
     for pattern in patterns:
         for d in glob_dirs(pattern):
-            try:
-                names = os.listdir(d)
-            except OSError:
+            files = _dir_files(d, extensions)
+            if files is None:
                 continue
-            for n in names:
-                stem, _, ext = n.partition(".")
-                if ext in found and stem.isdigit():
-                    found[ext].setdefault(int(stem), os.path.join(d, n))
+            for ext, pid, path in files:
+                found[ext].setdefault(pid, path)
     return found
+
+
+_FILES: dict[tuple, tuple[tuple, list]] = {}   # (directory, extensions) -> (its stat, [(ext, pid, path)])
+
+
+def _dir_files(d: str, extensions: tuple[str, ...]) -> list | None:
+    """[(ext, pid, path)] of the <pid>.<ext> files of directory d, in listing order; None where it cannot be listed.
+    Cached while the directory's mtime, inode and device stay the same and its mtime is older than 2 s (glob_dirs)."""
+    try:
+        st = os.stat(d)
+    except OSError:
+        return None
+    key = (st.st_mtime_ns, st.st_ino, st.st_dev)
+    with _GLOBS_LOCK:
+        cached = _FILES.get((d, extensions))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return None
+    files = []
+    for n in names:
+        stem, _, ext = n.partition(".")
+        if ext in extensions and stem.isdigit():
+            files.append((ext, int(stem), os.path.join(d, n)))
+    if time.time_ns() - st.st_mtime_ns > _SETTLED_NS:
+        with _GLOBS_LOCK:
+            if len(_FILES) > 1024:
+                _FILES.clear()
+            _FILES[(d, extensions)] = (key, files)
+    return files
