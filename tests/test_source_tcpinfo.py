@@ -929,3 +929,62 @@ def test_lookups_between_full_dumps(loopback_pair, monkeypatch):
         assert not found.done and found.errors and not found.socks
     finally:
         diag.close()
+
+
+def test_an_idle_connection_read_back_unchanged_is_not_parsed(monkeypatch):
+    """Between full dumps a connection whose tcp_info reads back with the signature of its last (idle) reading is
+    not parsed (SockDiag.lookup's signatures): nothing is emitted for it and it stays tracked; once it moves bytes,
+    its next reading is parsed and counts exactly what moved since the unchanged reading; a connection that moved
+    at its last reading is parsed whole (no signature check). The signature read from the answer's bytes equals
+    the one taken from the parsed tcp_info."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    cl = socket.create_connection(srv.getsockname())
+    sv = srv.accept()[0]
+    src = TcpinfoSource(_ctx(os.getpid()), TcpinfoConfig(full_dump_seconds=3600))
+    src.start()
+    parsed = []
+    real = tcpinfo.parse_messages
+    monkeypatch.setattr(tcpinfo, "parse_messages", lambda *a, **k: parsed.append(1) or real(*a, **k))
+    monkeypatch.setattr(TcpinfoSource, "sockstat", staticmethod(lambda: ("fixed",)))   # no dump for others' sockets
+    try:
+        port = srv.getsockname()[1]
+        src.step()                     # full dump: both ends tracked
+        for _ in range(2):             # lookups: the first parses (no signature yet), the second finds it unchanged
+            assert not _conns(src.step(), dport=port) + _conns(src.step(), sport=port)
+        assert src.lookups >= 3 and src.unchanged >= 2
+        conns = [c for c in src._conns.values() if port in (int(c.entity.rsplit(":", 1)[1]),
+                                                           int(c.entity.split("->")[0].rsplit(":", 1)[1]))]
+        assert len(conns) == 2 and all(c.sig is not None for c in conns)
+        parsed.clear()
+        unchanged = src.unchanged
+        at = [c.mono_ns for c in conns]
+        assert not _conns(src.step(), dport=port) and src.unchanged == unchanged + 2 and not parsed
+        assert all(c.mono_ns > t for c, t in zip(conns, at))      # the unchanged reading is the new "since"
+        since = conns[0].mono_ns
+        cl.sendall(b"x" * 1000)
+        assert len(sv.recv(1000, socket.MSG_WAITALL)) == 1000
+        out = src.step()
+        sent = _conns(out, dport=port)
+        assert len(sent) == 1 and sent[0].tx_payload_bytes == 1000 and sent[0].start_mono_ns == since and parsed
+        assert _conns(out, sport=port)[0].rx_payload_bytes == 1000
+        assert all(c.sig is None for c in conns)                    # moved: parsed whole at the next reading too
+        parsed.clear()
+        src.step()
+        assert parsed and all(c.sig is not None for c in conns)     # idle again: a signature for the next one
+        # the signature SockDiag reads from an answer's bytes is the one taken from the parsed tcp_info
+        diag = SockDiag()
+        try:
+            got = []
+            monkeypatch.setattr(tcpinfo, "_answer_signature",
+                                lambda buf, end, real=tcpinfo._answer_signature: got.append(real(buf, end)) or got[-1])
+            part, _ = diag.lookup([(c.family, c.sockid) for c in conns], signatures=[(0,)] * 2)
+            assert len(part.socks) == 2 and not part.unchanged
+            assert sorted(got) == sorted(tcpinfo.signature(s.info) for s in part.socks)
+        finally:
+            diag.close()
+    finally:
+        src.stop()
+        for s in (cl, sv, srv):
+            s.close()
