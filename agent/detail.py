@@ -180,6 +180,10 @@ class DetailStore:
     def add_stack_sample(self, mono_ns: int, pid: int, tid: int, frames: tuple, gil: bool, state: str) -> None:
         self._pending.append((mono_ns, pid, tid, self.stack_id(frames), int(gil), state))
 
+    def add_stack_id_sample(self, mono_ns: int, pid: int, tid: int, stack_id: int, gil: bool, state: str) -> None:
+        """add_stack_sample of a stack whose stack_id() the caller holds (ids are never reused or dropped)."""
+        self._pending.append((mono_ns, pid, tid, stack_id, int(gil), state))
+
     def add_records(self, source: str, records: list, checked: bool = False) -> list[tuple[object, str]]:
         """CommOp / KernelRec records (any plain Record the codec knows) for the ring; kind is the class name
         in lower case ("commop", "kernelrec"). A record the codec would refuse (a value out of its field's range,

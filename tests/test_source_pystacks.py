@@ -93,6 +93,32 @@ def test_source_summarizes_and_keeps_raw_samples(tmp_path, target):
     store.close()
 
 
+def test_an_unchanged_stack_costs_no_key_and_is_counted_and_kept_as_before(tmp_path, target, monkeypatch):
+    """The reader hands back the same frame list for a thread whose stack it found unchanged (the waiter, asleep):
+    its later samples reuse the stack's key and detail-store id (no stack_id call), and each is counted in the
+    summary and kept in the detail store exactly as a sample whose key was built."""
+    proc, path, lines = target
+    src = _watching(tmp_path, proc, PystacksConfig(interval_seconds=0.01, summary_seconds=3600))
+    src.start()
+    calls = []
+    try:
+        real = src.detail.stack_id
+        monkeypatch.setattr(src.detail, "stack_id", lambda frames: calls.append(frames) or real(frames))
+        for _ in range(20):
+            src.step()
+        waiter = next(a for a in src.targets[next(iter(src.targets))].threads.values() if a.tid != proc.pid)
+        assert waiter.samples == 20 and list(waiter.stacks.values()) == [[20, 0, 0]]
+        (frames,) = waiter.stacks
+        assert calls.count(frames) == 1        # once: the 19 later samples reused it
+    finally:
+        src.stop()
+    store = DetailStore(str(tmp_path / "detail.db"))
+    raw = [r for r in store.stack_samples(pid=proc.pid) if r["tid"] != proc.pid]
+    assert len(raw) == 20 and all(tuple(map(tuple, r["frames"])) == frames for r in raw)
+    assert [f[0] for f in frames[:2]] == ["inner_wait", "outer_wait"] and frames[0][3] == lines["@wait"]
+    store.close()
+
+
 def test_many_processes_share_the_sentinel_sample_budget(tmp_path, target):
     """max_samples_per_second spreads the sentinel budget over the processes: the steps (each samples every
     process) stretch by processes / (budget x interval) when that is over 1; deep mode is not capped."""

@@ -63,13 +63,16 @@ class PystacksConfig(SourceConfig):
 class _Agg:
     """One thread's stacks in the current summary interval."""
 
-    __slots__ = ("tid", "name", "start", "samples", "stacks", "state")
+    __slots__ = ("tid", "name", "start", "samples", "stacks", "state", "last")
 
     def __init__(self, tid: int, name: str, start: int) -> None:
         self.tid, self.name, self.start = tid, name, start
         self.samples = 0
         self.stacks: dict[tuple, list[int]] = {}
         self.state = ""
+        # (the reader's frame list, its stack key, its detail-store id, its counts) of the last sample: the reader
+        # hands back the very same list for a stack it found unchanged, which then costs no key nor lookup
+        self.last: tuple | None = None
 
 
 class _Target:
@@ -173,16 +176,22 @@ class PystacksSource(Source):
                 agg = tgt.threads.get(th.tid)
                 if agg is None:
                     agg = tgt.threads[th.tid] = _Agg(th.tid, th.name, self.period_start)
-                frames = tuple((f.function, f.qualname, f.file, f.line) for f in th.frames)
-                counts = agg.stacks.get(frames)
-                if counts is None:
-                    counts = agg.stacks[frames] = [0, 0, 0]
+                last = agg.last
+                if last is not None and last[0] is th.frames:
+                    sid, counts = last[2], last[3]
+                else:
+                    frames = tuple((f.function, f.qualname, f.file, f.line) for f in th.frames)
+                    counts = agg.stacks.get(frames)
+                    if counts is None:
+                        counts = agg.stacks[frames] = [0, 0, 0]
+                    sid = self.detail.stack_id(frames)
+                    agg.last = (th.frames, frames, sid, counts)
                 counts[0] += 1
                 counts[1] += th.gil
                 counts[2] += th.state == "running"
                 agg.samples += 1
                 agg.state = th.state
-                self.detail.add_stack_sample(sample.mono_ns, key[0], th.tid, frames, th.gil, th.state)
+                self.detail.add_stack_id_sample(sample.mono_ns, key[0], th.tid, sid, th.gil, th.state)
         if now - self._last_flush >= 1.0:
             self.detail.flush()
             self._last_flush = now
