@@ -456,15 +456,22 @@ def test_step_cost():
     assert per_step < 0.005
 
 
+def _pattern_source(tag: str) -> tuple[Clock, str, ProcsSource]:
+    """A started source on a test clock whose only pattern is a fresh marker (a child with it as an argument is a
+    workload)."""
+    clock = Clock()
+    marker = f"{tag}-{uuid.uuid4().hex}"
+    src = ProcsSource(HostContext(node_id="t", mono_ns=clock),
+                      build_config(ProcsConfig, {"patterns": [marker]}, "sources.procs"))
+    src.start()
+    return clock, marker, src
+
+
 def test_scans_without_a_fork_are_skipped_and_a_new_process_is_not_missed(children):
     """With no workload to follow, a scan is skipped while the last PID the kernel handed out (/proc/loadavg) is
     the one of the previous full scan and no re-read is due; a process started since is found at the next step
     (its fork moved the last PID), and the known processes are still re-read every recheck_seconds."""
-    clock = Clock()
-    marker = f"skip-{uuid.uuid4().hex}"
-    src = ProcsSource(HostContext(node_id="t", mono_ns=clock),
-                      build_config(ProcsConfig, {"patterns": [marker]}, "sources.procs"))
-    src.start()
+    clock, marker, src = _pattern_source("skip")
     if not src._last_pid_path:
         with open("/proc/self/status") as f:
             assert len(next(ln for ln in f if ln.startswith("NSpid:")).split()) > 2
@@ -509,11 +516,7 @@ def test_a_scan_without_a_fork_reads_only_the_workloads_and_still_sees_them_stop
     processes' stat (no listing of /proc): the workload's stop (SIGSTOP) and its exit are still seen there. The
     no-fork answer is forced after the real first scans (another process of this machine may fork at any time);
     a fork or a re-read due makes the next scan a full one again."""
-    clock = Clock()
-    marker = f"known-{uuid.uuid4().hex}"
-    src = ProcsSource(HostContext(node_id="t", mono_ns=clock),
-                      build_config(ProcsConfig, {"patterns": [marker]}, "sources.procs"))
-    src.start()
+    clock, marker, src = _pattern_source("known")
     if not src._last_pid_path:
         pytest.skip("this process's PID namespace is not the one /proc shows: every scan is a full one")
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", marker])
