@@ -178,7 +178,7 @@ class DetailStore:
         return sid
 
     def add_stack_sample(self, mono_ns: int, pid: int, tid: int, frames: tuple, gil: bool, state: str) -> None:
-        self._pending.append((mono_ns, pid, tid, self.stack_id(frames), int(gil), state))
+        self.add_stack_id_sample(mono_ns, pid, tid, self.stack_id(frames), gil, state)
 
     def add_stack_id_sample(self, mono_ns: int, pid: int, tid: int, stack_id: int, gil: bool, state: str) -> None:
         """add_stack_sample of a stack whose stack_id() the caller holds (ids are never reused or dropped)."""

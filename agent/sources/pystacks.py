@@ -70,8 +70,8 @@ class _Agg:
         self.samples = 0
         self.stacks: dict[tuple, list[int]] = {}
         self.state = ""
-        # (the reader's frame list, its stack key, its detail-store id, its counts) of the last sample: the reader
-        # hands back the very same list for a stack it found unchanged, which then costs no key nor lookup
+        # (the reader's frame list, its detail-store id, its counts) of the last sample: the reader hands back the
+        # very same list for a stack it found unchanged, which then costs no key nor lookup
         self.last: tuple | None = None
 
 
@@ -178,14 +178,14 @@ class PystacksSource(Source):
                     agg = tgt.threads[th.tid] = _Agg(th.tid, th.name, self.period_start)
                 last = agg.last
                 if last is not None and last[0] is th.frames:
-                    sid, counts = last[2], last[3]
+                    sid, counts = last[1], last[2]
                 else:
                     frames = tuple((f.function, f.qualname, f.file, f.line) for f in th.frames)
                     counts = agg.stacks.get(frames)
                     if counts is None:
                         counts = agg.stacks[frames] = [0, 0, 0]
                     sid = self.detail.stack_id(frames)
-                    agg.last = (th.frames, frames, sid, counts)
+                    agg.last = (th.frames, sid, counts)
                 counts[0] += 1
                 counts[1] += th.gil
                 counts[2] += th.state == "running"
