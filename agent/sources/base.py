@@ -208,40 +208,50 @@ def host_path(root: str, *parts: str) -> str:
     return os.path.join(root, *parts)
 
 
-_GLOBS: dict[str, tuple[tuple, list[str]]] = {}   # pattern -> (its parent directory's stat, the directories)
-_GLOBS_LOCK = threading.Lock()
-_SETTLED_NS = 2 * 10**9   # a parent changed this recently may change again within its mtime's granularity
+_LISTINGS: dict[tuple, tuple[tuple, list]] = {}   # (kind, what) -> (its directory's stat, the result)
+_LISTINGS_LOCK = threading.Lock()
+_SETTLED_NS = 2 * 10**9   # a directory changed this recently may change again within its mtime's granularity
+
+
+def _listed(directory: str, key: tuple, make):
+    """make() once per change of `directory` (its mtime, inode and device: adding or removing an entry changes the
+    mtime), cached under `key`; not cached while the mtime is within 2 s of now (a change within the file system's
+    timestamp granularity leaves the mtime as it was). None where the directory cannot be read (make() raising
+    OSError included)."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return None
+    sig = (st.st_mtime_ns, st.st_ino, st.st_dev)
+    with _LISTINGS_LOCK:
+        cached = _LISTINGS.get(key)
+    if cached is not None and cached[0] == sig:
+        return cached[1]
+    try:
+        result = make()
+    except OSError:
+        return None
+    if time.time_ns() - st.st_mtime_ns > _SETTLED_NS:
+        with _LISTINGS_LOCK:
+            if len(_LISTINGS) > 1024:
+                _LISTINGS.clear()
+            _LISTINGS[key] = (sig, result)
+    return result
 
 
 def glob_dirs(pattern: str) -> list[str]:
     """glob.glob(pattern), sorted, for the runtime-directory patterns the sources poll every second
     ("/tmp/steplens-fr-*"): where only the last component has wildcards, the parent directory is listed again only
-    when it changed (its mtime, inode and device: adding or removing an entry changes the mtime), so a /tmp of
-    thousands of entries is not read every second by every source that polls it (~0.2-0.4 ms a listing of 360
-    entries here). A parent whose mtime is within 2 s of the listing is listed again at the next call (a change
-    within the file system's timestamp granularity leaves the mtime as it was). A pattern without wildcards is
-    itself; one with them above the last component is globbed every time."""
+    when it changed (_listed), so a /tmp of thousands of entries is not read every second by every source that
+    polls it (~0.2-0.4 ms a listing of 360 entries here). A pattern without wildcards is itself; one with them
+    above the last component is globbed every time."""
     if not glob.has_magic(pattern):
         return [pattern]
     parent, last = os.path.split(pattern)
     if glob.has_magic(parent) or not last:
         return sorted(glob.glob(pattern))
-    try:
-        st = os.stat(parent)
-    except OSError:
-        return []
-    key = (st.st_mtime_ns, st.st_ino, st.st_dev)
-    with _GLOBS_LOCK:
-        cached = _GLOBS.get(pattern)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    found = sorted(glob.glob(pattern))
-    if time.time_ns() - st.st_mtime_ns > _SETTLED_NS:
-        with _GLOBS_LOCK:
-            if len(_GLOBS) > 1024:
-                _GLOBS.clear()
-            _GLOBS[pattern] = (key, found)
-    return found
+    found = _listed(parent, ("glob", pattern), lambda: sorted(glob.glob(pattern)))
+    return [] if found is None else found
 
 
 def runtime_files(patterns, extensions: tuple[str, ...]) -> dict[str, dict[int, str]]:
@@ -260,33 +270,14 @@ def runtime_files(patterns, extensions: tuple[str, ...]) -> dict[str, dict[int, 
     return found
 
 
-_FILES: dict[tuple, tuple[tuple, list]] = {}   # (directory, extensions) -> (its stat, [(ext, pid, path)])
-
-
 def _dir_files(d: str, extensions: tuple[str, ...]) -> list | None:
-    """[(ext, pid, path)] of the <pid>.<ext> files of directory d, in listing order; None where it cannot be listed.
-    Cached while the directory's mtime, inode and device stay the same and its mtime is older than 2 s (glob_dirs)."""
-    try:
-        st = os.stat(d)
-    except OSError:
-        return None
-    key = (st.st_mtime_ns, st.st_ino, st.st_dev)
-    with _GLOBS_LOCK:
-        cached = _FILES.get((d, extensions))
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    try:
-        names = os.listdir(d)
-    except OSError:
-        return None
-    files = []
-    for n in names:
-        stem, _, ext = n.partition(".")
-        if ext in extensions and stem.isdigit():
-            files.append((ext, int(stem), os.path.join(d, n)))
-    if time.time_ns() - st.st_mtime_ns > _SETTLED_NS:
-        with _GLOBS_LOCK:
-            if len(_FILES) > 1024:
-                _FILES.clear()
-            _FILES[(d, extensions)] = (key, files)
-    return files
+    """[(ext, pid, path)] of the <pid>.<ext> files of directory d, in listing order, listed again only when d
+    changed (_listed); None where it cannot be listed."""
+    def make() -> list:
+        files = []
+        for n in os.listdir(d):
+            stem, _, ext = n.partition(".")
+            if ext in extensions and stem.isdigit():
+                files.append((ext, int(stem), os.path.join(d, n)))
+        return files
+    return _listed(d, ("files", d, extensions), make)
