@@ -70,7 +70,7 @@ later, with its bytes counted from 0 since the last complete dump as above. A co
 showed it idle (nothing moved, not stuck) is not parsed when its answer carries the same counters
 (SIGNATURE_FIELDS: bytes, segments, retransmits, state, the stuck test's fields, read straight from the answer's
 tcp_info): most of a job's connections are idle at any one reading (the 8-rank gloo job of
-bench/agent_footprint.py: 72 sockets, at most ~16 of them moved in a second).
+bench/agent_footprint.py: 72 sockets, about 16 of them moved in a second on average).
 
 Cost (tests/test_source_tcpinfo.py::test_step_cost, 2-core Debian 12 VM, kernel 6.18, CPU time user + system
 per step): with no connection ~2.0 ms a dump, 0.04 ms between dumps (the sockstat read); 200 loopback
