@@ -5,6 +5,7 @@ package: see agent_footprint.py --agent), optionally with agent_footprint.py's N
 
     .venv/bin/python bench/source_steps.py [--seconds 60] [--other /tmp/headpkg]
     .venv/bin/python bench/source_steps.py --ranks 8 --sources procs,tcpinfo,pystacks --other /tmp/headpkg  # root
+    .venv/bin/python bench/source_steps.py --ranks 8 --sources pystacks --other-env STEPLENS_PYFRAMES_NATIVE=0
 
 Each build runs in a process of its own; both step their sources as the agent's runner would, half a second
 apart, and time each step with the thread's CPU clock (time.thread_time). A whole-agent figure
@@ -80,6 +81,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60.0)
     ap.add_argument("--other", default="", help="PYTHONPATH of another build to run beside this checkout's")
+    ap.add_argument("--other-env", default="", metavar="KEY=VALUE",
+                    help="set for the other build; alone, the other build is this checkout with it (e.g. "
+                         "STEPLENS_PYFRAMES_NATIVE=0: pystacks with the sampler's walk in Python)")
     ap.add_argument("--sources", default="host,procs", help="comma-separated, of host, procs, tcpinfo, pystacks")
     ap.add_argument("--ranks", type=int, default=0, help="run agent_footprint.py's gloo job with this many ranks "
                     "while measuring (needs torch; 0: none)")
@@ -92,8 +96,9 @@ def main(argv=None) -> int:
     if "procs" not in names:
         names.insert(0, "procs")   # it finds the workloads the others follow
     builds = {"this": None}
-    if a.other:
+    if a.other or a.other_env:
         builds["other"] = a.other
+    other_env = dict([a.other_env.split("=", 1)]) if "=" in a.other_env else {}
     kids = Children()
     tmp = tempfile.mkdtemp(prefix="steplens-source-steps-")
     release = ""
@@ -110,6 +115,8 @@ def main(argv=None) -> int:
             env = dict(os.environ)
             if path:
                 env["PYTHONPATH"] = path
+            if name == "other":
+                env.update(other_env)
             procs[name] = subprocess.Popen([sys.executable, "-c", CHILD, str(start), str(a.seconds), str(0.5 * i),
                                             ",".join(names)], env=env, stdout=subprocess.PIPE, text=True)
         for name, p in procs.items():
