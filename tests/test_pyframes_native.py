@@ -179,13 +179,20 @@ def test_the_python_walk_is_used_when_asked(spawn, monkeypatch):
         assert not proc.native
     finally:
         proc.close()
+    # `steplens-agent check` says why (pystacks' probe)
+    assert "turned off" in reader.native_unavailable()
+    from steplens.agent.sources.base import HostContext
+    from steplens.agent.sources.pystacks import PystacksSource
+    assert "turned off" in PystacksSource.probe(HostContext(node_id="t", state_dir="/tmp")).reason
     if walker_built():
         monkeypatch.delenv("STEPLENS_PYFRAMES_NATIVE")
+        assert reader.native_unavailable() == ""
         proc = reader.attach(t.pid)
         try:
             assert proc.native
         finally:
             proc.close()
     else:
+        assert "not built" in reader.native_unavailable()
         with pytest.raises(reader.PyFramesError, match="not built"):
             reader.attach(t.pid, native=True)

@@ -1032,5 +1032,16 @@ class PythonProcess:
         self.mem.close()
 
 
+def native_unavailable() -> str:
+    """Why samples are not walked in C (_walker.c), or "" when they are."""
+    if os.environ.get("STEPLENS_PYFRAMES_NATIVE", "1") == "0":
+        return "the sampler's C walk is turned off (STEPLENS_PYFRAMES_NATIVE=0): it walks in Python"
+    try:
+        from steplens.agent.pyframes import _walker  # noqa: F401
+    except ImportError as exc:
+        return f"the sampler's C walk is not built ({exc}): it walks in Python, at 2-3x the CPU per sample"
+    return ""
+
+
 def attach(pid: int, proc_root: str = "/proc", **kwargs) -> PythonProcess:
     return PythonProcess(pid, proc_root, **kwargs)

@@ -95,9 +95,10 @@ class PystacksSource(Source):
         path = os.path.join(ctx.proc_root, str(me), "mem")
         if not os.path.exists(path):
             return Availability.no(f"{path} does not exist (no procfs?)")
-        if os.geteuid() != 0:
-            return Availability.yes("not root: only processes of this user can be read (and Yama may refuse)")
-        return Availability.yes()
+        from steplens.agent.pyframes.reader import native_unavailable
+        notes = [n for n in (native_unavailable(), "" if os.geteuid() == 0 else
+                             "not root: only processes of this user can be read (and Yama may refuse)") if n]
+        return Availability.yes("; ".join(notes))
 
     def start(self) -> None:
         from steplens.agent.detail import open_shared
