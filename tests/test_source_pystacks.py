@@ -106,6 +106,7 @@ def test_an_unchanged_stack_costs_no_key_and_is_counted_and_kept_as_before(tmp_p
         monkeypatch.setattr(src.detail, "stack_id", lambda frames: calls.append(frames) or real(frames))
         for _ in range(20):
             src.step()
+        src._aggregate()   # samples are counted once a second; now, for this check
         waiter = next(a for a in src.targets[next(iter(src.targets))].threads.values() if a.tid != proc.pid)
         assert waiter.samples == 20 and list(waiter.stacks.values()) == [[20, 0, 0]]
         (frames,) = waiter.stacks

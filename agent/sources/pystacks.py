@@ -12,9 +12,11 @@ once as an Event, when the process is older than startup_grace_seconds and still
 Nothing is ever stopped unless stop_threads is set (see pyframes/seize.py).
 
 Cost: at 10 Hz every sample starts with cold caches; one sample of a 4-thread process with a 26-frame
-busy thread is ~400-500 µs of agent CPU (bench/pystacks.py, `record`'s in-process figure, sleeping
-included; ~90 µs back to back), and a torch rank ~115 µs (bench/agent_footprint.py: 0.9 % of a core for
-8 ranks at 10 Hz). So sentinel mode has a per-host budget, max_samples_per_second (20): each step samples
+busy thread is ~180 µs of agent CPU with the sampler's walk in C (bench/pystacks.py, `record`'s in-process
+figure, sleeping included; ~350 µs with the walk in Python), and a step of the 8-rank job's 8 samples ~480 µs
+(bench/source_steps.py). What the samples add up to (per-thread summaries, detail-store rows) is counted once
+a second in one loop (_aggregate), not per sample. Sentinel mode has a per-host budget, max_samples_per_second
+(20): each step samples
 every process back to back, and the steps are spread so that all processes together stay within it
 (`pace`: 8 ranks are sampled at 2.5 Hz each, 25 samples per thread in a 10 s summary; up to 2 processes
 keep 10 Hz). Deep mode is not capped here (the governor holds it to the deep budget).
@@ -105,6 +107,8 @@ class PystacksSource(Source):
         self.detail = open_shared(os.path.join(self.ctx.state_dir, "detail.db"), self.config.detail_max_samples)
         self.targets: dict[tuple[int, int], _Target] = {}
         self.failed: dict[tuple[int, int], list] = {}   # key -> [failures, last try, reported]
+        self._attached_for = None   # the workload snapshot every target was attached for (and none failed)
+        self._pending: list = []    # (mono_ns, target, threads) of the samples not yet counted (_aggregate)
         self.deep = False
         self.period_start = self.ctx.mono_ns()
         self._last_flush = time.monotonic()
@@ -123,15 +127,85 @@ class PystacksSource(Source):
     def idle(self) -> bool:
         if self.targets:
             return False
+        self._aggregate()
         self.detail.flush()  # the raw samples of the processes that just left are written before the wait
         return True
 
     def step(self) -> list:
-        from steplens.agent.pyframes import memory, reader
+        from steplens.agent.pyframes import memory
         out: list = []
         now = time.monotonic()
         workloads = self.ctx.workloads.snapshot()
-        # attach new workload processes, forget those that exited
+        if workloads is not self._attached_for or self.failed:   # the same snapshot: nothing to attach or drop
+            out += self._attach(workloads, now)
+        # sample; what the samples add up to is counted once a second (_aggregate), in one warm loop
+        for key, tgt in list(self.targets.items()):
+            try:
+                sample = tgt.proc.sample(stop_threads=self.config.stop_threads)
+            except memory.ProcessChanged:
+                changed = self.targets.pop(key)  # exec'd: summarize, then attach anew next step
+                out += self._summaries(changed, self.ctx.mono_ns())
+                changed.proc.close()
+                self._attached_for = None
+                continue
+            except memory.ProcessGone:
+                gone = self.targets.pop(key)
+                out += self._summaries(gone, self.ctx.mono_ns())
+                gone.proc.close()
+                self._attached_for = None
+                continue
+            except memory.PyFramesError:
+                tgt.errors += 1
+                continue
+            self._pending.append((sample.mono_ns, tgt, sample.threads))
+        if now - self._last_flush >= 1.0:
+            self._aggregate()
+            self.detail.flush()
+            self._last_flush = now
+        period = self.config.deep_summary_seconds if self.deep else self.config.summary_seconds
+        mono = self.ctx.mono_ns()
+        if mono - self.period_start >= period * 1e9:
+            for tgt in self.targets.values():
+                out += self._summaries(tgt, mono)
+            self.period_start = mono
+        return out
+
+    def _aggregate(self) -> None:
+        """Count the samples taken since the last call into their threads' summaries and the detail store. Done
+        once a second and before any summary, not per sample: at sentinel rates every step starts cold, and this
+        loop over every thread of every sample costs several times less warm."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        detail_add, stack_id = self.detail.add_stack_id_sample, self.detail.stack_id
+        for mono, tgt, sample_threads in pending:
+            pid, threads = tgt.key[0], tgt.threads
+            for th in sample_threads:
+                agg = threads.get(th.tid)
+                if agg is None:
+                    agg = threads[th.tid] = _Agg(th.tid, th.name, self.period_start)
+                last = agg.last
+                if last is not None and last[0] is th.frames:
+                    sid, counts = last[1], last[2]
+                else:
+                    frames = tuple((f.function, f.qualname, f.file, f.line) for f in th.frames)
+                    counts = agg.stacks.get(frames)
+                    if counts is None:
+                        counts = agg.stacks[frames] = [0, 0, 0]
+                    sid = stack_id(frames)
+                    agg.last = (th.frames, sid, counts)
+                state = th.state
+                counts[0] += 1
+                counts[1] += th.gil
+                counts[2] += state == "running"
+                agg.samples += 1
+                agg.state = state
+                detail_add(mono, pid, th.tid, sid, th.gil, state)
+
+    def _attach(self, workloads: dict, now: float) -> list:
+        """Attach new workload processes (those not failing within their back-off), forget those that exited."""
+        from steplens.agent.pyframes import memory, reader
+        out: list = []
         for key in [k for k in self.targets if k not in workloads]:
             tgt = self.targets.pop(key)
             out += self._summaries(tgt, self.ctx.mono_ns())
@@ -156,52 +230,7 @@ class PystacksSource(Source):
                                      str(exc)))
         for key in [k for k in self.failed if k not in workloads]:
             del self.failed[key]
-        # sample
-        for key, tgt in list(self.targets.items()):
-            try:
-                sample = tgt.proc.sample(stop_threads=self.config.stop_threads)
-            except memory.ProcessChanged:
-                changed = self.targets.pop(key)  # exec'd: summarize, then attach anew next step
-                out += self._summaries(changed, self.ctx.mono_ns())
-                changed.proc.close()
-                continue
-            except memory.ProcessGone:
-                gone = self.targets.pop(key)
-                out += self._summaries(gone, self.ctx.mono_ns())
-                gone.proc.close()
-                continue
-            except memory.PyFramesError:
-                tgt.errors += 1
-                continue
-            for th in sample.threads:
-                agg = tgt.threads.get(th.tid)
-                if agg is None:
-                    agg = tgt.threads[th.tid] = _Agg(th.tid, th.name, self.period_start)
-                last = agg.last
-                if last is not None and last[0] is th.frames:
-                    sid, counts = last[1], last[2]
-                else:
-                    frames = tuple((f.function, f.qualname, f.file, f.line) for f in th.frames)
-                    counts = agg.stacks.get(frames)
-                    if counts is None:
-                        counts = agg.stacks[frames] = [0, 0, 0]
-                    sid = self.detail.stack_id(frames)
-                    agg.last = (th.frames, sid, counts)
-                counts[0] += 1
-                counts[1] += th.gil
-                counts[2] += th.state == "running"
-                agg.samples += 1
-                agg.state = th.state
-                self.detail.add_stack_id_sample(sample.mono_ns, key[0], th.tid, sid, th.gil, th.state)
-        if now - self._last_flush >= 1.0:
-            self.detail.flush()
-            self._last_flush = now
-        period = self.config.deep_summary_seconds if self.deep else self.config.summary_seconds
-        mono = self.ctx.mono_ns()
-        if mono - self.period_start >= period * 1e9:
-            for tgt in self.targets.values():
-                out += self._summaries(tgt, mono)
-            self.period_start = mono
+        self._attached_for = workloads
         return out
 
     def _failed(self, key: tuple[int, int], now: float) -> list:
@@ -218,6 +247,7 @@ class PystacksSource(Source):
         return time.clock_gettime(time.CLOCK_BOOTTIME) - key[1] / os.sysconf("SC_CLK_TCK")
 
     def _summaries(self, tgt: _Target, end_mono: int) -> list:
+        self._aggregate()
         out = []
         for tid, agg in tgt.threads.items():
             if not agg.samples:
@@ -244,6 +274,8 @@ class PystacksSource(Source):
         return out
 
     def stop(self) -> None:
+        if getattr(self, "detail", None) is not None:
+            self._aggregate()   # the samples of the last second still go to the detail store
         for tgt in getattr(self, "targets", {}).values():
             tgt.proc.close()
         self.targets = {}
