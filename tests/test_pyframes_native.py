@@ -196,3 +196,36 @@ def test_the_python_walk_is_used_when_asked(spawn, monkeypatch):
         assert "not built" in reader.native_unavailable()
         with pytest.raises(reader.PyFramesError, match="not built"):
             reader.attach(t.pid, native=True)
+
+
+@needs_walker
+@needs_root
+def test_a_layout_the_c_walk_cannot_take_is_refused_and_the_python_walk_is_used(spawn, monkeypatch):
+    """The C walk reads fields at the layout's offsets out of the bytes it read (3.13+'s offsets come from the
+    target's own memory): an offset outside them is refused at construction, never read past; attach then walks
+    in Python."""
+    from steplens.agent.pyframes import _walker
+    t = spawn([sys.executable, "-c", TARGET], stdin=subprocess.PIPE)   # offsets by index: reader._make_walker
+    proc = reader.attach(t.pid, native=False)
+    try:
+        lay = proc.layout
+        good = dict(offsets=None)
+        real = _walker.Walker
+
+        def capture(*args):
+            good["offsets"] = args[3]
+            return real(*args)
+        monkeypatch.setattr(_walker, "Walker", capture)
+        assert proc._make_walker() is not None
+        offsets = good["offsets"]
+        for i, bad in [(7, lay.tstate_read_size), (16, lay.frame_read_size - 4), (11, 5000), (15, 7)]:
+            broken = list(offsets)
+            broken[i] = bad
+            with pytest.raises(ValueError, match="layout"):
+                real(proc.mem.fd, "/proc/", proc.runtime, tuple(broken), True, 0.005, 2.0, None,
+                     lambda *a: None, tuple, {"?": "unknown"})
+        monkeypatch.setattr(_walker, "Walker", lambda *a: real(*a[:3], tuple(list(a[3][:7]) + [lay.tstate_read_size]
+                                                                             + list(a[3][8:])), *a[4:]))
+        assert proc._make_walker() is None
+    finally:
+        proc.close()

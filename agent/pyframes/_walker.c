@@ -772,10 +772,22 @@ static int Walker_init(Walker *w, PyObject *args, PyObject *kw) {
                  &w->code_adaptive, &w->lasti_mult};
     for (int i = 0; i < 24; i++) *f[i] = v[i];
     w->tag_mask = 0;
+    /* every field read out of a thread state or a frame must lie inside the bytes read of it (the offsets of
+     * 3.13+ come from the target's own memory) */
+#define IN(off, width, size) ((off) >= 0 && (off) + (width) <= (size))
+#define OPT(off, width, size) ((off) < 0 || IN(off, width, size))
     if (w->ts_size <= 0 || w->ts_size > BLOCK || w->fr_size <= 0 || w->fr_size > BLOCK
-        || (w->fr_kind == 0 && w->fr_lasti < 0) || (w->fr_kind == 1 && (w->fr_instr < 0 || w->fr_owner < 0))
-        || (w->ts_frame < 0 && w->ts_cframe < 0)) {
-        PyErr_SetString(PyExc_ValueError, "layout: offsets out of range");
+        || !IN(w->ts_next, 8, w->ts_size) || !IN(w->ts_interp, 8, w->ts_size) || !IN(w->ts_thread_id, 8, w->ts_size)
+        || !OPT(w->ts_native_tid, 8, w->ts_size) || !OPT(w->ts_frame, 8, w->ts_size)
+        || !OPT(w->ts_cframe, 8, w->ts_size) || (w->ts_frame < 0 && w->ts_cframe < 0)
+        || (w->ts_cframe >= 0 && w->cf_current < 0) || !IN(w->fr_back, 8, w->fr_size) || !IN(w->fr_code, 8, w->fr_size)
+        || (w->fr_kind == 0 && (!IN(w->fr_lasti, 4, w->fr_size) || (w->lasti_mult != 1 && w->lasti_mult != 2)))
+        || (w->fr_kind == 1 && (!IN(w->fr_instr, 8, w->fr_size) || !IN(w->fr_owner, 1, w->fr_size)
+                                || w->code_adaptive < 0))
+        || (w->fr_kind != 0 && w->fr_kind != 1) || (w->gil_mode != 0 && w->gil_mode != 1)
+        || w->gil_locked < 0 || w->gil_last_holder < 0 || (w->gil_mode == 1 && w->interp_ceval_gil < 0)
+        || w->rt_interp_head < 0 || w->interp_next < 0 || w->interp_tstate_head < 0) {
+        PyErr_SetString(PyExc_ValueError, "layout: an offset outside what is read, or missing");
         return -1;
     }
     w->want_states = want_states;

@@ -200,9 +200,12 @@ class PythonProcess:
                 raise ProcessGone("detached")
             frame = proc._interp_frame(code, value, now) if interp else proc._object_frame(code, value, now)
             return frame[0] if frame else None
-        walker = _walker.Walker(self.mem.fd, os.path.join(self.proc_root, str(self.pid), "task") + "/",
-                                self.runtime, offsets, self.thread_states, self.state_refresh_seconds,
-                                self.revalidate_seconds, resolver, decode, ThreadStack, {**_STATES, "?": "unknown"})
+        try:
+            walker = _walker.Walker(self.mem.fd, os.path.join(self.proc_root, str(self.pid), "task") + "/",
+                                    self.runtime, offsets, self.thread_states, self.state_refresh_seconds,
+                                    self.revalidate_seconds, resolver, decode, ThreadStack, {**_STATES, "?": "unknown"})
+        except ValueError:   # a layout the C walk cannot take (a thread state over 4 KiB, say): the Python walk can
+            return None
         walker.set_tag_mask(lay.code_tag_mask)
         return walker
 
