@@ -515,7 +515,8 @@ static int sample(Walker *w, int fresh, double now) {
             w->order[w->nord++] = tstate;
             const unsigned char *raw = rd(w, tstate, (size_t)w->ts_size);
             if (!raw) return -1;
-            if (u64at(raw, w->ts_interp) != interp) return torn(w, "thread state does not point back to its interpreter");
+            if (u64at(raw, w->ts_interp) != interp)
+                return torn(w, "thread state does not point back to its interpreter");
             memcpy(t->raw, raw, (size_t)w->ts_size);
             t->interp_idx = ninterp - 1;
             t->gil = tstate == holder;
