@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pytarget import spawn  # noqa: F401 (a fixture)
+from pytarget import spawn, task_states  # noqa: F401 (a fixture)
 from steplens.agent.pyframes import reader
 
 PYENV = "/root/.pyenv/versions"
@@ -82,6 +82,16 @@ def view(sample) -> dict:
             for t in sample.threads}
 
 
+def settled(pid: int) -> None:
+    """Wait until the target's four waiting threads (main in readline among them) are asleep: it prints
+    'ready' just before the main thread gets there."""
+    deadline = time.monotonic() + 10
+    while sum(s == "S" for s in task_states(pid).values()) < 4:
+        assert time.monotonic() < deadline, f"target threads never settled: {task_states(pid)}"
+        time.sleep(0.01)
+    time.sleep(0.05)
+
+
 def names(frames) -> list[str]:
     return [f[0] for f in frames]
 
@@ -106,6 +116,7 @@ def test_the_c_walk_is_built_where_a_compiler_is():
 @pytest.mark.parametrize("version", VERSIONS)
 def test_the_c_walk_and_the_python_walk_agree(spawn, version):
     t = spawn([interpreter(version), "-c", TARGET], stdin=subprocess.PIPE)
+    settled(t.pid)
     fast = reader.attach(t.pid, native=True)
     slow = reader.attach(t.pid, native=False)
     try:
@@ -140,6 +151,7 @@ def test_a_thread_whose_stack_moved_is_walked_again(spawn, version):
     thread that moved from stage_one to stage_two must come back with stage_two on top, the same frames
     below, and parked threads unchanged."""
     t = spawn([interpreter(version), "-c", TARGET], stdin=subprocess.PIPE)
+    settled(t.pid)
     proc = reader.attach(t.pid, native=True, state_refresh_seconds=0.0)
     try:
         def mover():
