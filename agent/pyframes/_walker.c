@@ -442,7 +442,7 @@ static int walk(Walker *w, TState *t, uint64_t frame) {
 static uint64_t host_tid(Walker *w, uint64_t tid) {
     if (w->resolver == Py_None || !tid) return tid;
     int v = map_get(&w->ns_map, tid);
-    if (v > 0) return (uint64_t)v - 1 + 0;   /* stored as host tid + 1 */
+    if (v > 0) return (uint64_t)v - 1;   /* stored as host tid + 1 */
     PyEval_RestoreThread(w->saved);
     uint64_t host = 0;
     PyObject *r = PyObject_CallFunction(w->resolver, "K", (unsigned long long)tid);
@@ -865,11 +865,6 @@ static PyObject *Walker_set_tag_mask(Walker *w, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Walker_forget_ns(Walker *w, PyObject *Py_UNUSED(arg)) {
-    map_clear(&w->ns_map);
-    Py_RETURN_NONE;
-}
-
 static PyObject *Walker_stats(Walker *w, PyObject *Py_UNUSED(arg)) {
     PyObject *blocks = PyList_New(w->nblk);
     if (!blocks) return NULL;
@@ -882,7 +877,6 @@ static PyMethodDef Walker_methods[] = {
     {"sample", (PyCFunction)Walker_sample, METH_VARARGS, "One sample (see the module's source)."},
     {"set_tid_off", (PyCFunction)Walker_set_tid_off, METH_O, "Where glibc's struct pthread keeps the tid."},
     {"set_tag_mask", (PyCFunction)Walker_set_tag_mask, METH_O, "Tag bits of a frame's code pointer (3.14)."},
-    {"forget_ns", (PyCFunction)Walker_forget_ns, METH_NOARGS, "Drop cached PID-namespace tid mappings."},
     {"stats", (PyCFunction)Walker_stats, METH_NOARGS, "Counters: reads, samples, threads, tasks."},
     {NULL, NULL, 0, NULL},
 };
@@ -914,6 +908,5 @@ PyMODINIT_FUNC PyInit__walker(void) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "RECSIZE", RECSIZE) < 0) { Py_DECREF(m); return NULL; }
     return m;
 }
