@@ -20,7 +20,7 @@ from steplens import conn
 from steplens.collector.analysis.base import AnalysisSettings, DetectorConfig
 from steplens.collector.analysis.deepdive import DeepDiveConfig, DeepDives
 from steplens.collector.analysis.engine import AnalysisEngine
-from steplens.collector.control.fetch import thread_fetcher
+from steplens.collector.control.fetch import DetailCache, thread_fetcher
 from steplens.collector.control.service import ControlService
 from steplens.collector.ingest.clock import ClusterClock
 from steplens.collector.ingest.server import IngestService, IngestSettings
@@ -183,7 +183,8 @@ class Collector:
             own.address = dial_address(s.listen, self.port)
         self.writer.start()
         await self.server.start()
-        self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock)
+        self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock,
+                                             cache=DetailCache())
         self.analysis.start()
         self.deepdives.start()
         if s.metrics_listen:
