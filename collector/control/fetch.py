@@ -53,9 +53,9 @@ class DetailCache:
     is asked again next time (gloo's Flight Recorder ops are timed by their issue: one issued inside a kept span
     that took longer than settle_ns to complete is not in later answers from here; a hang's ops, never
     retired, are in no answer either way). An answer the agent truncated, or a fetch with a row limit, is
-    neither kept nor served from here. Bounds: `max_spans` spans per key, each `span_ns` of the agent's clock at most (its oldest
-    records go first), and `max_rows` rows in all (the least recently asked span goes first). Used from the event
-    loop only (fetch_commops)."""
+    neither kept nor served from here. Bounds: `max_spans` spans per key, each `span_ns` of the agent's clock at
+    most (its oldest records go first), and `max_rows` rows in all (the least recently asked span goes first).
+    Used from the event loop only (fetch_commops)."""
 
     def __init__(self, settle_ns: int = 10_000_000_000, span_ns: int = 600_000_000_000, max_spans: int = 8,
                  max_rows: int = 100_000) -> None:
