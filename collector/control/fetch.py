@@ -58,7 +58,7 @@ class DetailCache:
     Used from the event loop only (fetch_commops)."""
 
     def __init__(self, settle_ns: int = 10_000_000_000, span_ns: int = 600_000_000_000, max_spans: int = 8,
-                 max_rows: int = 100_000) -> None:
+                 max_rows: int = 30_000) -> None:   # ~1.7 KB a row (a CommOp's dict): ~50 MB at most
         self.settle_ns, self.span_ns, self.max_spans, self.max_rows = settle_ns, span_ns, max_spans, max_rows
         self.spans: dict[tuple, list[_Span]] = {}   # key -> its spans, by lo, none adjoining another
         self.rows = 0
