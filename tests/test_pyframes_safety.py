@@ -374,6 +374,92 @@ def test_other_pid_namespace_thread_ids_are_host_ids(ns_target):
     assert all(th["state"] == "sleeping" for th in doc["threads"]), [th["state"] for th in doc["threads"]]
 
 
+NS_REUSE = r"""
+import os, sys, threading, time
+def first(stop):
+    stop.wait()
+def second(stop):
+    stop.wait()
+stop = threading.Event()
+a = threading.Thread(target=first, args=(stop,), daemon=True)
+a.start()
+print(a.native_id, flush=True)
+sys.stdin.readline()
+stop.set()
+a.join()
+for _ in range(50):   # the tid is free a little after join returns: try until the new thread gets it
+    time.sleep(0.02)
+    try:   # the namespace's next tid is the one thread `first` had (this process is the namespace's init)
+        with open("/proc/sys/kernel/ns_last_pid", "w") as fh:
+            fh.write(str(a.native_id - 1))
+    except OSError as exc:
+        print("no", exc, flush=True)
+        break
+    never = threading.Event()
+    b = threading.Thread(target=second, args=(never,), daemon=True)
+    b.start()
+    if b.native_id == a.native_id:
+        break
+    never.set()
+    b.join()
+print(b.native_id, flush=True)
+sys.stdin.readline()
+"""
+
+
+@privileged
+@needs_root
+@pytest.mark.parametrize("native", [True, False], ids=["c-walk", "python-walk"])
+def test_a_namespace_tid_given_to_a_new_thread_is_looked_up_again(native):
+    """In another PID namespace a thread's tid is the namespace's; the walks map it to ours and keep the answer.
+    When that thread ends and the namespace hands its tid to a new thread, the kept answer names a task that is
+    gone: the new thread must come back with its own host tid and its real state, not the old one's (unknown)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("unshare (util-linux) is not installed")
+    py = os.path.join(PYENV, "3.12.1", "bin", "python3")
+    if not os.path.exists(py):
+        pytest.skip("no CPython 3.12.1")
+    if native and reader.native_unavailable():
+        pytest.skip(f"the C walk is not built here: {reader.native_unavailable()}")
+    p = subprocess.Popen(["unshare", "--pid", "--mount", "--fork", "--mount-proc", py, "-c", NS_REUSE],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first_ns = int(p.stdout.readline())
+        (host_pid,) = ns_children(p.pid)
+        proc = reader.attach(host_pid, native=native)
+        try:
+            assert proc.native == native
+
+            def thread_in(function: str):
+                for _ in range(40):   # the state of a thread just started may read as running first
+                    th = [t for t in proc.sample().threads if t.frames and any(f.function == function
+                                                                                 for f in t.frames)]
+                    if th and th[0].state == "sleeping":
+                        return th[0]
+                    time.sleep(0.05)
+                return th[0] if th else None
+
+            a = thread_in("first")
+            assert a is not None and a.state == "sleeping" and nspid(host_pid, a.tid) == first_ns
+            p.stdin.write("\n")
+            p.stdin.flush()
+            line = p.stdout.readline()
+            if line.startswith("no"):
+                pytest.skip(f"ns_last_pid not writable here: {line.strip()}")
+            if int(line) != first_ns:
+                pytest.skip(f"the namespace did not give tid {first_ns} again (got {int(line)})")
+            time.sleep(0.6)   # the namespace map is read again at most every 0.5 s
+            b = thread_in("second")
+            assert b is not None, "no thread in second()"
+            assert b.tid != a.tid and nspid(host_pid, b.tid) == first_ns, (a.tid, b.tid)
+            assert b.state == "sleeping", b.state
+        finally:
+            proc.close()
+    finally:
+        p.kill()
+        p.wait(10)
+
+
 # -- never left stopped ---------------------------------------------------------------------------
 
 def read_counter(path) -> int:

@@ -439,17 +439,20 @@ static int walk(Walker *w, TState *t, uint64_t frame) {
     return 0;
 }
 
-static uint64_t host_tid(Walker *w, uint64_t tid) {
+/* The host tid of a target tid (another PID namespace: the resolver's answer, kept). stale: the kept answer
+ * names no task of the target any more (that thread ended; its namespace tid may now name a new thread): the
+ * resolver is told so and asked again. */
+static uint64_t host_tid(Walker *w, uint64_t tid, int stale) {
     if (w->resolver == Py_None || !tid) return tid;
-    int v = map_get(&w->ns_map, tid);
+    int v = stale ? 0 : map_get(&w->ns_map, tid);
     if (v > 0) return (uint64_t)v - 1;   /* stored as host tid + 1 */
     PyEval_RestoreThread(w->saved);
     uint64_t host = 0;
-    PyObject *r = PyObject_CallFunction(w->resolver, "K", (unsigned long long)tid);
+    PyObject *r = PyObject_CallFunction(w->resolver, "Ki", (unsigned long long)tid, stale);
     if (r) { host = PyLong_AsUnsignedLongLong(r); Py_DECREF(r); }
     if (PyErr_Occurred()) { PyErr_Clear(); host = 0; }
     w->saved = PyEval_SaveThread();
-    if (host && host < 0x7fffffff) map_put(&w->ns_map, tid, (int32_t)(host + 1));
+    map_put(&w->ns_map, tid, host && host < 0x7fffffff ? (int32_t)(host + 1) : 0);   /* 0: ask again */
     return host;
 }
 
@@ -533,17 +536,22 @@ static int sample(Walker *w, int fresh, double now) {
                 if (p) tid = (uint32_t)i32at(p, 0);
                 else w->err = 0;    /* as the Python walk: an unreadable pthread gives tid 0 */
             }
-            tid = host_tid(w, tid);
-            t->tid = tid;
+            uint64_t ns_tid = tid;
+            tid = host_tid(w, tid, 0);
             int quiet = 0;
             if (w->want_states && tid) {
                 t->task = task_for(w, tid, now);
+                if (t->task < 0 && w->resolver != Py_None) {
+                    uint64_t again = host_tid(w, ns_tid, 1);
+                    if (again && again != tid) { tid = again; t->task = task_for(w, tid, now); }
+                }
                 if (t->task >= 0) {
                     Task *k = &w->tasks[t->task];
                     t->state = k->state_pend ? k->state_pend : '?';
                     quiet = k->quiet;
                 }
             }
+            t->tid = tid;
             if (quiet && !fresh && t->has_last && !memcmp(t->raw, t->last_raw, (size_t)w->ts_size)) {
                 t->reuse = 1;
             } else {

@@ -188,9 +188,13 @@ class PythonProcess:
         resolver = None
         if self.ns_pid:   # the target stores tids of its PID namespace: the walk asks for ours
 
-            def resolver(tid: int) -> int:
+            def resolver(tid: int, stale: int = 0) -> int:
                 proc = ref()
-                return proc._host_tid(tid, time.monotonic()) if proc is not None else 0
+                if proc is None:
+                    return 0
+                if stale:   # the answer given names no task any more (_host_tid)
+                    proc._ns_tids.pop(tid, None)
+                return proc._host_tid(tid, time.monotonic())
 
         interp = lay.frame_kind == "interp"
 
@@ -227,6 +231,11 @@ class PythonProcess:
         return 0
 
     def _host_tid(self, tid: int, now: float) -> int:
+        """Our tid of a thread of a target in another PID namespace (which stores the tids of its own), from its
+        tasks' NSpid lines, read again (at most every 0.5 s) when a tid is not known. An answer is kept until
+        the task it names cannot be read: that thread ended and the namespace may have given its tid to a new
+        one (tids are handed out in turn, so rarely soon; a container's init that sets ns_last_pid does), and
+        the walks forget it (the Python walk below, the C walk through its resolver) and ask again."""
         if not self.ns_pid or not tid:
             return tid
         host = self._ns_tids.get(tid)
@@ -963,12 +972,19 @@ class PythonProcess:
                     tid = _U64.unpack_from(raw, native)[0] & 0xFFFFFFFF
                 else:
                     tid = self._native_tid(raw)
+                ns_tid = tid
                 if self.ns_pid:
                     tid = self._host_tid(tid, now)
-                live_tids.add(tid)
                 # the scheduler state first (see _task): a thread that has not been on a CPU since its last
                 # walk, with the same thread state bytes, has the same stack (no read of its frames)
                 state, name, quiet = self._task(tid, now) if (want_states and tid) else ("unknown", "", False)
+                if self.ns_pid and want_states and tid and tid not in self._tasks and self._state_override is None:
+                    self._ns_tids.pop(ns_tid, None)   # its task is gone: the tid may name a new thread now
+                    again = self._host_tid(ns_tid, now)
+                    if again and again != tid:
+                        tid = again
+                        state, name, quiet = self._task(tid, now)
+                live_tids.add(tid)
                 last = last_walks.get(tstate)
                 if quiet and last is not None and last[0] == raw:
                     frames = last[1]
