@@ -85,6 +85,15 @@ def _same(c: Cluster, cache: DetailCache, ranks, since, until, limit=0):
     return after - asks, got
 
 
+def _one(offset_s: int, until_s: int, gap: int, settle_s: int, now_s: int) -> tuple[Agent, Cluster, DetailCache]:
+    """One node with rank 0's ops from 1 s to until_s of its clock, every `gap` ns; the collector's now."""
+    a = Agent("n1", 0, offset_s * S)
+    a.add(1 * S, until_s * S, gap)
+    c = Cluster([a])
+    c.now = (offset_s + now_s) * S
+    return a, c, DetailCache(settle_ns=settle_s * S)
+
+
 def test_a_window_asked_again_is_answered_from_what_was_fetched():
     a, b = Agent("n1", 0, 1_700_000_000 * S), Agent("n2", 1, 1_700_000_000 * S - 37 * S, drift_ppm=3.0)
     for ag in (a, b):
@@ -113,11 +122,7 @@ def test_a_window_asked_again_is_answered_from_what_was_fetched():
 
 
 def test_the_newest_seconds_are_asked_again_until_they_settle():
-    a = Agent("n1", 0, 1_000 * S)
-    a.add(1 * S, 60 * S, 5_000_000)
-    c = Cluster([a])
-    cache = DetailCache(settle_ns=10 * S)
-    c.now = 1_000 * S + 50 * S
+    a, c, cache = _one(1_000, 60, 5_000_000, settle_s=10, now_s=50)
     a.records = [m for m in a.records if m <= 48 * S]   # what the agent has now
     _same(c, cache, [0], 1_000 * S + 20 * S, 1_000 * S + 48 * S)
     a.add(45 * S + 1, 45 * S + 2, 1, jitter=False)      # an op of 45 s that reaches the store late (retired, read)
@@ -133,11 +138,7 @@ def test_the_newest_seconds_are_asked_again_until_they_settle():
 
 
 def test_truncated_answers_limits_and_a_rebooted_node_are_not_served_from_the_cache():
-    a = Agent("n1", 0, 5_000 * S)
-    a.add(1 * S, 100 * S, 10_000_000)
-    c = Cluster([a])
-    cache = DetailCache(settle_ns=1 * S)
-    c.now = 5_000 * S + 200 * S
+    a, c, cache = _one(5_000, 100, 10_000_000, settle_s=1, now_s=200)
     a.truncate = True
     c.fetch([0], 5_000 * S + 10 * S, 5_000 * S + 50 * S, cache)
     assert not cache.spans                                       # a truncated answer is not kept
@@ -176,11 +177,7 @@ def test_the_cache_keeps_within_its_bounds():
 def test_two_windows_asked_in_turn_are_both_kept():
     """Two episodes of one job localized at every pass: each pass asks for both windows; after the first pass
     neither is asked of the agent again (one span each), and a window between them joins the three."""
-    a = Agent("n1", 0, 7_000 * S)
-    a.add(1 * S, 300 * S, 10_000_000)
-    c = Cluster([a])
-    cache = DetailCache(settle_ns=5 * S)
-    c.now = 7_000 * S + 400 * S
+    a, c, cache = _one(7_000, 300, 10_000_000, settle_s=5, now_s=400)
     first, second = (7_000 * S + 20 * S, 7_000 * S + 60 * S), (7_000 * S + 120 * S, 7_000 * S + 150 * S)
     assert _same(c, cache, [0], *first)[0] == 1 and _same(c, cache, [0], *second)[0] == 1
     for _ in range(3):
