@@ -27,6 +27,7 @@ class Agent:
         self.records: list[int] = []      # mono_ns of each op; seq = index
         self.asks: list[tuple[int, int]] = []
         self.truncate = False
+        self.delay = 0.0                  # seconds before an answer comes
 
     def add(self, start: int, end: int, gap: int, jitter: bool = True) -> None:
         rnd = random.Random(start)
@@ -47,9 +48,10 @@ class Agent:
             rank=self.rank, comm_id="pg:0", op="all_reduce", seq=i, issue_mono_ns=m, pid=100 + self.rank,
             job_key=JOB)) for i, m in hits])
         note = f"{len(hits)} commops records" + (" (truncated: narrow the time range)" if self.truncate else "")
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(ipb.CommandResult(command_id=cmd.command_id, ok=True, message=note,
-                                         payload=rl.SerializeToString()))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        loop.call_later(self.delay, fut.set_result, ipb.CommandResult(command_id=cmd.command_id, ok=True, message=note,
+                                                                      payload=rl.SerializeToString()))
         return fut
 
 
@@ -188,3 +190,18 @@ def test_two_windows_asked_in_turn_are_both_kept():
     (sp,) = cache.spans[next(iter(cache.spans))]               # the three joined
     assert (sp.lo, sp.hi) == (a.clock.to_agent(first[0]), a.clock.to_agent(second[1]))
     assert _same(c, cache, [0], 7_000 * S + 10 * S, 7_000 * S + 160 * S)[0] == 2   # what lies before and after
+
+
+def test_two_asks_in_flight_at_once_keep_each_record_once():
+    a, c, cache = _one(3_000, 100, 10_000_000, settle_s=1, now_s=200)
+    window = (3_000 * S + 10 * S, 3_000 * S + 50 * S)
+    a.delay = 0.2
+
+    async def both():
+        return await asyncio.gather(*(fetch_commops(c, c, c, JOB, [0], *window, cache=cache) for _ in range(2)))
+
+    first, second = asyncio.run(both())
+    assert len(a.asks) == 2                                      # both planned before either stored
+    items = [m for sps in cache.spans.values() for sp in sps for m, _ in sp.items]
+    assert len(items) == len(set(items)) == len(first.rows) == cache.rows
+    assert _same(c, cache, [0], *window)[0] == 0

@@ -101,7 +101,8 @@ class DetailCache:
         spans = self.spans.setdefault(key, [])
         for a, b in asked:
             b = min(b, settled_mono)
-            if b >= a:
+            # a part that another fetch of the key stored meanwhile (two asks in flight at once) is not kept twice
+            if b >= a and not any(sp.lo <= b and a <= sp.hi for sp in spans):
                 spans.append(_Span(a, b, [it for it in monos if a <= it[0] <= b]))
                 self.rows += len(spans[-1].items)
         if not spans:
