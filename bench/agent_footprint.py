@@ -178,6 +178,8 @@ class Bench:
         ctoml = os.path.join(tmp, "collector.toml")
         with open(ctoml, "w") as fh:  # sentinel mode throughout: no deep dive started by a finding on the job
             fh.write("[deep_dive]\nenabled = false\n")
+            if args.collector_fetch_cache_rows is not None:
+                fh.write(f"[analysis]\nfetch_cache_rows = {args.collector_fetch_cache_rows}\n")
         kids.start([os.path.join(VENV, "steplens-collector"), "serve", "--config", ctoml, "--db",
                     os.path.join(tmp, "c.db"), "--listen", self.collector, "--insecure", "--metrics-listen", ""],
                    stdout=subprocess.DEVNULL,
@@ -290,6 +292,9 @@ def main() -> int:
                     "sees no other process as a workload, so other jobs on the machine do not disturb an idle soak")
     ap.add_argument("--only", default="", help="comma-separated sources for the main agent (default: every one)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--collector-fetch-cache-rows", type=int, default=None,
+                    help="the collector's [analysis] fetch_cache_rows (0: its detectors' fetches are not kept; "
+                         "default: the collector's)")
     ap.add_argument("--cpu-budget-fraction", type=float, default=0.0,
                     help="the agent's sentinel CPU budget ([agent] cpu_budget_fraction, a share of the host's CPUs; "
                          "0: the default, not governed)")

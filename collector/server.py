@@ -183,8 +183,9 @@ class Collector:
             own.address = dial_address(s.listen, self.port)
         self.writer.start()
         await self.server.start()
+        rows = s.analysis.fetch_cache_rows
         self.analysis.fetch = thread_fetcher(asyncio.get_running_loop(), self.ingest, self.control.reader, self.clock,
-                                             cache=DetailCache())
+                                             cache=DetailCache(max_rows=rows) if rows else None)
         self.analysis.start()
         self.deepdives.start()
         if s.metrics_listen:

@@ -91,6 +91,8 @@ class AnalysisSettings:
     flows_segmenter: str = "gap"           # step division of a pair's flows: gap (natural break) | bocd (reference)
     idle_watch_seconds: float = 3600.0     # a job whose data stopped (hung in an op no source reports, stopped)
                                            # is still run through the hang detector, up to now, this long
+    fetch_cache_rows: int = 30_000         # node-local detail the detectors fetched, kept for the next passes
+                                           # (control/fetch.py DetailCache; ~1.7 KB a row); 0: none kept
     # several collectors on one store (analysis/ownership.py): each job's analysis on one of them
     collector_id: str = ""                 # this collector's id among them ('' : the collector sets host:port)
     collector_address: str = ""            # where its peers reach it (the collector sets its listen address)
@@ -117,6 +119,8 @@ class AnalysisSettings:
                               f"{self.heartbeat_seconds} and {self.collector_ttl_seconds}")
         if self.max_jobs_per_cycle < 1 or self.watch_queue_size < 1:
             raise ConfigError("max_jobs_per_cycle and watch_queue_size must be >= 1")
+        if not 0 <= self.fetch_cache_rows <= 10_000_000:
+            raise ConfigError(f"fetch_cache_rows must be within 0..10000000, got {self.fetch_cache_rows}")
 
 
 def build_config(cls: type[DetectorConfig], table: dict, where: str) -> DetectorConfig:
