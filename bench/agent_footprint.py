@@ -175,16 +175,34 @@ class Bench:
         for d in (self.runtime, self.ksock):
             os.makedirs(d, exist_ok=True)
         self.collector = f"127.0.0.1:{free_port()}"
+        self.metrics = f"127.0.0.1:{free_port()}"   # the collector's /metrics: its detectors' fetches
         ctoml = os.path.join(tmp, "collector.toml")
         with open(ctoml, "w") as fh:  # sentinel mode throughout: no deep dive started by a finding on the job
             fh.write("[deep_dive]\nenabled = false\n")
             if args.collector_fetch_cache_rows is not None:
                 fh.write(f"[analysis]\nfetch_cache_rows = {args.collector_fetch_cache_rows}\n")
         kids.start([os.path.join(VENV, "steplens-collector"), "serve", "--config", ctoml, "--db",
-                    os.path.join(tmp, "c.db"), "--listen", self.collector, "--insecure", "--metrics-listen", ""],
+                    os.path.join(tmp, "c.db"), "--listen", self.collector, "--insecure", "--metrics-listen",
+                    self.metrics],
                    stdout=subprocess.DEVNULL,
                    stderr=open(os.path.join(tmp, "collector.log"), "ab"))
         self.n = 0
+
+    def fetches(self) -> dict:
+        """The collector's counters of what its detectors fetched from the agents (asks, rows from the agents,
+        rows it had kept); {} when /metrics cannot be read."""
+        import urllib.request
+        try:
+            text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=10).read().decode()
+        except OSError:
+            return {}
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("steplens_collector_detail_fetch_asks_total "):
+                out["asks"] = int(float(line.split()[-1]))
+            elif line.startswith("steplens_collector_detail_fetch_rows_total{"):
+                out["rows_" + line.split('"')[1]] = int(float(line.split()[-1]))
+        return out
 
     def toml(self, only: tuple[str, ...] | None) -> str:
         path = os.path.join(self.tmp, f"agent{self.n}.toml")
@@ -360,7 +378,10 @@ def main() -> int:
                 dead = [p.returncode for p in procs if p.poll() is not None]
                 if dead:
                     raise RuntimeError(f"job ranks exited early: {dead}; see {tmp}/rank*.err")
+                f0 = b.fetches()
                 job = b.window(agent.agent_pid, args.job_seconds)
+                f1 = b.fetches()
+                fetched = {k: v - f0.get(k, 0) for k, v in f1.items()}
                 job_cpu = sum(cpu_ticks(p.pid) for p in procs if p.poll() is None)
                 src_job = {s: v.get("cpu_cores", 0.0) * 100 for s, v in
                            next((n.get("sources", {}) for n in b.nodes() if n.get("node_id") == node), {}).items()}
@@ -377,6 +398,11 @@ def main() -> int:
                 print("  per thread (% of a core): " + ", ".join(f"{k} {v:.3f}" for k, v in job["per_thread"].items()))
                 print("  per source, governor's last period (% of a core): " +
                       ", ".join(f"{k} {v:.3f}" for k, v in sorted(src_job.items(), key=lambda kv: -kv[1])))
+                print(f"  the collector's detectors fetched from the agent: {fetched.get('asks', '?')} asks, "
+                      f"{fetched.get('rows_agents', '?')} rows from it, {fetched.get('rows_kept', '?')} rows it had "
+                      "kept ([analysis] fetch_cache_rows)")
+                result.update(job_fetch_asks=fetched.get("asks"), job_fetch_rows_from_agents=fetched.get("rows_agents"),
+                              job_fetch_rows_kept=fetched.get("rows_kept"))
                 result.update(job_ranks=args.ranks, job_cpu_percent=round(job["cpu_percent"], 3),
                               job_rss_mb=round(statistics.median(vmj), 1), job_per_thread_percent=job["per_thread"],
                               job_per_source_percent={k: round(v, 3) for k, v in src_job.items()})

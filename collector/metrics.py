@@ -86,6 +86,16 @@ class CollectorExporter:
                                       "collector that owns them.", value=e.jobs_elsewhere)
             yield CounterMetricFamily("steplens_collector_heartbeat_errors", "Heartbeats or live-set reads that "
                                       "failed.", value=own.errors)
+        fs = getattr(e.fetch, "stats", None)
+        if fs is not None:   # node-local detail the detectors fetched (control/fetch.py thread_fetcher)
+            yield CounterMetricFamily("steplens_collector_detail_fetch_asks", "FetchDetail asks the detectors' "
+                                      "fetches sent to agents.", value=fs["asks"])
+            rows = CounterMetricFamily("steplens_collector_detail_fetch_rows", "Rows the detectors' fetches got, "
+                                       "from the agents or from what the collector kept ([analysis] "
+                                       "fetch_cache_rows).", labels=["source"])
+            rows.add_metric(["agents"], fs["rows_agents"])
+            rows.add_metric(["kept"], fs["rows_kept"])
+            yield rows
         yield GaugeMetricFamily("steplens_collector_analysis_jobs_waiting", "Jobs with new data left for the next "
                                 "pass (max_jobs_per_cycle reached).", value=e.jobs_waiting)
         yield CounterMetricFamily("steplens_collector_analysis_store_failures", "Findings merges not committed.",

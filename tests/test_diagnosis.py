@@ -204,6 +204,9 @@ def test_findings_lifecycle_through_the_collector(setup):
         assert m["steplens_collector_analysis_seconds_count{}"] >= 3
         assert m["steplens_collector_analysis_lag_seconds_count{}"] >= 2
         assert m['steplens_collector_finding_changes_total{"action": "opened"}'] == 1
+        # the detectors' fetches of node-local detail (none here: the outlier detector reads the store only)
+        assert m["steplens_collector_detail_fetch_asks_total{}"] == 0
+        assert m['steplens_collector_detail_fetch_rows_total{"source": "agents"}'] == 0
         # ingest and per-agent figures (what deploy/prometheus's agent alerts read)
         assert m["steplens_collector_ingest_batches_total{}"] >= 4
         assert m["steplens_collector_ingest_records_total{}"] > 0

@@ -71,8 +71,8 @@ class Cluster:
     def now_ns(self) -> int:
         return self.now
 
-    def fetch(self, ranks, since, until, cache, limit=0):
-        got = asyncio.run(fetch_commops(self, self, self, JOB, ranks, since, until, limit, cache=cache))
+    def fetch(self, ranks, since, until, cache, limit=0, stats=None):
+        got = asyncio.run(fetch_commops(self, self, self, JOB, ranks, since, until, limit, cache=cache, stats=stats))
         return [(r["node_id"], r["seq"]) for r in got.rows], got
 
 
@@ -121,6 +121,10 @@ def test_a_window_asked_again_is_answered_from_what_was_fetched():
     a.asks.clear(), b.asks.clear()
     asks, _ = _same(c, cache, [0, 1], base + 10 * S, base + 40 * S)
     assert asks == 2 and a.asks[0][1] == a.clock.to_agent(base + 20 * S) - 1
+    stats = {"asks": 0, "rows_agents": 0, "rows_kept": 0}   # what the collector's /metrics counts
+    rows, _ = c.fetch([0, 1], base + 25 * S, base + 100 * S, cache, stats=stats)
+    assert stats["asks"] == 2 and stats["rows_agents"] + stats["rows_kept"] == len(rows)
+    assert 0 < stats["rows_agents"] < stats["rows_kept"]
 
 
 def test_the_newest_seconds_are_asked_again_until_they_settle():

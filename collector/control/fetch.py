@@ -140,7 +140,7 @@ class DetailCache:
 
 async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], since_ns: int, until_ns: int,
                         limit: int = 0, kinds: list[str] | None = None, answer_timeout_s: float = 30.0,
-                        cache: DetailCache | None = None) -> Fetched:
+                        cache: DetailCache | None = None, stats: dict | None = None) -> Fetched:
     from steplens.collector.ingest.decode import BatchRejected, detail_json
     from steplens.v1 import ingest_pb2 as ipb
     if not job_key:
@@ -216,6 +216,10 @@ async def fetch_commops(ingest, reader, clock, job_key: str, ranks: list[int], s
         out.messages[node] = "; ".join(notes + ([f"{len(kept)} records kept from earlier asks"] if kept else []))
         if key is not None and not any("truncated" in n for n in notes):
             cache.store(key, parts, got, nclock.to_agent, nclock.to_agent(clock.now_ns() - cache.settle_ns))
+        if stats is not None:   # the analysis engine's fetches, on the collector's /metrics
+            stats["asks"] += len(parts)
+            stats["rows_agents"] += len(got)
+            stats["rows_kept"] += len(kept)
         out.rows.extend(kept)
         out.rows.extend(got)
     out.rows.sort(key=lambda r: (r.get("start_ns") or r.get("issue_ns") or r["ts_ns"], r.get("rank", -1)))
@@ -251,13 +255,17 @@ def thread_fetcher(loop, ingest, reader, clock, timeout_s: float = 60.0, cache: 
     """A blocking fetch(job_key, ranks, since_ns, until_ns, limit, kinds) -> rows for the analysis thread, run on
     the collector's event loop (where the agents' streams live); kinds: ["commops"] (default) or ["kernels"].
     With a cache (DetailCache), what was fetched before is not asked again. The rows are the caller's to keep
-    but not to change (kept rows are shared between answers)."""
+    but not to change (kept rows are shared between answers). fetch.stats counts the asks sent to agents and the
+    rows that came from them and from the cache."""
+    stats = {"asks": 0, "rows_agents": 0, "rows_kept": 0}
+
     def fetch(job_key: str, ranks: list[int], since_ns: int, until_ns: int, limit: int = 0,
               kinds: list[str] | None = None) -> list[dict]:
         fut = asyncio.run_coroutine_threadsafe(
-            fetch_commops(ingest, reader, clock, job_key, ranks, since_ns, until_ns, limit, kinds, cache=cache), loop)
+            fetch_commops(ingest, reader, clock, job_key, ranks, since_ns, until_ns, limit, kinds, cache=cache,
+                          stats=stats), loop)
         return fut.result(timeout_s).rows
-    fetch.cache = cache
+    fetch.cache, fetch.stats = cache, stats
     return fetch
 
 
