@@ -65,7 +65,7 @@ ebpf-setup:
 	if [ ! -d /sys/kernel/tracing/events ]; then mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || \
 	  echo "warning: cannot mount tracefs: eBPF sources will be unavailable"; fi
 
-$(STAMP): pyproject.toml agent/pyframes/_walker.c | $(SYSTEM_STAMP)
+$(STAMP): pyproject.toml agent/pyframes/_walker.c agent/sources/_frread.c | $(SYSTEM_STAMP)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

@@ -206,14 +206,15 @@ class Bench:
 
     def toml(self, only: tuple[str, ...] | None) -> str:
         path = os.path.join(self.tmp, f"agent{self.n}.toml")
-        lines = [f'[sources.flightrec]\nsocket_dirs = ["{self.runtime}"]',
+        fr = "".join(f"{kv}\n" for kv in self.args.flightrec)
+        lines = [f'[sources.flightrec]\n{fr}socket_dirs = ["{self.runtime}"]',
                  f'[sources.kineto]\nsocket_dir = "{self.ksock}"']
         if only is not None:
             lines = []
             for s in SOURCES:
                 extra = ""
                 if s == "flightrec":
-                    extra = f'socket_dirs = ["{self.runtime}"]\n'
+                    extra = f'{fr}socket_dirs = ["{self.runtime}"]\n'
                 if s == "kineto":
                     extra = f'socket_dir = "{self.ksock}"\n'
                 lines.append(f"[sources.{s}]\n{extra}enabled = {'true' if s in only else 'false'}")
@@ -308,6 +309,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="20 s windows, 10 s settle, 4 ranks, no per-source RSS")
     ap.add_argument("--pidns", action="store_true", help="run the agent in a PID namespace of its own (unshare): it "
                     "sees no other process as a workload, so other jobs on the machine do not disturb an idle soak")
+    ap.add_argument("--flightrec", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [sources.flightrec] setting of the agents, TOML (e.g. 'read=\"socket\"')")
     ap.add_argument("--only", default="", help="comma-separated sources for the main agent (default: every one)")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--collector-fetch-cache-rows", type=int, default=None,

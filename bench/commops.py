@@ -255,11 +255,12 @@ def _deep_switches(cdb: str) -> int:
         db.close()
 
 
-def _ring_reads(cdb: str) -> dict[str, int]:
-    """The agent's Flight Recorder ring reads so far by reason (Metric flightrec_ring_reads_total)."""
+def _ring_reads(cdb: str, name: str = "flightrec_ring_reads_total") -> dict[str, int]:
+    """The agent's Flight Recorder ring reads so far by reason (Metric flightrec_ring_reads_total), or by way
+    (flightrec_ring_reads_by_way_total: "memory", read from the job's memory, or "socket", the job's JSON)."""
     db = sqlite3.connect(cdb, timeout=10)
     try:
-        rows = db.execute("SELECT entity, last_value FROM series WHERE name = 'flightrec_ring_reads_total'").fetchall()
+        rows = db.execute("SELECT entity, last_value FROM series WHERE name = ?", (name,)).fetchall()
     finally:
         db.close()
     return {e.split(":", 1)[-1]: int(v or 0) for e, v in rows}
@@ -466,6 +467,7 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
     slots: list[tuple[str, int, int]] = []
     cpu = {"agent": 0.0, "running_s": 0.0, "server": 0.0, "wall_s": 0.0, "collector": 0.0}
     wraps0, deep0, reads0 = _wrap_events(cdb), _deep_switches(cdb), _ring_reads(cdb)
+    ways0 = _ring_reads(cdb, "flightrec_ring_reads_by_way_total")
 
     def toggle(stop: threading.Event, procs) -> None:
         k = 0
@@ -502,6 +504,8 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
     wraps = [a - b for a, b in zip(_wrap_events(cdb), wraps0)]
     deep = _deep_switches(cdb) - deep0
     reads = {k: v - reads0.get(k, 0) for k, v in _ring_reads(cdb).items() if v - reads0.get(k, 0)}
+    ways = {k: v - ways0.get(k, 0) for k, v in _ring_reads(cdb, "flightrec_ring_reads_by_way_total").items()
+            if v - ways0.get(k, 0)}
     fig = toggle_figures(times, slots)
     (mean, se, n), (med, med_se, _) = fig["mean"], fig["median"]
     out = {"sentinel_toggle_slowdown_percent": round(mean, 3), "sentinel_toggle_se_percent": round(se, 3),
@@ -513,7 +517,8 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
            "job_fr_server_cpu_ms_per_s": round(cpu["server"] / max(cpu["wall_s"], 1e-9), 2),
            "collector_cpu_ms_per_s": round(cpu["collector"] / max(cpu["wall_s"], 1e-9), 2),
            "ops_stored": stored, "ops_lost": lost, "ring_wraps": wraps[0], "ops_lost_reported": wraps[1],
-           "deep_mode_switches": deep, "ring_reads_by_reason": reads, "collector_stopped": args.collector_stopped}
+           "deep_mode_switches": deep, "ring_reads_by_reason": reads, "ring_reads_by_way": ways,
+           "collector_stopped": args.collector_stopped}
     print(f"sentinel job, agent running vs paused: {mean:+.3f} % +- {se:.3f} % (mean step time, s.e. over {n} ABBA "
           f"quartets of {args.segment_seconds:g} s slots; median-based {med:+.3f} % +- {med_se:.3f}); steps "
           f"{fig['step_ms'][0]:.2f} vs {fig['step_ms'][1]:.2f} ms")
@@ -521,7 +526,7 @@ def _toggle(args, agent, script: str, env_extra: dict, tmp: str, kids: Children,
           f"{out['job_fr_server_cpu_ms_per_s']} ms/s (both ranks), collector {out['collector_cpu_ms_per_s']} ms/s; "
           f"comm ops stored {stored:,}, lost {lost} "
           f"(ring wraps reported: {wraps[0]}, {wraps[1]} entries); deep-mode switches during the job: {deep}; "
-          f"ring reads by reason: {reads}",
+          f"ring reads by reason: {reads}, by way: {ways}",
           flush=True)
     return out
 

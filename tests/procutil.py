@@ -98,3 +98,20 @@ def capture_commlog(src) -> tuple[list, list]:
         return real_add(o, k, steps, final, checked)
     src.log.add = add
     return ops, kernels
+
+
+@functools.lru_cache(maxsize=1)
+def child_memory_readable() -> bool:
+    """Whether this process may read a child's memory through /proc/PID/mem (root, or Yama's ptrace_scope <= 1):
+    what the flightrec source's memory reads (agent/sources/frmemory.py) and the frame sampler need."""
+    import sys
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        fd = os.open(f"/proc/{child.pid}/mem", os.O_RDONLY)
+        os.close(fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        child.kill()
+        child.wait()

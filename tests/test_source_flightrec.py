@@ -8,6 +8,7 @@ as the procs source would. torch runs only in the child processes.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -19,9 +20,9 @@ import time
 import pytest
 
 from conftest import REPO, free_port, wait_for
-from procutil import start_ticks
+from procutil import child_memory_readable, start_ticks
 from steplens.agent.bootstrap import site_dir
-from steplens.agent.records import CommOp, Event, Metric, ProcessInfo
+from steplens.agent.records import CommOp, CommProgress, Event, Metric, ProcessInfo
 from steplens.agent.sources.base import HostContext
 from steplens.agent.sources.flightrec import (FlightrecConfig, FlightrecError, FlightrecSource, http_post_unix,
                                               parse_dump)
@@ -136,9 +137,9 @@ def _collect(src, steps=1) -> tuple[list[CommOp], list]:
 
 def _records(out) -> list:
     """What a step returned, less the python_gc_* Metrics every step carries for each bootstrapped process and the
-    source's own flightrec_ring_reads_total."""
+    source's own flightrec_ring_reads_total and flightrec_ring_reads_by_way_total."""
     return [r for r in out if not (isinstance(r, Metric) and (r.name.startswith("python_gc_")
-                                                              or r.name == "flightrec_ring_reads_total"))]
+                                                              or r.name.startswith("flightrec_ring_reads_")))]
 
 
 def _by(ops, pid=None):
@@ -149,12 +150,29 @@ def _by(ops, pid=None):
     return groups
 
 
+def _same_ops(a: list[CommOp], b: list[CommOp]) -> None:
+    """The ops read from the processes' memory are the ops of their socket's JSON: every field, the issue time
+    within the two sources' clock offsets (each RealtimeClock measured its own)."""
+    key = lambda o: (o.pid, o.comm_id, o.seq, o.p2p_seq, o.op)
+    a, b = sorted(a, key=key), sorted(b, key=key)
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert abs(x.issue_mono_ns - y.issue_mono_ns) < 5_000_000
+        assert dataclasses.replace(x, issue_mono_ns=0, mono_ns=0) == dataclasses.replace(y, issue_mono_ns=0,
+                                                                                         mono_ns=0)
+
+
 def test_gloo_job_ops_seq_counts_dedup_wrap_and_exit(tmp_path, job):
+    """Read from the ranks' memory (the default) and, side by side, through their sockets: the same ops."""
     procs = job["procs"]
     src = _source(tmp_path, job)
+    sock = _source(tmp_path / "sock", job, read="socket")
     try:
         ops, out = _collect(src)
-        assert not [e for e in out if isinstance(e, Event)], out
+        _same_ops(ops, _collect(sock)[0])
+        way = "memory" if child_memory_readable() else "socket"   # else read through the socket, said once
+        assert src.reads_by_way == {way: 2} and sock.reads_by_way == {"socket": 2}
+        assert not [e for e in out if isinstance(e, Event) and e.kind != "flightrec_read_from_socket"], out
         assert {o.pid for o in ops} == {p.pid for p in procs}
         for p in procs:
             g = _by(ops, p.pid)
@@ -183,33 +201,42 @@ def test_gloo_job_ops_seq_counts_dedup_wrap_and_exit(tmp_path, job):
         assert gc_time == {f"pid:{p.pid}:{start_ticks(p.pid)}" for p in procs}
 
         # a second poll with nothing new adds nothing (dedup by record id across polls)
+        # (a CommProgress may come: torch's gloo threads store a group's last completed seq after the caller went
+        # on, and a read from memory can come first)
         again, out = _collect(src)
-        assert again == [] and not _records(out)
+        assert again == [] and not [r for r in _records(out) if not isinstance(r, CommProgress)]
+        assert _collect(sock)[0] == []
 
         # phase 2: only the new all_reduces, seq continuing
         (job["sync"] / "go2").touch()
         wait_for(lambda: all((job["sync"] / f"phase2.{r}").exists() for r in range(2)), 60, what="phase 2")
         new, out = _collect(src)
+        _same_ops(new, _collect(sock)[0])
         assert not [e for e in out if isinstance(e, Event)]
         for p in procs:
             g = _by(new, p.pid)
             assert set(g) == {(p.pid, "pg:0", "all_reduce")} and len(g[(p.pid, "pg:0", "all_reduce")]) == N_ALLREDUCE_2
-        # torch's own answer is laid out as parse_dump expects: the entries of phase 1 were not parsed again
+        # the entries of phase 1 were not read again (memory), not parsed again (torch's own answer is laid out
+        # as parse_dump expects)
         assert src.entries_left_out >= 2 * (N_ALLREDUCE + N_BCAST) - 2, src.entries_left_out
+        assert sock.entries_left_out >= 2 * (N_ALLREDUCE + N_BCAST) - 2, sock.entries_left_out
         first = {p.pid: max(o.seq for o in ops if o.pid == p.pid and o.comm_id == "pg:0") for p in procs}
         assert all(min(o.seq for o in new if o.pid == pid) == first[pid] + 1 for pid in first)
 
         # phase 3: more broadcasts than the ring holds between two polls: the loss is counted and reported
         (job["sync"] / "go3").touch()
         wait_for(lambda: all((job["sync"] / f"phase3.{r}").exists() for r in range(2)), 60, what="phase 3")
-        wrapped, out = _collect(src)
-        events = [e for e in out if isinstance(e, Event)]
-        assert {e.kind for e in events} == {"flightrec_ring_wrapped"} and len(events) == 2
-        for p in procs:
-            got = len([o for o in wrapped if o.pid == p.pid])
-            lost = [e.value for e in events if e.entity.startswith(f"pid:{p.pid}:")][0]
-            assert got == FR_BUFFER and got + lost == N_WRAP
-        assert src.lost_entries == 2 * (N_WRAP - FR_BUFFER)
+        # (from memory the ring's oldest entry is counted lost too: at the time of the read a record in progress
+        # may be writing over its slot, frmemory's docstring)
+        for reader, held in ((src, FR_BUFFER - (way == "memory")), (sock, FR_BUFFER)):
+            wrapped, out = _collect(reader)
+            events = [e for e in out if isinstance(e, Event)]
+            assert {e.kind for e in events} == {"flightrec_ring_wrapped"} and len(events) == 2
+            for p in procs:
+                got = len([o for o in wrapped if o.pid == p.pid])
+                lost = [e.value for e in events if e.entity.startswith(f"pid:{p.pid}:")][0]
+                assert got == held and got + lost == N_WRAP
+            assert reader.lost_entries == 2 * (N_WRAP - held)
 
         # a rank killed (no atexit: its socket file stays): reported once as exited, the other rank goes on
         victim = procs[1]
@@ -224,6 +251,7 @@ def test_gloo_job_ops_seq_counts_dedup_wrap_and_exit(tmp_path, job):
         assert not [e for e in out if isinstance(e, Event)]
         assert list(src.targets) == [k for k in src.targets if k[0] == procs[0].pid] and src.targets
     finally:
+        sock.stop()
         src.stop()
         src.stop()  # idempotent
 

@@ -58,7 +58,7 @@ def test_every_allreduce_of_a_short_job_arrives_once(tmp_path):
     procs, run, go = _start_job(tmp_path, N_STEPS, "short-job")
     ctx = HostContext(node_id="t", state_dir=str(tmp_path))
     finder = ProcsSource(ctx, ProcsConfig())
-    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)]))
+    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)], without_bootstrap=False))  # this job only
     finder.start()
     src.start()
     captured, _ = capture_commlog(src)

@@ -112,7 +112,7 @@ def test_steps_of_a_real_gloo_job_match_its_own_boundaries(tmp_path):
                                       stderr=open(tmp_path / f"rank{rank}.err", "wb")))
     ctx = HostContext(node_id="t", state_dir=str(tmp_path))
     finder = ProcsSource(ctx, ProcsConfig())
-    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)]))
+    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)], without_bootstrap=False))  # this job only
     finder.start()
     src.start()
     seg = src.log.segmenter
@@ -205,7 +205,7 @@ def test_steps_of_the_testbed_job_dp2_pp2_on_loopback(tmp_path):
                                       stderr=open(tmp_path / f"rank{rank}.err", "wb")))
     ctx = HostContext(node_id="t", state_dir=str(tmp_path))
     finder = ProcsSource(ctx, ProcsConfig())
-    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)]))
+    src = FlightrecSource(ctx, FlightrecConfig(socket_dirs=[str(run)], without_bootstrap=False))  # this job only
     finder.start()
     src.start()
     seg = src.log.segmenter

@@ -2,12 +2,20 @@
 stands on each of its process groups, as CommProgress (hang detection), and the time each spent in Python's
 garbage collector (python_gc_* Metrics, see GC time below).
 
-Reads: the per-process Unix sockets `<pid>.sock` that the steplens bootstrap (agent/bootstrap/site, loaded
-with PYTHONPATH + STEPLENS_BOOTSTRAP=1) opens with torch's `_WorkerServer`, in `socket_dirs`; only pids the
-procs source reports as workloads are polled. Each step sends `POST /handler/fr_trace_json` (HTTP/1.1 over
-the socket; torch 2.13 answers 200 with one JSON document: version, entries, pg_config, pg_status,
-nccl_comm_state) and, where the process has that handler, `dump_nccl_trace_json` (NCCL builds; unverified
-here, no GPU). Verified layout versions: `accepted_versions` (torch 2.13 writes "2.10"); a dump of another
+Reads: the processes whose `<pid>.sock` the steplens bootstrap (agent/bootstrap/site, loaded with PYTHONPATH +
+STEPLENS_BOOTSTRAP=1, torch's `_WorkerServer`) put in `socket_dirs`; only pids the procs source reports as
+workloads are polled. With `read = "memory"` (the default) each ring is read from the process's memory
+(agent/sources/frmemory.py: the recorder found by its symbol in libtorch_cpu.so, its layout from frlayouts/, only
+the entries from the poll's cursor on, nothing asked of the job), which gives the same entries as the socket's
+JSON (tests/test_frmemory.py, tests/test_source_flightrec.py side by side); where that cannot be done (a torch
+without a layout here, a stripped library, a recorder failing frmemory's checks) the process is read through its
+socket as below and the reason reported once (flightrec_read_from_socket). A read that fails on a live process
+(an address unmapped as it was read) is tried once more, then made through the socket that time
+(flightrec_memory_read_failed). Reads by way go out as Metric flightrec_ring_reads_by_way_total (entity
+<node>:memory|socket) beside the reads by reason. Through the socket, a read sends `POST /handler/fr_trace_json`
+(HTTP/1.1 over the socket; torch 2.13 answers 200 with one JSON document: version, entries, pg_config,
+pg_status, nccl_comm_state) and, where the process has that handler, `dump_nccl_trace_json` (NCCL builds;
+unverified here, no GPU). Verified layout versions: `accepted_versions` (torch 2.13 writes "2.10"); a dump of another
 version is reported once as an Event and skipped, so an upgrade never produces wrong records silently.
 
 Entries -> CommOp: collective_seq_id is the seq (it agrees across the ranks of a group), process_group
@@ -63,9 +71,10 @@ truncated or non-JSON answer. The agent keeps running. An entry with a field of 
 and counted (Event flightrec_entries_malformed); one whose time does not convert to this boot's monotonic
 clock is dropped by CommLog.add (Event flightrec_records_dropped, with the reason).
 
-Schedule: a dump always holds the whole ring (torch has no "entries since" request), so reading it costs in
-proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server thread to build the
-JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse it, then ~5 us
+Schedule: through the socket a dump always holds the whole ring (torch has no "entries since" request), so
+reading it costs in proportion to the ring, not to what is new: per entry ~7 us of CPU in the job's worker-server
+thread to build the JSON (it holds the recorder's mutex only while copying, never the GIL) and ~6 us here to parse
+it (from memory: nothing in the job, ~1-2 us here per new entry, agent/sources/_frread.c), then ~5 us
 per new op to convert, store and summarize it (bench/flightrec_ops.py, 2-core VM, python 3.11, 2026-12-07: convert
 1.6, CommLog 3.2 with the detail store keeping ops unencoded and unchecked, the agent's GC settings; ~30-40 once).
 Every new op must be read once; the rest is waste, and only the entries from the poll's cursor on are parsed
@@ -99,15 +108,15 @@ testbed's gc_storm fault named `compute` or `cpu-contention` in 5 of 6 runs), an
 reason go out as Metric flightrec_ring_reads_total (entity <node>:<reason>, when it moved).
 Cost: the source's thread runs at `nice` 19 (set on its own thread only), so parsing the dumps takes CPU the job
 leaves idle before taking it from the job (the bootstrap can nice the job's worker server too,
-STEPLENS_FR_SERVER_NICE, off by default: see there). bench/commops.py (2-core VM shared with other work; bench/README.md has the
-table): the agent's CPU per running second fell from 63 to 41 ms and the job's worker-server CPU from 22.6 to
-8.2 ms/s, with no op lost; the toggled step-time cost did not fall with it (+8.8 % +- 2.8 before, +8.3 % +- 2.5
-after, the collector on the same VM unniced), far from the 0.1 % goal: what remains is per op (convert, encode,
-store, summarize: every op must be handled once) and the collector's handling of what the agent streams. With the
-schedule the default, orjson and the segmenter's bisection (bench/README.md, "Then"): agent 30-41 ms per running
-second, toggle +2.8 % to +7.7 % in three runs.
-Progress adds one pass over the parsed entries per dump and, in a busy job (nearly always some op in flight), one
-~80-byte record per group per poll: with 3 groups, 8 processes and 5 s polling, ~5 records/s per node.
+STEPLENS_FR_SERVER_NICE, off by default: see there). bench/commops.py (2-core VM shared with other work;
+bench/README.md has the table): the agent's CPU per running second fell from 63 to 41 ms and the job's worker-server
+CPU from 22.6 to 8.2 ms/s, with no op lost; the toggled step-time cost did not fall with it (+8.8 % +- 2.8 before,
++8.3 % +- 2.5 after, the collector on the same VM unniced), far from the 0.1 % goal: what remains is per op
+(convert, encode, store, summarize: every op must be handled once) and the collector's handling of what the agent
+streams. With the schedule the default, orjson and the segmenter's bisection (bench/README.md, "Then"): agent 30-41
+ms per running second, toggle +2.8 % to +7.7 % in three runs. Progress adds one pass over the parsed entries per
+dump and, in a busy job (nearly always some op in flight), one ~80-byte record per group per poll: with 3 groups, 8
+processes and 5 s polling, ~5 records/s per node.
 
 GC time (the collector's `gc` cause): the bootstrap times every garbage collection of the process into a
 128-byte file <pid>.gc in the same directory (layout, writer and torn-copy rule in steplens_bootstrap; written in
@@ -124,6 +133,7 @@ per step (read_gc_file: ~2 us on the 2-core VM), and three Metrics.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -140,6 +150,9 @@ from steplens.agent.commlog import (FUTURE_SLACK_NS, INT64_MAX, CommLog, Realtim
 from steplens.agent import fastjson
 from steplens.agent.bootstrap import DEFAULT_FR_BUFFER_SIZE
 from steplens.agent.records import CommOp, CommProgress, Event, Metric, Mode, ProcessInfo
+from steplens.agent.pyframes.memory import ProcessChanged, ProcessGone, PyFramesError
+from steplens.agent.sources import frmemory
+from steplens.agent.sources.frmemory import FrMemoryUnavailable, RecorderMemory
 from steplens.agent.sources.base import (Availability, ConfigError, Source, SourceConfig, glob_dirs,
                                          runtime_files)
 from steplens.agent.transport.codec import record_problem
@@ -177,6 +190,12 @@ class FlightrecConfig(SourceConfig):
     max_response_bytes: int = 64 * 1024 * 1024    # a larger answer is refused
     detail_max_records: int = 2_000_000           # node-local CommOp ring (detail.db)
     progress_every_seconds: float = 30.0          # CommProgress per group at least this often (see Progress)
+    # "memory": each ring read from the process's memory (frmemory: costs the job nothing) where its torch has a
+    # layout here and the checks pass, else through its socket; "socket": always through the socket
+    read: str = "memory"
+    # with read = "memory": also the workload processes launched without the bootstrap (no socket), from their
+    # memory alone: no anchors, GC times or exit dump for them (the ops after the last read before exit are missed)
+    without_bootstrap: bool = True
 
     def validate(self) -> None:
         super().validate()
@@ -198,6 +217,8 @@ class FlightrecConfig(SourceConfig):
             raise ConfigError("stalled_interval_seconds and gc_interval_seconds must be >= 0")
         if not (0 <= self.nice <= 19):
             raise ConfigError("nice must be within 0..19")
+        if self.read not in ("memory", "socket"):
+            raise ConfigError(f"read must be \"memory\" or \"socket\", not {self.read!r}")
 
 
 class FlightrecError(Exception):
@@ -742,7 +763,7 @@ def _exit_dump_key(name: str) -> tuple[int, int] | None:
 
 class _Target:
     __slots__ = ("key", "path", "cursors", "missing", "info", "ring", "reads", "read_at", "read_mono_ns", "rate",
-                 "stalled",
+                 "stalled", "memory", "memory_why",
                  "high_at_read", "anchors_at_read", "anchor_count", "anchor_moved_at", "anchor_rate",
                  "ops_per_anchor", "pending")
 
@@ -750,6 +771,8 @@ class _Target:
         self.key, self.path, self.info = key, path, info
         self.cursors = {ep: _Cursor() for ep in ENDPOINTS + (ANCHORS,)}  # anchors: .high = last number read
         self.missing: set[str] = set()  # endpoints this process does not serve
+        self.memory: dict = {}          # endpoint -> its RecorderMemory; None: not readable so (memory_why)
+        self.memory_why: dict = {}      # endpoint -> the FrMemoryUnavailable that says why
         # the read schedule (module docstring, Schedule); times in seconds of time.monotonic()
         self.ring = ring                # Flight Recorder entries the process keeps (its TORCH_FR_BUFFER_SIZE)
         self.reads = 0
@@ -766,16 +789,29 @@ class _Target:
         self.ops_per_anchor = -1.0      # entries per anchor between the last two reads; -1: not known
 
 
+def _closed(tgt: _Target) -> _Target:
+    """`tgt` with its memory readers closed (their /proc/PID/mem descriptors), to be opened again if it returns."""
+    for reader in tgt.memory.values():
+        if reader is not None:
+            reader.close()
+    tgt.memory, tgt.memory_why = {}, {}
+    return tgt
+
+
 class FlightrecSource(Source):
     governed = False   # its buffer or ring must be read at its interval (agent/governor.py)
     name = "flightrec"
-    description = ("torch.distributed Flight Recorder entries (seq, pg, sizes) via the bootstrap's worker-server "
-                   "socket, and Python GC time from the bootstrap's <pid>.gc")
+    description = ("torch.distributed Flight Recorder entries (seq, pg, sizes) read from the workloads' memory, or "
+                   "through the bootstrap's worker-server socket, and Python GC time from the bootstrap's <pid>.gc")
     config_class = FlightrecConfig
 
     @classmethod
     def probe(cls, ctx) -> Availability:
-        return Availability.yes("polls processes launched with the steplens bootstrap (steplens-agent env)")
+        layouts = sorted(os.path.basename(p)[6:-5] for p in glob.glob(os.path.join(frmemory.LAYOUT_DIR,
+                                                                                    "torch-*.json")))
+        return Availability.yes(f"reads the workloads' rings from their memory (torch {', '.join(layouts) or 'none'}"
+                                f"; C decoder {'built' if frmemory._native() else 'not built'}), else through the "
+                                "sockets of processes launched with the steplens bootstrap (steplens-agent env)")
 
     def start(self) -> None:
         self.log = CommLog(self.ctx.state_dir, self.name, self.config.detail_max_records,
@@ -797,6 +833,9 @@ class FlightrecSource(Source):
         self.progress_total = 0
         self.gc_bad: dict[tuple[int, int], int] = {}  # a <pid>.gc reported bad: its inode, not read again
         self.reads: Counter = Counter()     # ring reads by why they were due (Schedule)
+        self.reads_by_way: Counter = Counter()   # ... by how: "memory" (frmemory) or "socket" (the job's JSON)
+        self.memory_read_errors = 0
+        self.no_recorder: dict[tuple[int, int], float] = {}   # workloads without a recorder yet: next wait (s)
         self._refresh = False               # refresh(): read every ring at the next step
         self._reads_sent: dict[str, int] = {}
         self.checks = 0
@@ -860,9 +899,15 @@ class FlightrecSource(Source):
             return "max_interval"
         if tgt.stalled and since >= cfg.stalled_interval_seconds:
             return "stalled"
-        if tgt.rate < 0:
+        recorded = self._recorded(tgt)
+        if recorded >= 0:   # read from memory: how many are new is known, not estimated from a rate
+            if recorded - (tgt.high_at_read + 1) >= cfg.ring_fill * tgt.ring:
+                return "ring_fill"
+            expect = 0.0
+        elif tgt.rate < 0:
             return "rate_unknown"
-        expect = tgt.rate * since
+        else:
+            expect = tgt.rate * since
         count = self._anchor_count(tgt)
         if count >= 0:
             if count != tgt.anchor_count:
@@ -878,6 +923,19 @@ class FlightrecSource(Source):
         if expect >= cfg.ring_fill * tgt.ring:
             return "ring_fill"
         return ""
+
+    def _recorded(self, tgt: _Target) -> int:
+        """Entries the process has recorded so far (its recorder's next record id, one 8-byte read of its memory),
+        where its ring is read from memory; -1 otherwise. A job that starts recording after the first reads, or
+        changes its rate, is then read when its ring is about ring_fill new, not when an old rate says (a rate of 0
+        measured before its first collective left a ring unread until max_interval_seconds: it wrapped)."""
+        reader = tgt.memory.get(ENDPOINTS[0])
+        if reader is None:
+            return -1
+        try:
+            return reader.recorded()
+        except (PyFramesError, FrMemoryUnavailable):
+            return -1
 
     def _read_done(self, tgt: _Target, at: float) -> None:
         """After a read: the op rate, the anchors per op and whether the process looks stalled (Schedule)."""
@@ -937,14 +995,23 @@ class FlightrecSource(Source):
         for key, info in workloads.items():
             self.known[key] = (info, now)
         for key in [k for k in self.targets if k not in workloads]:
-            self.gone[key] = (self.targets.pop(key), now)
+            self.gone[key] = (_closed(self.targets.pop(key)), now)
         self.reported = {r for r in self.reported if r[0] in workloads}
+        self.no_recorder = {k: v for k, v in self.no_recorder.items() if k in workloads}
+        bare = self.config.read == "memory" and self.config.without_bootstrap
+        for key, tgt in self.targets.items():   # a socket that appeared after the process was first read
+            if not tgt.path and key[0] in sockets:
+                tgt.path = sockets[key[0]]
+                tgt.missing.discard(ANCHORS)
         for key, info in workloads.items():
-            if key in self.targets or key[0] not in sockets or len(self.targets) >= self.config.max_processes:
+            if key in self.targets or (key[0] not in sockets and not bare) or \
+                    len(self.targets) >= self.config.max_processes:
                 continue
             if now - self.failed.get(key, -1e18) < self.config.retry_seconds or key in self.finished:
                 continue
-            self.targets[key] = _Target(key, sockets[key[0]], info, self._ring_size(key[0]))
+            self.targets[key] = _Target(key, sockets.get(key[0], ""), info, self._ring_size(key[0]))
+            if not self.targets[key].path:   # launched without the bootstrap: its memory only, no anchors
+                self.targets[key].missing.add(ANCHORS)
             if key in self.gone:  # polled before: keep its cursors, or a retry would emit the ring again
                 self.targets[key].cursors = self.gone.pop(key)[0].cursors
         ops: list[CommOp] = []
@@ -962,9 +1029,17 @@ class FlightrecSource(Source):
                 self._read_done(tgt, at)
                 tgt.read_mono_ns = at_ns
             except FlightrecError as exc:
-                self.gone[key] = (self.targets.pop(key), now)
-                if os.path.exists(os.path.join(os.path.dirname(tgt.path), f"{key[0]}-{key[1]}{EXIT_SUFFIX}")):
+                self.gone[key] = (_closed(self.targets.pop(key)), now)
+                if tgt.path and os.path.exists(os.path.join(os.path.dirname(tgt.path),
+                                                            f"{key[0]}-{key[1]}{EXIT_SUFFIX}")):
                     continue  # a normal exit: its exit dump is read below
+                if exc.kind == "no_recorder":
+                    # a workload without torch's recorder, or not yet (procs may find it by its command line before
+                    # it loads torch): quiet, and looked at again after 1, 2, 4 ... retry_seconds
+                    wait = min(self.config.retry_seconds, 2 * self.no_recorder.get(key, 0.5))
+                    self.no_recorder[key] = wait
+                    self.failed[key] = now - self.config.retry_seconds + wait
+                    continue
                 gone = not os.path.exists(os.path.join(self.ctx.proc_root, str(key[0])))
                 kind = "process_exited" if gone else exc.kind
                 self._report(out, key, kind, str(exc) + (" (the process exited)" if gone else ""))
@@ -988,6 +1063,11 @@ class FlightrecSource(Source):
                 if n != self._reads_sent.get(why):
                     self._reads_sent[why] = n
                     out.append(Metric(mono, "flightrec_ring_reads_total", f"{self.ctx.node_id}:{why}", float(n)))
+            for way, n in sorted(self.reads_by_way.items()):   # ... and how: from memory or through the job
+                if n != self._reads_sent.get("way:" + way):
+                    self._reads_sent["way:" + way] = n
+                    out.append(Metric(mono, "flightrec_ring_reads_by_way_total", f"{self.ctx.node_id}:{way}",
+                                      float(n)))
         self.polls += 1
         out += self.log.add(ops, checked=True)   # OpConverter's: in the encoder's ranges, times aside
         out += self.log.add(last, final=True, checked=True)   # the processes' last ops: may end with their shutdown's
@@ -1100,25 +1180,48 @@ class FlightrecSource(Source):
         for ep in ENDPOINTS:
             if ep in tgt.missing:
                 continue
-            status, body = http_post_unix(tgt.path, ep, self.config.request_timeout_seconds,
-                                          self.config.max_response_bytes)
-            taken = self.ctx.mono_ns()
-            if status == 404 or (status >= 400 and ep != ENDPOINTS[0]):
-                tgt.missing.add(ep)  # e.g. dump_nccl_trace_json on a CPU build
-                continue
-            if status != 200:
-                raise FlightrecError("http_error", f"{tgt.path}: {ep} answered HTTP {status}: {body[:200]!r}")
-            try:
-                cur = tgt.cursors[ep]
-                first = min(cur.pending) if cur.pending else cur.high + 1
-                dump = parse_dump(body, self.config.accepted_versions, first)
-                if dump.ring_low >= 0:
-                    self.entries_left_out += first - dump.ring_low
-            except FlightrecError as exc:
-                if exc.kind == "unknown_version":
-                    self._report(out, tgt.key, exc.kind, f"{tgt.path} {ep}: {exc}")
+            cur = tgt.cursors[ep]
+            first = min(cur.pending) if cur.pending else cur.high + 1
+            dump = self._read_memory(tgt, ep, first, out)
+            if dump is not None:
+                taken = self.ctx.mono_ns()
+                self.reads_by_way["memory"] += 1
+                tgt.ring = tgt.memory[ep].max_entries or tgt.ring
+                if dump.version not in self.config.accepted_versions:   # the layout's, as a dump would say
+                    self._report(out, tgt.key, "unknown_version", f"pid {tgt.key[0]} {ep} (memory): Flight "
+                                 f"Recorder layout version {dump.version!r} is not one of the verified versions "
+                                 f"{list(self.config.accepted_versions)}; skipped")
                     continue
-                raise
+            elif not tgt.path:   # no socket to fall back on
+                why = tgt.memory_why.get(ep)
+                if ep != ENDPOINTS[0]:
+                    tgt.missing.add(ep)
+                    continue
+                raise FlightrecError("no_recorder" if why is not None and why.kind == "no_library" else
+                                     "memory_unavailable", f"pid {tgt.key[0]} (no bootstrap socket): {why}")
+            else:
+                status, body = http_post_unix(tgt.path, ep, self.config.request_timeout_seconds,
+                                              self.config.max_response_bytes)
+                taken = self.ctx.mono_ns()
+                if status == 404 or (status >= 400 and ep != ENDPOINTS[0]):
+                    tgt.missing.add(ep)  # e.g. dump_nccl_trace_json on a CPU build
+                    continue
+                if status != 200:
+                    raise FlightrecError("http_error", f"{tgt.path}: {ep} answered HTTP {status}: {body[:200]!r}")
+                self.reads_by_way["socket"] += 1
+                why = tgt.memory_why.pop(ep, None)
+                if why is not None:   # the job builds this ring's JSON at every read: say why not from memory
+                    self._report(out, tgt.key, "read_from_socket", f"{tgt.path} {ep}: read through the socket, "
+                                 f"not from the process's memory: {why}")
+                try:
+                    dump = parse_dump(body, self.config.accepted_versions, first)
+                except FlightrecError as exc:
+                    if exc.kind == "unknown_version":
+                        self._report(out, tgt.key, exc.kind, f"{tgt.path} {ep}: {exc}")
+                        continue
+                    raise
+            if dump.ring_low >= 0:
+                self.entries_left_out += max(0, first - dump.ring_low)
             self._progress_of(tgt, ep, dump, taken, progress, out)
             if ep == ENDPOINTS[0]:
                 low, n = dump.ring_span()
@@ -1156,6 +1259,35 @@ class FlightrecSource(Source):
                 self._report(out, tgt.key, "bad_anchors", f"{exc}; steps end at the last op")
         self._emit_progress(tgt.key, progress.values(), out)
         return ops
+
+    def _read_memory(self, tgt: _Target, ep: str, first: int, out: list):
+        """The Dump of `ep`'s recorder read from the process's memory (frmemory) from record id `first` on, or None:
+        `read` is "socket", or this process's recorder cannot be read so (why kept in tgt.memory_why, reported
+        once the socket answers instead). Raises FlightrecError where the process went away mid-read."""
+        if self.config.read != "memory" or tgt.memory.get(ep, 0) is None:
+            return None
+        reader = tgt.memory.get(ep)
+        for attempt in (1, 2):
+            try:
+                if reader is None:
+                    reader = tgt.memory[ep] = RecorderMemory(tgt.key[0], ep, self.ctx.proc_root)
+                return reader.read(first)
+            except FrMemoryUnavailable as exc:
+                tgt.memory[ep] = None
+                tgt.memory_why[ep] = exc
+                if reader is not None:
+                    reader.close()
+                return None
+            except (ProcessGone, ProcessChanged) as exc:
+                raise FlightrecError("read_failed", f"pid {tgt.key[0]}: {exc}") from None
+            except PyFramesError as exc:
+                # an address that was unmapped as we read it (the entries' vector grew while the ring filled):
+                # once more, then through the socket this time
+                self.memory_read_errors += 1
+                if attempt == 2:
+                    self._report(out, tgt.key, "memory_read_failed", f"pid {tgt.key[0]} {ep}: {exc}; read through "
+                                 "the socket this time", once=False)
+        return None
 
     def _progress_of(self, tgt: _Target, ep: str, dump: Dump, taken: int, progress: dict, out: list) -> None:
         """The dump's CommProgress per group into `progress` (a group in both dumps keeps the one further on)."""
@@ -1204,6 +1336,8 @@ class FlightrecSource(Source):
             self.log.segmenter.add_anchors(key[0], key[1], mono)
 
     def stop(self) -> None:
+        for tgt in list(getattr(self, "targets", {}).values()):
+            _closed(tgt)
         log = getattr(self, "log", None)
         if log is not None:
             self.log = None
