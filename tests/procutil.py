@@ -115,3 +115,13 @@ def child_memory_readable() -> bool:
     finally:
         child.kill()
         child.wait()
+
+
+def reap(procs, timeout: float = 20.0) -> None:
+    """Wait for each process to exit (a job released to end), killing one that takes longer than `timeout`."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,8 +16,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, wait_for
-from procutil import child_memory_readable
-from steplens.agent.bootstrap import site_dir
+from procutil import bootstrapped_env, child_memory_readable, reap
 from steplens.agent.pyframes import elf
 from steplens.agent.sources import frmemory
 from steplens.agent.sources.flightrec import http_post_unix, parse_dump
@@ -97,8 +95,7 @@ def varied(tmp_path_factory):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=str(run),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+        env = bootstrapped_env(run, port, rank, 2, "varied")
         procs.append(subprocess.Popen([VENV_PY, str(base / "job.py"), str(sync)], env=env,
                                       stdout=subprocess.DEVNULL, stderr=open(base / f"rank{rank}.err", "wb")))
     try:
@@ -109,12 +106,7 @@ def varied(tmp_path_factory):
         yield {"procs": procs, "run": run}
     finally:
         (sync / "exit").touch()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(procs)
 
 
 @pytest.mark.parametrize("native", DECODERS)

@@ -20,7 +20,7 @@ import time
 import pytest
 
 from conftest import REPO, free_port, wait_for
-from procutil import child_memory_readable, start_ticks
+from procutil import child_memory_readable, reap, start_ticks
 from steplens.agent.bootstrap import site_dir
 from steplens.agent.records import CommOp, CommProgress, Event, Metric, ProcessInfo
 from steplens.agent.sources.base import HostContext
@@ -97,12 +97,7 @@ def job(tmp_path_factory):
         (sync / "go2").touch()
         (sync / "go3").touch()
         (sync / "exit").touch()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(procs)
 
 
 def _source(tmp_path, job, procs=None, **cfg) -> FlightrecSource:

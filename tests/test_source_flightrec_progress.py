@@ -13,6 +13,7 @@ import time
 import pytest
 
 from conftest import free_port, wait_for
+from procutil import reap
 from steplens.agent.bootstrap import site_dir
 from steplens.agent.records import CommProgress, Event
 from test_source_flightrec import VENV_PY, _source, _torch_available
@@ -65,12 +66,7 @@ def job(tmp_path):
     finally:
         (sync / "go").touch()
         (sync / "exit").touch()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        reap(procs)
 
 
 def _progress(src) -> dict[int, CommProgress]:

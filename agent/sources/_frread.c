@@ -224,9 +224,10 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         PyBuffer_Release(&data);
         return PyErr_NoMemory();
     }
-    static const int strs[3][2] = {{F_PG_NAME, L_PG_NAME}, {F_PG_DESC, L_PG_DESC}, {F_PNAME, L_PNAME}};
-    static const int vecs[3][3] = {{F_IN_DIMS, L_IN_DIMS, L_SV4}, {F_OUT_DIMS, L_OUT_DIMS, L_SV4},
-                                   {F_SIZES, L_SIZES, L_SV8}};
+    /* field, its offset's index, the index of its inline element count (0: a string) */
+    static const int inl[6][3] = {{F_PG_NAME, L_PG_NAME, 0}, {F_PG_DESC, L_PG_DESC, 0}, {F_PNAME, L_PNAME, 0},
+                                  {F_IN_DIMS, L_IN_DIMS, L_SV4}, {F_OUT_DIMS, L_OUT_DIMS, L_SV4},
+                                  {F_SIZES, L_SIZES, L_SV8}};
     static const int dts[2][2] = {{F_IN_DTYPES, L_IN_DTYPES}, {F_OUT_DTYPES, L_OUT_DTYPES}};
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *e = buf + i * L[L_SIZE];
@@ -237,39 +238,28 @@ static PyObject *decode(PyObject *self, PyObject *args) {
                                                             : (from_id >= 0 && rid < (uint64_t)from_id)))
             continue;
         s->ok = 1;
-        for (int k = 0; k < 3 && s->ok; k++) {
-            const char *f = e + L[strs[k][1]];
-            uint64_t p = u64(f), len = u64(f + 8);
-            s->len[strs[k][0]] = len;
-            if (len > MAX_NAME)
-                s->ok = 0;
-            else if (p == addr + (uint64_t)L[strs[k][1]] + 16) {
-                if (len > 15)
-                    s->ok = 0;   /* longer than libstdc++'s inline buffer, yet pointing at it */
-                else
-                    s->at[strs[k][0]] = f + 16;
-            } else if (!user_range(p, len))
-                s->ok = 0;
-            else
-                wants[nw++] = (Want){p, len, i, strs[k][0], NULL};
-        }
-        for (int k = 0; k < 3 && s->ok; k++) {
-            const char *f = e + L[vecs[k][1]];
-            uint64_t p = u64(f), len = (uint64_t)u32(f + 8) * 8;
-            s->len[vecs[k][0]] = len;
-            if (len > 8 * MAX_DIMS * (MAX_DIMS + 2))
+        for (int k = 0; k < 6 && s->ok; k++) {
+            /* a name (libstdc++ string: pointer, u64 length, 16-byte inline buffer) or a shape vector (c10
+             * SmallVector: pointer, u32 count, inline elements): inline where the pointer points at the buffer */
+            const char *f = e + L[inl[k][1]];
+            int vec = inl[k][2] != 0;
+            uint64_t p = u64(f), len = vec ? (uint64_t)u32(f + 8) * 8 : u64(f + 8);
+            uint64_t cap = vec ? (uint64_t)L[inl[k][2]] * 8 : 15;
+            uint64_t most = vec ? 8 * MAX_DIMS * (MAX_DIMS + 2) : MAX_NAME;
+            s->len[inl[k][0]] = len;
+            if (len > most)
                 s->ok = 0;
             else if (len == 0)
-                s->at[vecs[k][0]] = f + 16;
-            else if (p == addr + (uint64_t)L[vecs[k][1]] + 16) {
-                if (len > (uint64_t)L[vecs[k][2]] * 8)
-                    s->ok = 0;   /* more than the inline storage holds, yet pointing at it */
+                s->at[inl[k][0]] = f + 16;
+            else if (p == addr + (uint64_t)L[inl[k][1]] + 16) {
+                if (len > cap)
+                    s->ok = 0;   /* more than the inline buffer holds, yet pointing at it */
                 else
-                    s->at[vecs[k][0]] = f + 16;
+                    s->at[inl[k][0]] = f + 16;
             } else if (!user_range(p, len))
                 s->ok = 0;
             else
-                wants[nw++] = (Want){p, len, i, vecs[k][0], NULL};
+                wants[nw++] = (Want){p, len, i, inl[k][0], NULL};
         }
         for (int k = 0; k < 2 && s->ok; k++) {
             const char *f = e + L[dts[k][1]];
