@@ -1035,7 +1035,10 @@ class FlightrecSource(Source):
                     continue  # a normal exit: its exit dump is read below
                 if exc.kind == "no_recorder":
                     # a workload without torch's recorder, or not yet (procs may find it by its command line before
-                    # it loads torch): quiet, and looked at again after 1, 2, 4 ... retry_seconds
+                    # it loads torch): quiet, not a ring read, and looked at again after 1, 2, 4 ... retry_seconds
+                    self.reads[why] -= 1
+                    if not self.reads[why]:
+                        del self.reads[why]
                     wait = min(self.config.retry_seconds, 2 * self.no_recorder.get(key, 0.5))
                     self.no_recorder[key] = wait
                     self.failed[key] = now - self.config.retry_seconds + wait
