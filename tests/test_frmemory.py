@@ -15,20 +15,13 @@ import time
 
 import pytest
 
-from conftest import REPO, free_port, wait_for
+from conftest import free_port, wait_for
 from procutil import bootstrapped_env, child_memory_readable, reap
 from steplens.agent.pyframes import elf
 from steplens.agent.sources import frmemory
 from steplens.agent.sources.flightrec import http_post_unix, parse_dump
 from steplens.agent.sources.frmemory import FrMemoryUnavailable, RecorderMemory
-
-VENV_PY = os.path.join(REPO, ".venv", "bin", "python")
-
-
-def _torch_available() -> bool:
-    return os.path.exists(VENV_PY) and subprocess.run(
-        [VENV_PY, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"]
-    ).returncode == 0
+from test_source_flightrec import VENV_PY, _torch_available
 
 
 pytestmark = [pytest.mark.skipif(not _torch_available(), reason="torch is not installed in .venv"),
