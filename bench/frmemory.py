@@ -26,7 +26,6 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 JOB = r'''
 import os, sys, time
@@ -43,6 +42,13 @@ while True:
     if ahead > 0:
         time.sleep(ahead)
 '''
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def server_ns(pid: int) -> int:
@@ -67,7 +73,6 @@ def main() -> int:
     ap.add_argument("--every", type=float, default=1.0, help="seconds between reads")
     args = ap.parse_args()
 
-    from conftest import free_port
     from steplens.agent.cli import tune_gc
     from steplens.agent.config import AgentSettings
     from steplens.agent.bootstrap import site_dir
@@ -79,7 +84,7 @@ def main() -> int:
     tmp = tempfile.mkdtemp(prefix="frmem-bench-")
     env = dict(os.environ, PYTHONPATH=site_dir(), STEPLENS_BOOTSTRAP="1", STEPLENS_RUNTIME_DIR=tmp,
                TORCH_FR_BUFFER_SIZE="2000")
-    job = subprocess.Popen([os.path.join(ROOT, ".venv", "bin", "python"), "-c", JOB, str(free_port()),
+    job = subprocess.Popen([os.path.join(ROOT, ".venv", "bin", "python"), "-c", JOB, str(_free_port()),
                             str(args.rate)], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert job.stdout.readline().strip() == "ready"
